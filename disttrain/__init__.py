@@ -1,0 +1,10 @@
+"""disttrain: one sharding-aware JAX training loop for one device, one host or a pod."""
+
+__version__ = '0.1.0'
+
+from disttrain.config import Config, DataConfig, MeshConfig, ModelConfig, defaults, from_config_dict
+from disttrain.errors import (CheckpointError, ConfigError, DataError, DisttrainError,
+                              NonFiniteError, ShardingError)
+from disttrain.loop import Result, evaluate, train
+from disttrain.state import TrainState
+from disttrain.task import Classification

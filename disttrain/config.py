@@ -1,0 +1,221 @@
+"""Typed, frozen run config; validated when built, unknown fields rejected, one-line errors.
+
+The dataclasses below are the single schema. `defaults()` turns them into a locked
+`ml_collections.ConfigDict` for config files and `--config.<field>=<value>` overrides (a locked
+ConfigDict rejects unknown fields); `from_config_dict` turns the result back into a validated
+`Config`.
+"""
+
+import dataclasses
+import typing
+from typing import Any
+
+import ml_collections
+
+from disttrain.errors import ConfigError
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+BATCH_AXES = ('data', 'fsdp')  # the global batch is split over these axes
+SHARDINGS = ('replicate', 'fsdp')
+STEP_MODES = ('jit', 'shard_map', 'pmap')
+DATA_NAMES = ('digits', 'mnist', 'synthetic')
+OPTIMIZERS = ('adam', 'adamw', 'sgd')
+LR_SCHEDULES = ('constant', 'cosine', 'linear')
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+  if value not in allowed:
+    raise ConfigError(f'{name}={value!r} is not one of {allowed}; pick one of them')
+
+
+def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:
+  if value < 0 or (value == 0 and not allow_zero):
+    bound = '>= 0' if allow_zero else '> 0'
+    raise ConfigError(f'{name}={value!r} must be {bound}')
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh shape; exactly one axis may be -1 (= all remaining devices)."""
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+  def __post_init__(self):
+    sizes = dataclasses.asdict(self)
+    if list(sizes.values()).count(-1) > 1:
+      raise ConfigError(f'mesh {sizes} has more than one -1 axis; give at most one axis -1 (fill)')
+    for axis, size in sizes.items():
+      if size != -1 and size < 1:
+        raise ConfigError(f'mesh.{axis}={size} must be >= 1 or -1 (fill)')
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Which dataset, where it lives, and how it is split."""
+  name: str = 'digits'
+  dir: str = ''  # mnist: folder with train-*/t10k-* IDX files (gzipped or not)
+  # Examples held out for eval when the source has no separate eval split (digits; mnist with
+  # only the t10k pair: first N - eval_examples train, last eval_examples eval). -1 = default.
+  eval_examples: int = -1
+  synthetic_examples: int = 8192  # synthetic only
+  synthetic_features: int = 784  # synthetic only
+  prefetch: int = 2  # global batches assembled ahead of the step
+
+  def __post_init__(self):
+    _one_of('data.name', self.name, DATA_NAMES)
+    if self.name == 'mnist' and not self.dir:
+      raise ConfigError("data.name='mnist' needs data.dir; pass --config.data.dir=PATH/TO/MNIST")
+    if self.eval_examples != -1:
+      _positive('data.eval_examples', self.eval_examples)
+    _positive('data.synthetic_examples', self.synthetic_examples)
+    _positive('data.synthetic_features', self.synthetic_features)
+    _positive('data.prefetch', self.prefetch, allow_zero=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Which model and its hyper-parameters."""
+  name: str = 'mnist_mlp'
+  hidden: int = 512
+  dropout: float = 0.3  # rate; 0 disables dropout
+
+  def __post_init__(self):
+    # model.name is checked against disttrain.models.MODELS when the model is built.
+    _positive('model.hidden', self.hidden)
+    if not 0.0 <= self.dropout < 1.0:
+      raise ConfigError(f'model.dropout={self.dropout} must be in [0, 1); 0 disables dropout')
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """A whole run. Every field is documented in README.md (Config fields)."""
+  seed: int = 0
+  global_batch_size: int = 128
+  eval_batch_size: int = 0  # 0 = global_batch_size
+  num_train_steps: int = 1000
+  learning_rate: float = 1e-3
+  optimizer: str = 'adam'
+  lr_schedule: str = 'constant'
+  warmup_steps: int = 0
+  weight_decay: float = 0.0  # adamw only
+  momentum: float = 0.0  # sgd only
+  mesh: MeshConfig = MeshConfig()
+  sharding: str = 'replicate'
+  fsdp_min_size: int = 2**14  # fsdp leaves parameters with fewer elements replicated
+  # Tensor parallelism: ((regex on 'a/b/kernel' paths, spec), ...), spec a tuple of mesh axes or
+  # None per dimension; first match wins and beats logical rules.
+  param_rules: tuple = ()
+  # ((logical axis name, mesh axis or None), ...) for Flax logical-axis metadata.
+  logical_rules: tuple = ()
+  step_mode: str = 'jit'
+  data: DataConfig = DataConfig()
+  model: ModelConfig = ModelConfig()
+  log_every_steps: int = 50
+  eval_every_steps: int = 0  # 0 = only at the end
+
+  def __post_init__(self):
+    _positive('seed', self.seed, allow_zero=True)
+    _positive('global_batch_size', self.global_batch_size)
+    _positive('eval_batch_size', self.eval_batch_size, allow_zero=True)
+    _positive('num_train_steps', self.num_train_steps)
+    _positive('learning_rate', self.learning_rate)
+    _one_of('optimizer', self.optimizer, OPTIMIZERS)
+    _one_of('lr_schedule', self.lr_schedule, LR_SCHEDULES)
+    _positive('warmup_steps', self.warmup_steps, allow_zero=True)
+    _one_of('sharding', self.sharding, SHARDINGS)
+    _positive('fsdp_min_size', self.fsdp_min_size, allow_zero=True)
+    _one_of('step_mode', self.step_mode, STEP_MODES)
+    _positive('log_every_steps', self.log_every_steps)
+    _positive('eval_every_steps', self.eval_every_steps, allow_zero=True)
+    _check_rules(self.param_rules, self.logical_rules)
+    if self.step_mode == 'pmap' and (self.mesh.fsdp != 1 or self.mesh.tensor != 1
+                                     or self.sharding != 'replicate'):
+      raise ConfigError(
+          f'step_mode=pmap is data parallel only, got mesh.fsdp={self.mesh.fsdp} '
+          f'mesh.tensor={self.mesh.tensor} sharding={self.sharding}; use step_mode=jit or '
+          'shard_map for fsdp/tensor layouts')
+    if self.step_mode == 'shard_map' and self.mesh.tensor != 1:
+      raise ConfigError(
+          f'step_mode=shard_map splits the batch only, got mesh.tensor={self.mesh.tensor}; use '
+          'step_mode=jit for tensor parallelism')
+
+  @property
+  def eval_batch(self) -> int:
+    return self.eval_batch_size or self.global_batch_size
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _check_rules(param_rules, logical_rules) -> None:
+  for rule in param_rules:
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
+            and isinstance(rule[1], (tuple, list))):
+      raise ConfigError(f'param_rules entry {rule!r} must be (regex, (axis or None, ...))')
+    _check_axes(f'param_rules {rule[0]!r}', rule[1])
+  for rule in logical_rules:
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ConfigError(f'logical_rules entry {rule!r} must be (logical name, mesh axis or None)')
+    _check_axes(f'logical_rules {rule[0]!r}', (rule[1],))
+
+
+def _check_axes(where: str, spec) -> None:
+  for entry in spec:
+    for axis in (entry if isinstance(entry, (tuple, list)) else (entry,)):
+      if axis is not None and axis not in MESH_AXES:
+        raise ConfigError(
+            f'{where} names mesh axis {axis!r}, which is not one of {MESH_AXES}; use one of them '
+            'or None')
+
+
+def defaults(config: Config | None = None) -> ml_collections.ConfigDict:
+  """A locked ConfigDict of every field, for config files and command-line overrides."""
+  def to_plain(value):
+    if dataclasses.is_dataclass(value):
+      return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+  cd = ml_collections.ConfigDict(to_plain(config or Config()))
+  cd.lock()  # unknown fields in config files and --config.<field> overrides are errors
+  return cd
+
+
+def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
+  """Builds and validates a Config; unknown fields or wrong types raise ConfigError."""
+  tree = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
+  return _build(Config, tree, '')
+
+
+def _build(cls, tree: dict, prefix: str):
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  hints = typing.get_type_hints(cls)
+  unknown = sorted(set(tree) - set(fields))
+  if unknown:
+    raise ConfigError(f'unknown config field {prefix}{unknown[0]}; known fields: '
+                      f'{", ".join(prefix + n for n in fields)}')
+  kwargs = {}
+  for name, value in tree.items():
+    hint = hints[name]
+    if dataclasses.is_dataclass(hint):
+      if not isinstance(value, dict):
+        raise ConfigError(f'{prefix}{name} must be a group of fields, got {value!r}')
+      kwargs[name] = _build(hint, value, f'{prefix}{name}.')
+    else:
+      kwargs[name] = _coerce(f'{prefix}{name}', value, hint)
+  return cls(**kwargs)
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+  """Checks a leaf's type; ints are accepted for floats, lists become tuples."""
+  if hint is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if hint is tuple:
+    if isinstance(value, (list, tuple)):
+      return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    raise ConfigError(f'{name}={value!r} must be a tuple')
+  if isinstance(hint, type) and not isinstance(value, hint) or (
+      hint is int and isinstance(value, bool)):
+    raise ConfigError(f'{name}={value!r} must be of type {hint.__name__}')
+  return value
+
+

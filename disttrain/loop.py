@@ -1,0 +1,175 @@
+"""The training loop: one function, read top to bottom."""
+
+import dataclasses
+import platform
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+import disttrain
+from disttrain import data, metrics, models, optim, sources
+from disttrain import mesh as mesh_lib
+from disttrain import sharding as sharding_lib
+from disttrain import state as state_lib
+from disttrain import step as step_lib
+from disttrain.config import BATCH_AXES, Config
+from disttrain.errors import ConfigError
+from disttrain.task import Classification
+
+
+@dataclasses.dataclass
+class Result:
+  """What a run leaves behind in memory (the files are in the workdir)."""
+  state: state_lib.TrainState
+  records: list[dict]  # the metrics.jsonl records, also on processes that do not write
+  trace_count: int  # times the train step was traced; 1 = compiled once
+
+
+def check_batch_sizes(cfg: Config, mesh: Mesh) -> None:
+  """Both batch sizes must split evenly over the batch axes."""
+  ways = mesh.shape['data'] * mesh.shape['fsdp']
+  for name, size in (('global_batch_size', cfg.global_batch_size),
+                     ('eval_batch_size', cfg.eval_batch)):
+    if size % ways:
+      raise ConfigError(f'{name}={size} is not divisible by the {ways} devices on mesh axes '
+                        f'{BATCH_AXES}; use a multiple of {ways}')
+
+
+def _must_bound_in_flight(mesh: Mesh) -> bool:
+  # XLA:CPU's in-process all-reduce deadlocks when many multi-device steps are queued on few
+  # cores (measured: aborts after a 40 s rendezvous timeout). Accelerators do not need this.
+  return mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1
+
+
+def evaluate(step: step_lib.Step, state: state_lib.TrainState, split: sources.Split,
+             batch_size: int, batch_sharding) -> dict[str, float]:
+  """Loss and accuracy over every eval example exactly once (the last batch padded and masked)."""
+  totals: dict[str, float] = {}
+  pending = None
+  for batch in data.eval_batches(split, batch_size, batch_sharding):
+    sums = step.evaluate(state, batch)
+    if pending is not None:  # fetch one batch late: the device stays busy, <= 2 in flight
+      for k, v in jax.device_get(pending).items():
+        totals[k] = totals.get(k, 0.0) + float(v)
+    pending = sums
+  for k, v in jax.device_get(pending).items():
+    totals[k] = totals.get(k, 0.0) + float(v)
+  count = totals.pop('count')
+  out = {k: v / count for k, v in totals.items()}
+  out['num_examples'] = int(count)
+  return out
+
+
+def _train_record(step: int, window: list[dict], lr: float, examples_per_sec: float) -> dict:
+  """Loss etc. averaged over the global batches since the last record, weighted by count."""
+  counts = np.array([float(m['count']) for m in window])
+  record = {'step': step, 'split': 'train'}
+  for key in window[0]:
+    if key not in ('count', 'grad_norm'):
+      record[key] = float(np.sum([float(m[key]) for m in window] * counts) / counts.sum())
+  record['grad_norm'] = float(window[-1]['grad_norm'])
+  record.update(learning_rate=lr, examples_per_sec=examples_per_sec)
+  return record
+
+
+def run_info(cfg: Config, mesh: Mesh, lay: state_lib.Layout) -> dict:
+  """The contents of run.json."""
+  return {
+      'config': cfg.to_dict(),
+      'mesh': mesh_lib.axis_sizes(mesh),
+      'num_devices': mesh.size,
+      'num_processes': jax.process_count(),
+      'step_mode': cfg.step_mode,
+      'param_specs': sharding_lib.spec_lists(lay.param_specs),
+      'fsdp_replicated': lay.replicated,
+      'versions': {'disttrain': disttrain.__version__, 'jax': jax.__version__,
+                   'python': platform.python_version()},
+      'platform': mesh.devices.flat[0].platform,
+  }
+
+
+def train(cfg: Config, workdir: str, model: Any = None, task: Any = None) -> Result:
+  """Trains `model` (default: the one cfg.model names) per `cfg`, writing outputs to `workdir`."""
+  mesh = mesh_lib.build(cfg.mesh)
+  check_batch_sizes(cfg, mesh)
+  dataset = sources.load(cfg.data)
+  model = model or models.build(cfg.model, dataset.num_classes)
+  task = task or Classification()
+  tx, lr_schedule = optim.build(cfg)
+  batch_sharding = data.batch_sharding(mesh)
+
+  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
+                                cfg, mesh)
+  step = step_lib.build(model, task, tx, cfg, mesh, lay, batch_sharding)
+  writer = metrics.Writer(workdir, enabled=jax.process_index() == 0)
+  writer.write_run(run_info(cfg, mesh, lay))
+  writer.print(f'disttrain: {mesh.size} devices, mesh {mesh_lib.axis_sizes(mesh)}, '
+               f'step_mode={cfg.step_mode}, sharding={cfg.sharding}, data={cfg.data.name} '
+               f'({len(dataset.train)} train / {len(dataset.eval)} eval)')
+  batches = data.TrainIterator(dataset.train, cfg.global_batch_size, cfg.seed, batch_sharding,
+                               prefetch=cfg.data.prefetch)
+  records: list[dict] = []
+
+  def emit(record: dict) -> None:
+    records.append(record)
+    writer.write(record)
+
+  def run_eval(at_step: int, device_state) -> dict:
+    result = evaluate(step, step.export(device_state), dataset.eval, cfg.eval_batch,
+                      batch_sharding)
+    emit({'step': at_step, 'split': 'eval', **result})
+    writer.print(f'eval  step {at_step}: loss {result["loss"]:.4f} accuracy '
+                 f'{result["accuracy"]:.4f} ({result["num_examples"]} examples)')
+    return result
+
+  bound_in_flight = _must_bound_in_flight(mesh)
+  first_step = int(state.step)
+  device_state = step.place(state)
+  del state  # donated to the first step: never touch it again
+  meter = metrics.Meter(first_step, cfg.num_train_steps)
+  window, pending_log, previous = [], None, None
+  start = time.perf_counter()
+  for step_no in range(first_step + 1, cfg.num_train_steps + 1):
+    batch = next(batches)
+    device_state, step_metrics = step.train(device_state, batch)
+    if bound_in_flight and previous is not None:
+      jax.block_until_ready(previous)  # at most two multi-device steps in flight (see above)
+    previous = step_metrics
+    # Write the record due at the previous step only now, with this step already queued, so
+    # fetching its metrics never leaves the device idle.
+    if pending_log is not None:
+      _log(pending_log, meter, cfg, lr_schedule, emit, writer)
+      pending_log = None
+    window.append(step_metrics)
+    if step_no % cfg.log_every_steps == 0 or step_no == cfg.num_train_steps:
+      pending_log, window = (step_no, window), []
+    if cfg.eval_every_steps and step_no % cfg.eval_every_steps == 0 \
+        and step_no != cfg.num_train_steps:
+      if pending_log is not None:  # keep records in step order
+        _log(pending_log, meter, cfg, lr_schedule, emit, writer)
+        pending_log = None
+      run_eval(step_no, device_state)
+  if pending_log is not None:
+    _log(pending_log, meter, cfg, lr_schedule, emit, writer)
+  final = run_eval(cfg.num_train_steps, device_state)
+  elapsed = time.perf_counter() - start
+  writer.print(f'done: {cfg.num_train_steps - first_step} steps in {elapsed:.1f}s on '
+               f'{mesh.size} devices {mesh_lib.axis_sizes(mesh)}; final eval accuracy '
+               f'{final["accuracy"]:.4f}, loss {final["loss"]:.4f} '
+               f'({final["num_examples"]} examples); outputs in {workdir}')
+  writer.close()
+  return Result(state=step.export(device_state), records=records,
+                trace_count=step.trace_count[0])
+
+
+def _log(pending, meter, cfg: Config, lr_schedule, emit, writer) -> None:
+  step_no, window = pending
+  window = jax.device_get(window)
+  examples_per_sec, eta = meter.tick(step_no, len(window) * cfg.global_batch_size)
+  record = _train_record(step_no, window, float(lr_schedule(step_no - 1)), examples_per_sec)
+  emit(record)
+  writer.print(f'train step {step_no}/{cfg.num_train_steps}: loss {record["loss"]:.4f} '
+               f'{examples_per_sec:,.0f} examples/s, ETA {metrics.format_eta(eta)}')

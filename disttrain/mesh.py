@@ -1,0 +1,40 @@
+"""Device mesh over ('data', 'fsdp', 'tensor') from the config, checked against the devices."""
+
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from disttrain.config import MESH_AXES, MeshConfig
+from disttrain.errors import ConfigError
+
+
+def resolve_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
+  """Axis sizes with the -1 axis filled; raises ConfigError if they cannot cover the devices."""
+  sizes = [getattr(cfg, axis) for axis in MESH_AXES]
+  named = ' x '.join(f'{a}={s}' for a, s in zip(MESH_AXES, sizes))
+  fixed = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % fixed:
+      raise ConfigError(f'mesh {named}: {num_devices} devices are not divisible by {fixed}; '
+                        f'make the fixed axes divide {num_devices}')
+    sizes[sizes.index(-1)] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ConfigError(f'mesh {named} = {fixed} devices, but {num_devices} are present; make the '
+                      f'product {num_devices} or set one axis to -1 (fill)')
+  return tuple(sizes)
+
+
+def build(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The mesh for `cfg` over `devices` (default: every device of every process)."""
+  devices = list(devices) if devices is not None else jax.devices()
+  shape = resolve_shape(cfg, len(devices))
+  # Auto axes: GSPMD propagates shardings from the ones we give to jit (in/out shardings).
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
+
+
+def axis_sizes(mesh: Mesh) -> dict[str, int]:
+  """{axis: size}, as written to run.json."""
+  return {name: int(size) for name, size in mesh.shape.items()}

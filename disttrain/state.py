@@ -1,0 +1,79 @@
+"""The TrainState pytree and its creation directly sharded on the mesh.
+
+eval_shape -> partition rules -> NamedSharding tree -> jit(init, out_shardings=...): parameters
+and optimizer state are born on their devices, never assembled whole on one host.
+"""
+
+import dataclasses
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from disttrain import sharding as sharding_lib
+from disttrain.config import Config
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything that changes during training; a pytree, so it can be sharded and checkpointed."""
+  step: jax.Array  # int32 scalar: number of updates applied
+  params: Any
+  opt_state: Any
+  mutable: Any  # non-parameter collections, e.g. {'batch_stats': ...}
+  rng: jax.Array  # uint32 key data; dropout keys are fold_in(rng, step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How a state is laid out on the mesh."""
+  shardings: TrainState  # NamedSharding per leaf
+  param_specs: Any  # PartitionSpec per parameter
+  replicated: list[str]  # what fsdp left whole, and why
+
+
+def _init_fn(model, tx: optax.GradientTransformation, sample_batch: dict, seed: int):
+  def init() -> TrainState:
+    root = jax.random.key(seed)
+    variables = model.init(jax.random.fold_in(root, 0), sample_batch)
+    params = variables['params']
+    mutable = {k: v for k, v in variables.items() if k != 'params'}
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      mutable=mutable, rng=jax.random.key_data(jax.random.fold_in(root, 1)))
+  return init
+
+
+def layout(model, tx, sample_batch: dict, cfg: Config, mesh: Mesh) -> Layout:
+  """Shardings for every leaf of the state, derived from abstract shapes and the rules."""
+  abstract = jax.eval_shape(_init_fn(model, tx, sample_batch, cfg.seed))
+  logical = model.logical_specs(sample_batch)
+  param_specs, replicated = sharding_lib.specs_for(
+      abstract.params, cfg, mesh, logical=logical.get('params') if logical else None)
+  mutable_specs, _ = sharding_lib.specs_for(abstract.mutable, cfg, mesh)
+  replicate = NamedSharding(mesh, P())
+  param_shardings = sharding_lib.named(mesh, param_specs)
+  # Optimizer state follows its parameter; counts and other non-parameter leaves replicate.
+  opt_shardings = optax.tree_map_params(
+      tx, lambda _, s: s, abstract.opt_state, param_shardings,
+      transform_non_params=lambda _: replicate,
+      is_leaf=lambda x: isinstance(x, NamedSharding))
+  shardings = TrainState(step=replicate, params=param_shardings, opt_state=opt_shardings,
+                         mutable=sharding_lib.named(mesh, mutable_specs), rng=replicate)
+  return Layout(shardings=shardings, param_specs=param_specs, replicated=replicated)
+
+
+def create(model, tx, sample_batch: dict, cfg: Config, mesh: Mesh) -> tuple[TrainState, Layout]:
+  """A fresh state, each leaf created on its devices with its sharding."""
+  lay = layout(model, tx, sample_batch, cfg, mesh)
+  sharding_lib.log_replicated(lay.replicated)
+  state = jax.jit(_init_fn(model, tx, sample_batch, cfg.seed), out_shardings=lay.shardings)()
+  return state, lay
+
+
+def sample_batch(example_shape: tuple[int, ...], dtype=jnp.float32) -> dict:
+  """A one-example batch of zeros: enough for init to infer parameter shapes."""
+  return {'image': jnp.zeros((1,) + tuple(example_shape), dtype),
+          'label': jnp.zeros((1,), jnp.int32), 'mask': jnp.ones((1,), jnp.float32)}

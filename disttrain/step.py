@@ -1,0 +1,155 @@
+"""Pure train/eval steps and the three ways of running them on a mesh.
+
+One computation, three thin styles:
+  jit        GSPMD: the step is written for the global batch; XLA inserts the collectives.
+  shard_map  each device computes loss x mask sums and gradients of its rows; explicit psum over
+             the batch axes ('data', 'fsdp'); the optimizer update then runs sharded (GSPMD).
+  pmap       legacy data parallelism: state replicated with a leading device axis.
+
+Losses are sum(loss x mask) / global count, so every style gives the global-batch mean. Dropout
+keys: jit uses fold_in(rng, step) for the whole global batch (GSPMD's partitionable threefry makes
+the mask independent of the layout); shard_map and pmap use fold_in(fold_in(rng, step), d) with d
+the device's linear index along the batch axes, so their masks depend on the layout.
+"""
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from disttrain.config import BATCH_AXES, Config
+from disttrain.state import Layout, TrainState
+
+Metrics = dict[str, jax.Array]
+
+
+def _dropout_key(state: TrainState) -> jax.Array:
+  return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+
+def _grads(model, task, params, mutable, batch, rng, count):
+  """Gradient of sum(loss x mask) / count, the masked sums, and the updated collections."""
+  def loss_fn(params):
+    outputs, new_mutable = model.apply({'params': params, **mutable}, batch, train=True, rng=rng)
+    per_example = task.per_example(outputs, batch)
+    sums = {k: jnp.sum(v * batch['mask']) for k, v in per_example.items()}
+    return sums['loss'] / count, (sums, new_mutable)
+  (_, (sums, new_mutable)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  return grads, sums, new_mutable
+
+
+def _update(tx, state: TrainState, grads, sums, count, new_mutable) -> tuple[TrainState, Metrics]:
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                            opt_state=opt_state, mutable=new_mutable)
+  metrics = {k: v / count for k, v in sums.items()}
+  metrics.update(count=count, grad_norm=optax.global_norm(grads))
+  return new_state, metrics
+
+
+@dataclasses.dataclass
+class Step:
+  """Compiled train/eval steps for one style, plus conversions to the style's state form."""
+  train: Callable[[Any, dict], tuple[Any, Metrics]]  # (device state, batch) -> (state, metrics)
+  evaluate: Callable[[TrainState, dict], Metrics]  # (state, batch) -> sums incl. 'count'
+  place: Callable[[TrainState], Any]  # canonical state -> the style's device state
+  export: Callable[[Any], TrainState]  # the style's device state -> canonical state
+  trace_count: list  # [n]: how often the train step was traced (it must compile once)
+
+
+def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh, lay: Layout,
+          batch_sharding: NamedSharding) -> Step:
+  """The train and eval steps of `cfg.step_mode`, jitted with shardings and donation."""
+  traces = [0]
+  replicated = NamedSharding(mesh, P())
+
+  def eval_fn(state: TrainState, batch: dict) -> Metrics:
+    outputs, _ = model.apply({'params': state.params, **state.mutable}, batch, train=False,
+                             rng=None)
+    sums = {k: jnp.sum(v * batch['mask']) for k, v in task.per_example(outputs, batch).items()}
+    sums['count'] = jnp.sum(batch['mask'])
+    return sums
+
+  evaluate = jax.jit(eval_fn, in_shardings=(lay.shardings, batch_sharding),
+                     out_shardings=replicated)
+  identity = lambda state: state
+  if cfg.step_mode == 'pmap':
+    return _pmap_step(model, task, tx, mesh, lay, traces, evaluate)
+
+  if cfg.step_mode == 'jit':
+    def train_fn(state: TrainState, batch: dict):
+      traces[0] += 1
+      count = jnp.sum(batch['mask'])
+      grads, sums, new_mutable = _grads(model, task, state.params, state.mutable, batch,
+                                        _dropout_key(state), count)
+      return _update(tx, state, grads, sums, count, new_mutable)
+  else:  # shard_map
+    local_model = _with_batch_axes(model, BATCH_AXES, state_mutable=lay.shardings.mutable)
+
+    def local_grads(params, mutable, batch, key):
+      count = jax.lax.psum(jnp.sum(batch['mask']), BATCH_AXES)
+      key = jax.random.fold_in(key, jax.lax.axis_index(BATCH_AXES))
+      grads, sums, new_mutable = _grads(local_model, task, params, mutable, batch, key, count)
+      # Each device holds d(its loss x mask sum / global count); their sum is the global gradient.
+      return jax.lax.psum(grads, BATCH_AXES), jax.lax.psum(sums, BATCH_AXES), count, new_mutable
+
+    # Parameters enter replicated (gathered from fsdp shards by XLA); check_vma=False because the
+    # psums above are written out explicitly rather than implied by varying-axis types.
+    sharded_grads = jax.shard_map(local_grads, mesh=mesh,
+                                  in_specs=(P(), P(), P(BATCH_AXES), P()),
+                                  out_specs=(P(), P(), P(), P()), check_vma=False)
+
+    def train_fn(state: TrainState, batch: dict):
+      traces[0] += 1
+      grads, sums, count, new_mutable = sharded_grads(state.params, state.mutable, batch,
+                                                      _dropout_key(state))
+      return _update(tx, state, grads, sums, count, new_mutable)
+
+  train = jax.jit(train_fn, in_shardings=(lay.shardings, batch_sharding),
+                  out_shardings=(lay.shardings, replicated), donate_argnums=0)
+  return Step(train=train, evaluate=evaluate, place=identity, export=identity,
+              trace_count=traces)
+
+
+def _with_batch_axes(model, axes, state_mutable):
+  """The model with cross-device BatchNorm statistics; refuses silent per-device statistics."""
+  if jax.tree.leaves(state_mutable):
+    model.check_batch_axes({'params': None, **{k: None for k in state_mutable}})
+  return model.with_batch_axes(axes)
+
+
+def _pmap_step(model, task, tx, mesh: Mesh, lay: Layout, traces: list, evaluate) -> Step:
+  """Legacy pmap data parallelism over every device of the mesh (fsdp = tensor = 1)."""
+  devices = list(mesh.devices.flat)
+  n = len(devices)
+  local_model = _with_batch_axes(model, 'batch', state_mutable=lay.shardings.mutable)
+  # pmap returns arrays sharded over a mesh named after its axis; placing inputs on that same
+  # mesh keeps the second call from compiling again.
+  pmap_mesh = jax.make_mesh((n,), ('batch',), axis_types=(AxisType.Auto,), devices=devices)
+  stacked = NamedSharding(pmap_mesh, P('batch'))
+
+  def local_step(state: TrainState, batch: dict):
+    traces[0] += 1
+    count = jax.lax.psum(jnp.sum(batch['mask']), 'batch')
+    key = jax.random.fold_in(_dropout_key(state), jax.lax.axis_index('batch'))
+    grads, sums, new_mutable = _grads(local_model, task, state.params, state.mutable, batch, key,
+                                      count)
+    grads, sums = jax.lax.psum(grads, 'batch'), jax.lax.psum(sums, 'batch')
+    return _update(tx, state, grads, sums, count, new_mutable)
+
+  pmapped = jax.pmap(local_step, axis_name='batch', devices=devices, donate_argnums=0)
+  # [B, ...] global batch -> [n, B/n, ...], each device's rows already on that device.
+  split = jax.jit(lambda b: jax.tree.map(lambda x: x.reshape((n, -1) + x.shape[1:]), b),
+                  out_shardings=stacked)
+  place = jax.jit(lambda s: jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), s),
+                  out_shardings=stacked)
+  export = jax.jit(lambda s: jax.tree.map(lambda x: x[0], s), out_shardings=lay.shardings)
+
+  def train(state, batch):
+    new_state, metrics = pmapped(state, split(batch))
+    return new_state, jax.tree.map(lambda x: x[0], metrics)
+
+  return Step(train=train, evaluate=evaluate, place=place, export=export, trace_count=traces)
