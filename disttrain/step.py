@@ -55,6 +55,7 @@ class Step:
   """Compiled train/eval steps for one style, plus conversions to the style's state form."""
   train: Callable[[Any, dict], tuple[Any, Metrics]]  # (device state, batch) -> (state, metrics)
   evaluate: Callable[[TrainState, dict], Metrics]  # (state, batch) -> sums incl. 'count'
+  grads: Callable[[Any, dict], Any]  # (device state, batch) -> global-batch gradients
   place: Callable[[TrainState], Any]  # canonical state -> the style's device state
   export: Callable[[Any], TrainState]  # the style's device state -> canonical state
   trace_count: list  # [n]: how often the train step was traced (it must compile once)
@@ -80,12 +81,11 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
     return _pmap_step(model, task, tx, mesh, lay, traces, evaluate)
 
   if cfg.step_mode == 'jit':
-    def train_fn(state: TrainState, batch: dict):
-      traces[0] += 1
+    def grads_fn(state: TrainState, batch: dict):
       count = jnp.sum(batch['mask'])
       grads, sums, new_mutable = _grads(model, task, state.params, state.mutable, batch,
                                         _dropout_key(state), count)
-      return _update(tx, state, grads, sums, count, new_mutable)
+      return grads, sums, count, new_mutable
   else:  # shard_map
     local_model = _with_batch_axes(model, BATCH_AXES, state_mutable=lay.shardings.mutable)
 
@@ -102,15 +102,18 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
                                   in_specs=(P(), P(), P(BATCH_AXES), P()),
                                   out_specs=(P(), P(), P(), P()), check_vma=False)
 
-    def train_fn(state: TrainState, batch: dict):
-      traces[0] += 1
-      grads, sums, count, new_mutable = sharded_grads(state.params, state.mutable, batch,
-                                                      _dropout_key(state))
-      return _update(tx, state, grads, sums, count, new_mutable)
+    def grads_fn(state: TrainState, batch: dict):
+      return sharded_grads(state.params, state.mutable, batch, _dropout_key(state))
+
+  def train_fn(state: TrainState, batch: dict):
+    traces[0] += 1
+    return _update(tx, state, *grads_fn(state, batch))
 
   train = jax.jit(train_fn, in_shardings=(lay.shardings, batch_sharding),
                   out_shardings=(lay.shardings, replicated), donate_argnums=0)
-  return Step(train=train, evaluate=evaluate, place=identity, export=identity,
+  grads = jax.jit(lambda state, batch: grads_fn(state, batch)[0],
+                  in_shardings=(lay.shardings, batch_sharding), out_shardings=lay.shardings.params)
+  return Step(train=train, evaluate=evaluate, grads=grads, place=identity, export=identity,
               trace_count=traces)
 
 
@@ -131,25 +134,30 @@ def _pmap_step(model, task, tx, mesh: Mesh, lay: Layout, traces: list, evaluate)
   pmap_mesh = jax.make_mesh((n,), ('batch',), axis_types=(AxisType.Auto,), devices=devices)
   stacked = NamedSharding(pmap_mesh, P('batch'))
 
-  def local_step(state: TrainState, batch: dict):
-    traces[0] += 1
+  def local_grads(state: TrainState, batch: dict):
     count = jax.lax.psum(jnp.sum(batch['mask']), 'batch')
     key = jax.random.fold_in(_dropout_key(state), jax.lax.axis_index('batch'))
     grads, sums, new_mutable = _grads(local_model, task, state.params, state.mutable, batch, key,
                                       count)
-    grads, sums = jax.lax.psum(grads, 'batch'), jax.lax.psum(sums, 'batch')
-    return _update(tx, state, grads, sums, count, new_mutable)
+    return jax.lax.psum(grads, 'batch'), jax.lax.psum(sums, 'batch'), count, new_mutable
+
+  def local_step(state: TrainState, batch: dict):
+    traces[0] += 1
+    return _update(tx, state, *local_grads(state, batch))
 
   pmapped = jax.pmap(local_step, axis_name='batch', devices=devices, donate_argnums=0)
+  pmapped_grads = jax.pmap(lambda s, b: local_grads(s, b)[0], axis_name='batch', devices=devices)
   # [B, ...] global batch -> [n, B/n, ...], each device's rows already on that device.
   split = jax.jit(lambda b: jax.tree.map(lambda x: x.reshape((n, -1) + x.shape[1:]), b),
                   out_shardings=stacked)
   place = jax.jit(lambda s: jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), s),
                   out_shardings=stacked)
-  export = jax.jit(lambda s: jax.tree.map(lambda x: x[0], s), out_shardings=lay.shardings)
+  first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+  export = jax.jit(first, out_shardings=lay.shardings)
 
   def train(state, batch):
     new_state, metrics = pmapped(state, split(batch))
-    return new_state, jax.tree.map(lambda x: x[0], metrics)
+    return new_state, first(metrics)
 
-  return Step(train=train, evaluate=evaluate, place=place, export=export, trace_count=traces)
+  return Step(train=train, evaluate=evaluate, grads=lambda s, b: first(pmapped_grads(s, split(b))),
+              place=place, export=export, trace_count=traces)

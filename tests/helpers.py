@@ -1,0 +1,37 @@
+"""Shared test helpers: configs with dotted overrides, small layouts."""
+
+import jax
+import numpy as np
+
+from disttrain import config as config_lib
+
+# Each layout: (name, config overrides, devices). All on the same global batches as 1 device.
+LAYOUTS = {
+    'replicate8': ({'mesh.data': 8}, 8),
+    'fsdp8': ({'mesh.data': 1, 'mesh.fsdp': 8, 'sharding': 'fsdp'}, 8),
+    'data4_tensor2': ({'mesh.data': 4, 'mesh.tensor': 2}, 8),
+    'shard_map8': ({'mesh.data': 8, 'step_mode': 'shard_map'}, 8),
+    'pmap8': ({'mesh.data': 8, 'step_mode': 'pmap'}, 8),
+}
+
+
+def make_config(**overrides) -> config_lib.Config:
+  """The mnist_mlp example config on digits with `a__b=value` meaning field a.b."""
+  cd = config_lib.defaults()
+  cd.logical_rules = (('hidden', 'tensor'),)
+  cd.global_batch_size = 64
+  for key, value in overrides.items():
+    node = cd
+    *parents, leaf = key.replace('__', '.').split('.')
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config_lib.from_config_dict(cd)
+
+
+def devices(n: int):
+  return jax.devices()[:n]
+
+
+def to_numpy(tree):
+  return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)

@@ -1,0 +1,145 @@
+"""The grain train stream and eval batches: determinism, coverage, resume, sharding, padding."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from disttrain import data
+from disttrain.errors import DataError
+from disttrain.sources import Split
+
+N, B = 100, 16  # 6 batches per epoch, 4 examples dropped per epoch
+
+
+def _mesh(n: int, shape: tuple[int, int, int] | None = None) -> jax.sharding.Mesh:
+  """A (data, fsdp, tensor) mesh over the first n devices."""
+  return jax.make_mesh(shape or (n, 1, 1), ('data', 'fsdp', 'tensor'),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()[:n])
+
+
+def _split(n: int = N) -> Split:
+  """A split whose image and label are functions of the id, to check rows stay together."""
+  ids = np.arange(1000, 1000 + n, dtype=np.int32)
+  image = np.broadcast_to(ids[:, None, None, None], (n, 2, 3, 1)).astype(np.float32)
+  return Split(image=image, label=(ids % 10).astype(np.int32), id=ids)
+
+
+def _ids(it, count: int) -> list[list[int]]:
+  """The ids of the next count batches."""
+  return [np.asarray(next(it)['id']).tolist() for _ in range(count)]
+
+
+def _train(n_devices: int = 8, seed: int = 0, split: Split | None = None, **kwargs):
+  """A TrainIterator over the test split on an n-device mesh."""
+  sharding = data.batch_sharding(_mesh(n_devices))
+  return data.TrainIterator(split or _split(), B, seed, sharding, **kwargs)
+
+
+def test_same_batches_on_1_and_8_devices():
+  one, eight = _train(1), _train(8, prefetch=0)
+  assert one.batches_per_epoch == eight.batches_per_epoch == N // B
+  for _ in range(14):  # crosses two epoch boundaries
+    a, b = next(one), next(eight)
+    for key in ('image', 'label', 'id', 'mask'):
+      np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]))
+    # Rows stay whole: image and label belong to the id.
+    np.testing.assert_array_equal(np.asarray(a['image'])[:, 0, 0, 0], np.asarray(a['id']))
+    np.testing.assert_array_equal(np.asarray(a['label']), np.asarray(a['id']) % 10)
+  assert _ids(_train(8, seed=1), 3) != _ids(_train(8, seed=0), 3)
+
+
+def test_epochs_cover_each_id_at_most_once_in_new_orders():
+  it = _train()
+  bpe = it.batches_per_epoch
+  epochs = [np.concatenate(_ids(it, bpe)) for _ in range(3)]
+  for ids in epochs:
+    assert len(ids) == bpe * B and len(np.unique(ids)) == len(ids)
+    assert set(ids) <= set(range(1000, 1000 + N))
+  assert not np.array_equal(epochs[0], epochs[1])
+  # The dropped remainder differs per epoch, so over epochs every example is seen.
+  assert set(np.concatenate(epochs)) == set(range(1000, 1000 + N))
+
+
+def test_get_state_set_state_resumes_exactly():
+  it = _train()
+  _ids(it, 7)
+  state = json.loads(json.dumps(it.get_state()))
+  expected = _ids(it, 6)
+  fresh = _train()
+  fresh.set_state(state)
+  assert _ids(fresh, 6) == expected
+  # A state does not silently resume a stream with another order.
+  with pytest.raises(DataError, match='seed'):
+    _train(seed=3).set_state(state)
+  with pytest.raises(DataError):
+    _train().set_state({'next_index': 3})
+
+
+def test_arrays_have_the_requested_sharding():
+  mesh = _mesh(8, (4, 2, 1))
+  sharding = data.batch_sharding(mesh)
+  batch = next(data.TrainIterator(_split(), B, 0, sharding))
+  assert batch['image'].shape == (B, 2, 3, 1) and batch['label'].shape == (B,)
+  assert batch['label'].dtype == np.int32 and batch['id'].dtype == np.int32
+  assert batch['mask'].dtype == np.float32 and np.all(np.asarray(batch['mask']) == 1)
+  for value in batch.values():
+    assert value.sharding.is_equivalent_to(sharding, value.ndim)
+    assert {s.data.shape[0] for s in value.addressable_shards} == {B // 8}
+  for value in next(data.eval_batches(_split(), B, sharding)).values():
+    assert value.sharding.is_equivalent_to(sharding, value.ndim)
+
+
+def test_eval_visits_every_id_once_and_masks_padding():
+  split = _split(N)  # 100 is not a multiple of 16: the last batch has 12 padding rows
+  batches = list(data.eval_batches(split, B, data.batch_sharding(_mesh(8))))
+  assert len(batches) == 7
+  ids = np.concatenate([np.asarray(b['id']) for b in batches])
+  mask = np.concatenate([np.asarray(b['mask']) for b in batches])
+  np.testing.assert_array_equal(ids[mask == 1], split.id)
+  assert mask.sum() == N and np.all(ids[mask == 0] == -1)
+  last = batches[-1]
+  pad = np.asarray(last['mask']) == 0
+  assert pad.sum() == 7 * B - N
+  assert np.all(np.asarray(last['image'])[pad] == 0) and np.all(np.asarray(last['label'])[pad] == 0)
+
+
+def test_local_rows_single_process_is_all_rows():
+  np.testing.assert_array_equal(data.local_rows(data.batch_sharding(_mesh(8)), 32), np.arange(32))
+  # With the tensor axis replicating the batch, every row is still held by this process.
+  sharding = data.batch_sharding(_mesh(8, (2, 1, 4)))
+  np.testing.assert_array_equal(data.local_rows(sharding, 4), np.arange(4))
+
+
+class _OtherProcessSharding:
+  """Stands in for a multi-process sharding: this process holds rows 4..7 and 12..15 only."""
+
+  def addressable_devices_indices_map(self, shape):
+    """Two local devices, each with a quarter of the batch."""
+    quarter = shape[0] // 4
+    return {'d1': (slice(quarter, 2 * quarter),), 'd3': (slice(3 * quarter, 4 * quarter),)}
+
+
+def test_local_rows_follow_the_addressable_devices():
+  rows = data.local_rows(_OtherProcessSharding(), 16)
+  np.testing.assert_array_equal(rows, [4, 5, 6, 7, 12, 13, 14, 15])
+
+
+def test_per_device_assembly_matches_process_local():
+  sharding = data.batch_sharding(_mesh(8, (2, 2, 2)))
+  assemble = data._Assembler(sharding, B)  # pylint: disable=protected-access
+  local = {'image': np.arange(B * 3, dtype=np.float32).reshape(B, 3),
+           'id': np.arange(B, dtype=np.int32)}
+  whole, pieces = assemble(local), assemble(local, piecewise=True)
+  for key, value in local.items():
+    np.testing.assert_array_equal(np.asarray(pieces[key]), value)
+    assert pieces[key].sharding.is_equivalent_to(whole[key].sharding, value.ndim)
+
+
+def test_errors_are_one_line():
+  with pytest.raises(DataError, match=r'has 10 examples, fewer than global_batch_size=16') as e:
+    _train(split=_split(10))
+  assert '\n' not in str(e.value)
+  with pytest.raises(DataError, match='multiple of 8'):
+    data.TrainIterator(_split(), 12, 0, data.batch_sharding(_mesh(8)))
