@@ -3,6 +3,7 @@
 import dataclasses
 import platform
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -91,9 +92,13 @@ def run_info(cfg: Config, mesh: Mesh, lay: state_lib.Layout) -> dict:
   }
 
 
-def train(cfg: Config, workdir: str, model: Any = None, task: Any = None) -> Result:
-  """Trains `model` (default: the one cfg.model names) per `cfg`, writing outputs to `workdir`."""
-  mesh = mesh_lib.build(cfg.mesh)
+def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
+          devices: Sequence[jax.Device] | None = None) -> Result:
+  """Trains `model` (default: the one cfg.model names) per `cfg`, writing outputs to `workdir`.
+
+  `devices` defaults to every device of every process.
+  """
+  mesh = mesh_lib.build(cfg.mesh, devices)
   check_batch_sizes(cfg, mesh)
   dataset = sources.load(cfg.data)
   model = model or models.build(cfg.model, dataset.num_classes)
