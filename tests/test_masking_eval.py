@@ -1,0 +1,88 @@
+"""Global masked averaging and exact eval: sums over valid examples / global valid count."""
+
+import jax
+import numpy as np
+import pytest
+
+import disttrain
+from disttrain import data, models, optim, sources
+from disttrain import mesh as mesh_lib
+from disttrain import state as state_lib
+from disttrain import step as step_lib
+from disttrain.task import Classification
+from tests.helpers import devices, make_config, to_numpy
+
+BATCH = 64  # 8 rows per device on 8 devices
+
+
+def _build(cfg, n):
+  mesh = mesh_lib.build(cfg.mesh, devices(n))
+  dataset = sources.load(cfg.data)
+  model = models.build(cfg.model, dataset.num_classes)
+  tx, _ = optim.build(cfg)
+  sharding = data.batch_sharding(mesh)
+  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
+                                cfg, mesh)
+  step = step_lib.build(model, Classification(), tx, cfg, mesh, lay, sharding)
+  return dataset, model, state, step, sharding
+
+
+def _uneven_batch(dataset):
+  """Rows 0-29 masked out: devices 0-2 hold no valid row, device 3 holds 2 of 8."""
+  mask = np.ones(BATCH, np.float32)
+  mask[:30] = 0.0
+  return {'image': dataset.train.image[:BATCH], 'label': dataset.train.label[:BATCH],
+          'id': dataset.train.id[:BATCH], 'mask': mask}
+
+
+@pytest.mark.parametrize('step_mode', ['jit', 'shard_map', 'pmap'])
+def test_uneven_mask_loss_is_global_masked_mean(step_mode):
+  cfg = make_config(mesh__data=8, step_mode=step_mode, model__dropout=0.0,
+                    global_batch_size=BATCH)
+  dataset, model, state, step, sharding = _build(cfg, 8)
+  host_batch = _uneven_batch(dataset)
+  # Reference on the host: per-example losses of the same forward pass (same BatchNorm batch).
+  params = to_numpy(state.params)
+  logits, _ = model.apply({'params': params, **to_numpy(state.mutable)}, host_batch, train=True,
+                          rng=None)
+  losses = np.asarray(Classification().per_example(logits, host_batch)['loss'], np.float64)
+  mask = host_batch['mask']
+  expected = float(np.sum(losses * mask) / np.sum(mask))
+  per_device = [np.sum((losses * mask)[d * 8:(d + 1) * 8]) / np.sum(mask[d * 8:(d + 1) * 8])
+                for d in range(8) if np.sum(mask[d * 8:(d + 1) * 8])]
+  # The mean of per-device means is measurably different here, so this test can tell them apart.
+  assert abs(np.mean(per_device) - expected) > 1e-3
+
+  _, metrics = step.train(step.place(state), jax.device_put(host_batch, sharding))
+  np.testing.assert_allclose(float(metrics['loss']), expected, rtol=1e-5)
+  assert float(metrics['count']) == 34.0
+
+
+def _numpy_forward(params, stats, images):
+  """The seed-004 MLP in eval mode, in float64 numpy."""
+  x = images.reshape(len(images), -1).astype(np.float64)
+  for i in range(2):
+    dense, bn, st = params[f'Dense_{i}'], params[f'BatchNorm_{i}'], stats[f'BatchNorm_{i}']
+    x = np.maximum(x @ dense['kernel'] + dense['bias'], 0.0)
+    x = (x - st['mean']) / np.sqrt(st['var'] + 1e-5) * bn['scale'] + bn['bias']
+  return x @ params['Dense_2']['kernel'] + params['Dense_2']['bias']
+
+
+@pytest.mark.parametrize('n_devices', [8, 1])
+def test_eval_counts_every_example_once_and_matches_numpy(n_devices, tmp_path):
+  # 297 eval examples, batches of 64: the last batch has 41 real rows and 23 padded ones.
+  cfg = make_config(mesh__data=n_devices, num_train_steps=20, log_every_steps=20,
+                    eval_batch_size=BATCH)
+  result = disttrain.train(cfg, str(tmp_path), devices=devices(n_devices))
+  final = [r for r in result.records if r['split'] == 'eval'][-1]
+  split = sources.load(cfg.data).eval
+  logits = _numpy_forward(to_numpy(result.state.params),
+                          to_numpy(result.state.mutable)['batch_stats'], split.image)
+  correct = int(np.sum(np.argmax(logits, -1) == split.label))
+  assert final['num_examples'] == len(split) == 297
+  assert round(final['accuracy'] * 297) == correct  # exact count of correct examples
+  assert final['accuracy'] == pytest.approx(correct / 297, abs=1e-7)
+  log_probs = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
+                                     keepdims=True)) - logits.max(-1, keepdims=True)
+  expected_loss = -np.mean(log_probs[np.arange(len(split)), split.label])
+  np.testing.assert_allclose(final['loss'], expected_loss, rtol=1e-4)
