@@ -30,12 +30,20 @@ def _dropout_key(state: TrainState) -> jax.Array:
   return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
 
-def _grads(model, task, params, mutable, batch, rng, count):
-  """Gradient of sum(loss x mask) / count, the masked sums, and the updated collections."""
+def _grads(model, task, params, mutable, batch, rng, count, model_loss_share=1.0):
+  """Gradient of sum(loss x mask) / count + model loss, the masked sums, and new collections.
+
+  `model_loss_share` is 1 / (number of devices the batch is split over) in shard_map/pmap, where
+  each device's model loss (a mean over its rows) enters once per device and the psum averages.
+  """
   def loss_fn(params):
-    outputs, new_mutable = model.apply({'params': params, **mutable}, batch, train=True, rng=rng)
+    outputs, new_mutable, model_loss = model.apply({'params': params, **mutable}, batch,
+                                                   train=True, rng=rng)
     per_example = task.per_example(outputs, batch)
     sums = {k: jnp.sum(v * batch['mask']) for k, v in per_example.items()}
+    model_loss = model_loss * model_loss_share
+    # Reported 'loss' includes the model loss (times count, since records divide by count).
+    sums['loss'] = sums['loss'] + model_loss * count
     return sums['loss'] / count, (sums, new_mutable)
   (_, (sums, new_mutable)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   return grads, sums, new_mutable
@@ -56,6 +64,9 @@ class Step:
   train: Callable[[Any, dict], tuple[Any, Metrics]]  # (device state, batch) -> (state, metrics)
   evaluate: Callable[[TrainState, dict], Metrics]  # (state, batch) -> sums incl. 'count'
   grads: Callable[[Any, dict], Any]  # (device state, batch) -> global-batch gradients
+  # (state, K stacked batches [K, B, ...]) -> (state, metrics [K]): K steps in one compiled call,
+  # as Keras' steps_per_execution. None in pmap style.
+  train_many: Callable[[Any, dict], tuple[Any, Metrics]] | None
   place: Callable[[TrainState], Any]  # canonical state -> the style's device state
   export: Callable[[Any], TrainState]  # the style's device state -> canonical state
   trace_count: list  # [n]: how often the train step was traced (it must compile once)
@@ -68,10 +79,11 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
   replicated = NamedSharding(mesh, P())
 
   def eval_fn(state: TrainState, batch: dict) -> Metrics:
-    outputs, _ = model.apply({'params': state.params, **state.mutable}, batch, train=False,
-                             rng=None)
+    outputs, _, model_loss = model.apply({'params': state.params, **state.mutable}, batch,
+                                         train=False, rng=None)
     sums = {k: jnp.sum(v * batch['mask']) for k, v in task.per_example(outputs, batch).items()}
     sums['count'] = jnp.sum(batch['mask'])
+    sums['loss'] = sums['loss'] + model_loss * sums['count']
     return sums
 
   evaluate = jax.jit(eval_fn, in_shardings=(lay.shardings, batch_sharding),
@@ -88,11 +100,13 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
       return grads, sums, count, new_mutable
   else:  # shard_map
     local_model = _with_batch_axes(model, BATCH_AXES, state_mutable=lay.shardings.mutable)
+    batch_ways = mesh.shape['data'] * mesh.shape['fsdp']
 
     def local_grads(params, mutable, batch, key):
       count = jax.lax.psum(jnp.sum(batch['mask']), BATCH_AXES)
       key = jax.random.fold_in(key, jax.lax.axis_index(BATCH_AXES))
-      grads, sums, new_mutable = _grads(local_model, task, params, mutable, batch, key, count)
+      grads, sums, new_mutable = _grads(local_model, task, params, mutable, batch, key, count,
+                                        1.0 / batch_ways)
       # Each device holds d(its loss x mask sum / global count); their sum is the global gradient.
       return jax.lax.psum(grads, BATCH_AXES), jax.lax.psum(sums, BATCH_AXES), count, new_mutable
 
@@ -109,12 +123,19 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
     traces[0] += 1
     return _update(tx, state, *grads_fn(state, batch))
 
+  def train_many_fn(state: TrainState, batches: dict):
+    traces[0] += 1
+    return jax.lax.scan(lambda s, b: _update(tx, s, *grads_fn(s, b)), state, batches)
+
   train = jax.jit(train_fn, in_shardings=(lay.shardings, batch_sharding),
                   out_shardings=(lay.shardings, replicated), donate_argnums=0)
+  stacked = NamedSharding(mesh, P(None, BATCH_AXES))
+  train_many = jax.jit(train_many_fn, in_shardings=(lay.shardings, stacked),
+                       out_shardings=(lay.shardings, replicated), donate_argnums=0)
   grads = jax.jit(lambda state, batch: grads_fn(state, batch)[0],
                   in_shardings=(lay.shardings, batch_sharding), out_shardings=lay.shardings.params)
-  return Step(train=train, evaluate=evaluate, grads=grads, place=identity, export=identity,
-              trace_count=traces)
+  return Step(train=train, evaluate=evaluate, grads=grads, train_many=train_many, place=identity,
+              export=identity, trace_count=traces)
 
 
 def _with_batch_axes(model, axes, state_mutable):
@@ -138,7 +159,7 @@ def _pmap_step(model, task, tx, mesh: Mesh, lay: Layout, traces: list, evaluate)
     count = jax.lax.psum(jnp.sum(batch['mask']), 'batch')
     key = jax.random.fold_in(_dropout_key(state), jax.lax.axis_index('batch'))
     grads, sums, new_mutable = _grads(local_model, task, state.params, state.mutable, batch, key,
-                                      count)
+                                      count, 1.0 / n)
     return jax.lax.psum(grads, 'batch'), jax.lax.psum(sums, 'batch'), count, new_mutable
 
   def local_step(state: TrainState, batch: dict):
@@ -160,4 +181,4 @@ def _pmap_step(model, task, tx, mesh: Mesh, lay: Layout, traces: list, evaluate)
     return new_state, first(metrics)
 
   return Step(train=train, evaluate=evaluate, grads=lambda s, b: first(pmapped_grads(s, split(b))),
-              place=place, export=export, trace_count=traces)
+              train_many=None, place=place, export=export, trace_count=traces)

@@ -43,7 +43,7 @@ def test_uneven_mask_loss_is_global_masked_mean(step_mode):
   host_batch = _uneven_batch(dataset)
   # Reference on the host: per-example losses of the same forward pass (same BatchNorm batch).
   params = to_numpy(state.params)
-  logits, _ = model.apply({'params': params, **to_numpy(state.mutable)}, host_batch, train=True,
+  logits, _, _ = model.apply({'params': params, **to_numpy(state.mutable)}, host_batch, train=True,
                           rng=None)
   losses = np.asarray(Classification().per_example(logits, host_batch)['loss'], np.float64)
   mask = host_batch['mask']

@@ -2,7 +2,9 @@
 
 The protocol every front end follows:
   init(rng, batch) -> variables                       {'params': ..., <mutable collections>}
-  apply(variables, batch, *, train, rng) -> (outputs, new mutable collections)
+  apply(variables, batch, *, train, rng) -> (outputs, new mutable collections, model_loss)
+      model_loss: a scalar added to the global-mean data loss (e.g. Keras add_loss terms, which
+      are means over the examples the call saw); 0.0 when the model has none
   logical_specs(abstract variables) -> PartitionSpecs of logical axis names, or None
   with_batch_axes(axes) -> model whose cross-example statistics reduce over `axes`
 """
@@ -33,7 +35,8 @@ class LinenModel:
     rngs = {'dropout': rng} if rng is not None else {}
     out = self.module.apply(variables, batch[self.input_key], train=train, rngs=rngs,
                             mutable=mutable)
-    return out if train else (out, {})
+    outputs, new_mutable = out if train else (out, {})
+    return outputs, new_mutable, 0.0
 
   def logical_specs(self, batch: dict) -> Any:
     """Logical axis names from `nn.with_logical_partitioning` metadata (None where absent)."""
