@@ -5,9 +5,12 @@ Bad input (config, flags, data) exits with status 2 and one line naming the valu
 """
 
 import os
+import re
 import sys
+from typing import NoReturn
 
 from absl import app, flags, logging
+import ml_collections
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (launch/configs/*.py).',
@@ -17,14 +20,16 @@ _FAKE_DEVICES = flags.DEFINE_integer(
     'fake_devices', None, 'Run on N CPU devices (set before JAX initialises its backend).')
 flags.mark_flags_as_required(['config', 'workdir'])
 
+_EXAMPLE_CONFIG = 'launch/configs/mnist_mlp.py'
+# A config override as config_flags finds it: --config.a.b=1, -config.a.b 1, --noconfig.flag.
+_OVERRIDE = re.compile(r'^-{1,2}(?:no)?config\.([^=]+)')
+_FLAG_VALUE_ERROR = re.compile(r'^flag --(\S+?)=(.*?): (.*)$')
+
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments {argv[1:]}; use --config.<field>=<value>')
+  del argv  # _parse_flags rejected positional arguments
   import jax  # pylint: disable=g-import-not-at-top
   if _FAKE_DEVICES.value is not None:
-    if _FAKE_DEVICES.value < 1:
-      _fail(f'--fake_devices={_FAKE_DEVICES.value} must be >= 1')
     # Must happen before the first backend use; on CPU this gives N devices in this process.
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', _FAKE_DEVICES.value)
@@ -36,7 +41,126 @@ def main(argv):
     _fail(f'{type(e).__name__}: {e}')
 
 
-def _fail(message: str) -> None:
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with every bad flag or config override reported as one `error:` line.
+
+  absl alone prints a multi-line FATAL message (exit 1) for bad flag values, and config_flags
+  raises a bare AttributeError traceback for an unknown --config.<field>; both happen before main.
+  """
+  try:
+    rest = flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(_flag_error(e))
+  except (AttributeError, KeyError, IndexError):
+    # config_flags looks each override up in the (locked) config; a miss is an unknown field.
+    # Anything else (e.g. a bug inside the config file) keeps its traceback.
+    message = _unknown_field(argv)
+    if message is None:
+      raise
+    _fail(message)
+  except OSError as e:  # the config file failed to load and an override touched it
+    _fail(_config_load_error(argv, e))
+  config = _CONFIG.value
+  try:
+    getattr(config, 'to_dict', None)  # config_flags defers a load failure to the first access
+  except OSError as e:
+    _fail(_config_load_error(argv, e))
+  if not isinstance(config, ml_collections.ConfigDict):
+    _fail(f'--config={_config_path(argv)!r}: get_config() returned {type(config).__name__}, not a '
+          'ConfigDict; make it return one (start from disttrain.config.defaults())')
+  if len(rest) > 1:
+    _fail(f'unexpected arguments {rest[1:]}; pass settings as flags, e.g. '
+          '--config.<field>=<value> (quote values with spaces)')
+  if _FAKE_DEVICES.value is not None and _FAKE_DEVICES.value < 1:
+    _fail(f'--fake_devices={_FAKE_DEVICES.value} must be >= 1; pass a device count such as '
+          '--fake_devices=8, or leave it out to use the real devices')
+  workdir = _WORKDIR.value
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    _fail(f'--workdir={workdir!r} is a file, not a directory; pass a directory path (it is '
+          'created if missing)')
+  return rest
+
+
+def _flag_error(error: flags.Error) -> str:
+  """One line for absl's flag errors (bad value, missing required flag, unknown flag)."""
+  message = str(error)
+  if '\n' in message:  # e.g. a config file that raised: keep its trace, it points at the bug
+    return message
+  if type(error).__name__ == 'FlagOrderError':  # ml_collections' (not exported)
+    return f'{message}; put --config=FILE first, then its --config.<field>=<value> overrides'
+  match = _FLAG_VALUE_ERROR.match(message)
+  if match is None:
+    if isinstance(error, flags.UnrecognizedFlagError):
+      return f'{message}; run with --helpfull to list the flags'
+    return message
+  name, value, reason = match.groups()
+  if 'must have a value other than None' in reason:
+    example = _EXAMPLE_CONFIG if name == 'config' else 'DIR'
+    return f'--{name} is required; pass --{name}={example}'
+  if name.startswith('config.') and isinstance(_schema_value(name[len('config.'):]),
+                                               ml_collections.ConfigDict):
+    return (f'--{name}={value!r}: {name[len("config."):]} is a group of fields, not a value; '
+            f'set its fields instead, e.g. --{name}.<field>=<value>')
+  flag = flags.FLAGS[name] if name in flags.FLAGS else None
+  kind = flag.flag_type() if flag is not None else 'valid'
+  article = 'an' if kind[:1] in 'aeiou' else 'a'
+  example = ''
+  if flag is not None and flag.default is not None:
+    example = f', e.g. --{name}={flag.default}'
+  return (f'--{name}={value!r} is not {article} {kind} value ({reason}); pass {article} {kind}'
+          f'{example}')
+
+
+def _schema_value(path: str):
+  """The default of config field `path` ('mesh.data'), or None when there is no such field."""
+  from disttrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  node = config_lib.defaults()
+  for part in path.split('.'):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      return None
+    node = node[part]
+  return node
+
+
+def _unknown_field(argv: list[str]) -> str | None:
+  """The first --config.<path> override naming a field the config schema lacks, as one line."""
+  from disttrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  schema = config_lib.defaults()
+  for arg in argv:
+    match = _OVERRIDE.match(arg)
+    if match is None:
+      continue
+    node, prefix = schema, ''
+    for part in match.group(1).split('.'):
+      part = part.split('[', 1)[0]
+      group = prefix[:-1] or 'config'
+      if not isinstance(node, ml_collections.ConfigDict):
+        return (f'{arg}: config field {group} is a value, it has no field {part!r}; '
+                f'set --config.{group}=<value> instead')
+      if part not in node:
+        return (f'unknown config field {prefix}{part} in {arg}; {group} has fields '
+                f'{", ".join(node.keys())}: use one of them')
+      node, prefix = node[part], f'{prefix}{part}.'
+  return None
+
+
+def _config_path(argv: list[str]) -> str:
+  """The --config value as absl sees it (the last one given)."""
+  path = ''
+  for i, arg in enumerate(argv):
+    match = re.match(r'^-{1,2}config(=|$)', arg)
+    if match:
+      path = arg.split('=', 1)[1] if match.group(1) else (argv[i + 1] if i + 1 < len(argv) else '')
+  return path
+
+
+def _config_load_error(argv: list[str], error: OSError) -> str:
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  return (f'--config={_config_path(argv)!r} cannot be loaded ({lines[-1] if lines else error}); '
+          f'pass --config=PATH to a config file, e.g. --config={_EXAMPLE_CONFIG}')
+
+
+def _fail(message: str) -> NoReturn:
   print(f'error: {message}', file=sys.stderr, flush=True)
   sys.exit(2)
 
@@ -44,4 +168,4 @@ def _fail(message: str) -> None:
 if __name__ == '__main__':
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   logging.set_verbosity(logging.WARNING)
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,257 @@
+"""launch/train.py as a user runs it: one-line errors for bad input, and the outputs contract.
+
+Every test runs the launcher as a subprocess (one at a time), on tiny configs.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+CONFIG = 'launch/configs/mnist_mlp.py'
+TINY = ('--config.num_train_steps=4', '--config.model.hidden=32', '--config.global_batch_size=16')
+DIGITS_EVAL = 297  # the held-out digits split
+
+
+def _env() -> dict:
+  """The launcher decides the device count itself (--fake_devices), not conftest's XLA_FLAGS."""
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
+  xla_flags = re.sub(r'--xla_force_host_platform_device_count=\d+', '',
+                     env.get('XLA_FLAGS', '')).strip()
+  if xla_flags:
+    env['XLA_FLAGS'] = xla_flags
+  else:
+    env.pop('XLA_FLAGS', None)
+  return env
+
+
+def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, 'launch/train.py', *args], cwd=ROOT, env=_env(),
+                        capture_output=True, text=True, timeout=timeout, check=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: exit status 2, exactly one `error:` line naming the value, the rule and the fix.
+
+# (id, args after --config/--workdir, substrings the line must contain, regex for the fix).
+# '{dir}' in an argument is replaced by a folder of prepared bad data (see `bad_data`).
+BAD_INPUTS = [
+    ('mesh_product', ['--fake_devices=8', '--config.mesh.data=3'],
+     ['data=3', '8 are present'], r'make the product 8 or set one axis to -1'),
+    ('mesh_two_fill_axes', ['--fake_devices=8', '--config.mesh.data=-1', '--config.mesh.fsdp=-1'],
+     ["'data': -1", "'fsdp': -1", 'more than one -1'], r'give at most one axis -1'),
+    ('mesh_fill_not_divisible', ['--fake_devices=8', '--config.mesh.fsdp=3'],
+     ['fsdp=3', 'not divisible by 3'], r'make the fixed axes divide 8'),
+    ('mesh_axis_zero', ['--fake_devices=8', '--config.mesh.data=0'],
+     ['mesh.data=0', 'must be >= 1 or -1'], r'>= 1 or -1'),
+    ('batch_not_divisible', ['--fake_devices=8', '--config.global_batch_size=100'],
+     ['global_batch_size=100', 'not divisible', '8 devices'], r'use a multiple of 8'),
+    ('eval_batch_not_divisible', ['--fake_devices=8', '--config.eval_batch_size=12'],
+     ['eval_batch_size=12', 'not divisible'], r'use a multiple of 8'),
+    ('unknown_field', ['--fake_devices=8', '--config.no_such_field=1'],
+     ['unknown config field no_such_field', '--config.no_such_field=1', 'global_batch_size'],
+     r'use one of them'),
+    ('unknown_nested_field', ['--fake_devices=8', '--config.mesh.nope=2'],
+     ['unknown config field mesh.nope', 'data, fsdp, tensor'], r'use one of them'),
+    ('field_of_a_value', ['--config.mesh.data.x=2'],
+     ['mesh.data', "'x'"], r'set --config\.mesh\.data=<value>'),
+    ('value_for_a_group', ['--config.mesh=3'],
+     ['--config.mesh=', 'group of fields'], r'set its fields'),
+    ('pmap_fsdp', ['--fake_devices=8', '--config.step_mode=pmap', '--config.mesh.fsdp=2'],
+     ['step_mode=pmap', 'mesh.fsdp=2', 'data parallel only'], r'use step_mode=jit'),
+    ('pmap_tensor', ['--fake_devices=8', '--config.step_mode=pmap', '--config.mesh.tensor=2'],
+     ['step_mode=pmap', 'mesh.tensor=2', 'data parallel only'], r'use step_mode=jit'),
+    ('mnist_without_dir', ['--fake_devices=8', '--config.data.name=mnist'],
+     ["data.name='mnist'", 'data.dir'], r'pass --config\.data\.dir='),
+    ('mnist_dir_missing', ['--fake_devices=8', '--config.data.name=mnist',
+                           '--config.data.dir={dir}/missing'],
+     ['missing', 'does not exist'], r'pass --config\.data\.dir='),
+    ('mnist_malformed_images', ['--fake_devices=8', '--config.data.name=mnist',
+                                '--config.data.dir={dir}/malformed'],
+     ['t10k-images-idx3-ubyte', 'bad magic number'], r'replace it'),
+    ('mnist_pair_incomplete', ['--fake_devices=8', '--config.data.name=mnist',
+                               '--config.data.dir={dir}/half'],
+     ['t10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte'], r'add the missing file'),
+    # The message names the files that must be there but no imperative (see disttrain/sources.py).
+    ('mnist_dir_empty', ['--fake_devices=8', '--config.data.name=mnist',
+                         '--config.data.dir={dir}/empty'],
+     ['empty', 'no MNIST files'], r'expected t10k-images-idx3-ubyte'),
+    ('unknown_data_name', ['--fake_devices=8', '--config.data.name=imagenet'],
+     ["data.name='imagenet'", 'digits'], r'pick one of them'),
+    ('unknown_model_name', ['--fake_devices=8', '--config.model.name=resnet'],
+     ["model.name='resnet'", 'mnist_mlp'], r'pick one of them'),
+    ('logical_rule_missing_axis',
+     ['--fake_devices=8', "--config.logical_rules=(('hidden','nope'),)"],
+     ["'nope'", "logical_rules 'hidden'", 'mesh axis'], r'use one of them or None'),
+    ('param_rule_missing_axis', ['--fake_devices=8',
+                                 "--config.param_rules=(('Dense_0/kernel', (None, 'bogus')),)"],
+     ["'bogus'", "param_rules 'Dense_0/kernel'", 'mesh axis'], r'use one of them or None'),
+    ('param_rule_too_many_dims',
+     ['--fake_devices=8', "--config.param_rules=(('Dense_0/kernel', (None, 'tensor', 'data')),)"],
+     ['ShardingError', 'Dense_0/kernel', 'spec of 3 dims'], r'give one entry per dimension'),
+    ('wrong_type_int', ['--config.global_batch_size=abc'],
+     ["--config.global_batch_size='abc'", 'not an int'], r'pass an int'),
+    ('wrong_type_float', ['--config.learning_rate=fast'],
+     ["--config.learning_rate='fast'", 'not a float'], r'pass a float'),
+    ('fake_devices_zero', ['--fake_devices=0'],
+     ['--fake_devices=0', 'must be >= 1'], r'pass a device count'),
+    ('fake_devices_not_int', ['--fake_devices=abc'],
+     ["--fake_devices='abc'", 'not an int'], r'pass an int'),
+    ('unknown_flag', ['--fake_device=8'],
+     ["'fake_device'", 'Did you mean: fake_devices'], r'run with --helpfull'),
+    ('positional_argument', ['--fake_devices=8', 'mesh.data=8'],
+     ["'mesh.data=8'", 'unexpected arguments'], r'pass settings as flags'),
+    ('override_before_config', ['--config.mesh.data=2', f'--config={CONFIG}'],
+     ['--config.mesh.data=2', 'before a value for --config'], r'put --config=FILE first'),
+    ('config_file_missing', ['--config=launch/configs/no_such_config.py'],
+     ['no_such_config.py', 'cannot be loaded'], r'pass --config=PATH'),
+    ('workdir_is_a_file', ['--workdir={dir}/a_file'],
+     ['a_file', 'not a directory'], r'pass a directory'),
+]
+
+
+@pytest.fixture
+def bad_data(tmp_path):
+  """Folders of bad MNIST data, and a plain file where a folder is expected."""
+  malformed = tmp_path / 'malformed'  # both files, the images one garbage
+  malformed.mkdir()
+  (malformed / 't10k-images-idx3-ubyte').write_bytes(b'this is not an IDX file')
+  (malformed / 't10k-labels-idx1-ubyte').write_bytes(
+      (0x801).to_bytes(4, 'big') + (3).to_bytes(4, 'big') + bytes([1, 2, 3]))
+  half = tmp_path / 'half'  # images only: the labels file of the pair is missing
+  half.mkdir()
+  (half / 't10k-images-idx3-ubyte').write_bytes(b'this is not an IDX file')
+  (tmp_path / 'empty').mkdir()
+  (tmp_path / 'a_file').write_text('not a folder')
+  return tmp_path
+
+
+@pytest.mark.parametrize('args,needles,fix', [c[1:] for c in BAD_INPUTS],
+                         ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_one_line_error(args, needles, fix, bad_data, tmp_path):
+  args = [a.replace('{dir}', str(bad_data)) for a in args]
+  workdir = [] if any(a.startswith('--workdir') for a in args) else [f'--workdir={tmp_path / "w"}']
+  if any(a.startswith('--config=') for a in args):  # its own --config, where it puts it
+    result = launch(*args, *workdir, *TINY)
+  else:  # the case's overrides last, so they win over TINY's
+    result = launch(f'--config={CONFIG}', *workdir, *TINY, *args)
+  output = result.stdout + result.stderr
+  assert 'Traceback' not in output, output
+  assert result.returncode == 2, output
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1, f'expected one error line, got:\n{result.stderr}'
+  line = lines[0]
+  assert line.startswith('error: '), line
+  for needle in needles:
+    assert needle in line, f'{needle!r} not in {line!r}'
+  assert re.search(fix, line), f'no fix ({fix!r}) in {line!r}'
+  assert not (tmp_path / 'w' / 'metrics.jsonl').exists(), 'a bad run must not start training'
+
+
+# ----------------------------------------------------------------------------------------------
+# Outputs: metrics.jsonl, run.json, TensorBoard events, console lines.
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+  """One tiny run on 8 fake devices: train and eval records every 2 of 4 steps."""
+  workdir = tmp_path_factory.mktemp('run')
+  result = launch(f'--config={CONFIG}', f'--workdir={workdir}', '--fake_devices=8', *TINY,
+                  '--config.log_every_steps=2', '--config.eval_every_steps=2')
+  assert result.returncode == 0, result.stdout + result.stderr
+  return workdir, result
+
+
+def _finite_float(value) -> bool:
+  return isinstance(value, float) and math.isfinite(value)
+
+
+def test_metrics_jsonl(run):
+  workdir, _ = run
+  records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  train = [r for r in records if r['split'] == 'train']
+  evals = [r for r in records if r['split'] == 'eval']
+  assert len(train) + len(evals) == len(records), records
+  assert [r['step'] for r in train] == [2, 4]
+  assert [r['step'] for r in evals] == [2, 4]
+  for r in train:
+    for key in ('loss', 'learning_rate', 'examples_per_sec'):
+      assert _finite_float(r[key]), (key, r)
+    assert r['examples_per_sec'] > 0 and r['learning_rate'] > 0, r
+  for r in evals:
+    assert _finite_float(r['loss']) and _finite_float(r['accuracy']), r
+    assert 0.0 <= r['accuracy'] <= 1.0, r
+    assert r['num_examples'] == DIGITS_EVAL, r
+  for split in (train, evals):  # strictly increasing steps per split
+    steps = [r['step'] for r in split]
+    assert all(a < b for a, b in zip(steps, steps[1:])), steps
+
+
+def test_run_json(run):
+  workdir, _ = run
+  info = json.loads((workdir / 'run.json').read_text())
+  for key in ('mesh', 'sharding', 'step_mode', 'data', 'model', 'global_batch_size'):
+    assert key in info['config'], key
+  assert info['config']['global_batch_size'] == 16
+  assert info['mesh'] == {'data': 8, 'fsdp': 1, 'tensor': 1}
+  assert info['num_devices'] == 8
+  assert info['num_processes'] == 1
+  assert info['step_mode'] == 'jit'
+  specs = info['param_specs']
+  assert 'Dense_0/kernel' in specs and 'Dense_2/bias' in specs, specs
+  assert all(isinstance(spec, list) for spec in specs.values()), specs
+  assert all('fsdp' not in json.dumps(spec) for spec in specs.values()), specs
+
+
+def test_tensorboard_events(run):
+  workdir, _ = run
+  events = list(workdir.glob('events.out.tfevents.*'))
+  assert events and events[0].stat().st_size > 0, list(workdir.iterdir())
+
+
+def test_console_lines(run):
+  _, result = run
+  lines = result.stdout.splitlines()
+  progress = [l for l in lines if re.fullmatch(
+      r'train step \d+/4: loss \d+\.\d+ [\d,]+ examples/s, ETA \S+', l)]
+  assert len(progress) == 2, result.stdout
+  summary = [l for l in lines if 'final eval accuracy' in l]
+  assert len(summary) == 1 and summary[0] == lines[-1], result.stdout
+  assert re.search(r'final eval accuracy \d\.\d+', summary[0]), summary[0]
+  assert f'({DIGITS_EVAL} examples)' in summary[0], summary[0]
+  assert 'Traceback' not in result.stdout + result.stderr
+
+
+def test_run_json_fsdp_specs(tmp_path):
+  """With sharding=fsdp the kernels of at least fsdp_min_size elements are split over 'fsdp'."""
+  result = launch(f'--config={CONFIG}', f'--workdir={tmp_path}', '--fake_devices=8', *TINY,
+                  '--config.num_train_steps=1', '--config.mesh.data=1', '--config.mesh.fsdp=8',
+                  '--config.sharding=fsdp', '--config.fsdp_min_size=1000')
+  assert result.returncode == 0, result.stdout + result.stderr
+  info = json.loads((tmp_path / 'run.json').read_text())
+  assert info['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1}
+  specs = info['param_specs']
+  # hidden=32 on 8x8 digits: Dense_0 (64, 32) = 2048 and Dense_1 (32, 32) = 1024 elements are
+  # split; Dense_2 (32, 10) = 320 and the biases stay whole.
+  assert 'fsdp' in specs['Dense_0/kernel'], specs
+  assert 'fsdp' in specs['Dense_1/kernel'], specs
+  assert 'fsdp' not in specs['Dense_2/kernel'], specs
+  assert 'fsdp' not in specs['Dense_0/bias'], specs
+  assert any(line.startswith('Dense_2/kernel') for line in info['fsdp_replicated']), info
+
+
+@pytest.mark.parametrize('flag', ['config', 'workdir'])
+def test_missing_required_flag_is_one_line_error(flag, tmp_path):
+  given = {'config': f'--config={CONFIG}', 'workdir': f'--workdir={tmp_path}'}
+  del given[flag]
+  result = launch(*given.values())
+  assert 'Traceback' not in result.stdout + result.stderr
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.strip().splitlines() == [f'error: --{flag} is required; pass --{flag}='
+                                                f'{CONFIG if flag == "config" else "DIR"}']
