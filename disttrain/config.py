@@ -31,7 +31,7 @@ def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:
   if value < 0 or (value == 0 and not allow_zero):
     bound = '>= 0' if allow_zero else '> 0'
-    raise ConfigError(f'{name}={value!r} must be {bound}')
+    raise ConfigError(f'{name}={value!r} must be {bound}; pass a value {bound}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,8 @@ class MeshConfig:
       raise ConfigError(f'mesh {sizes} has more than one -1 axis; give at most one axis -1 (fill)')
     for axis, size in sizes.items():
       if size != -1 and size < 1:
-        raise ConfigError(f'mesh.{axis}={size} must be >= 1 or -1 (fill)')
+        raise ConfigError(f'mesh.{axis}={size} must be >= 1 or -1 (fill); set it to a positive '
+                          'size or -1')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,8 @@ class ModelConfig:
     # model.name is checked against disttrain.models.MODELS when the model is built.
     _positive('model.hidden', self.hidden)
     if not 0.0 <= self.dropout < 1.0:
-      raise ConfigError(f'model.dropout={self.dropout} must be in [0, 1); 0 disables dropout')
+      raise ConfigError(f'model.dropout={self.dropout} must be in [0, 1); pass a rate in [0, 1) '
+                        '(0 disables dropout)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,11 +154,13 @@ def _check_rules(param_rules, logical_rules) -> None:
   for rule in param_rules:
     if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
             and isinstance(rule[1], (tuple, list))):
-      raise ConfigError(f'param_rules entry {rule!r} must be (regex, (axis or None, ...))')
+      raise ConfigError(f'param_rules entry {rule!r} must be (regex, (axis or None, ...)); pass '
+                        'e.g. --config.param_rules="((\'Dense_0/kernel\', (None, \'tensor\')),)"')
     _check_axes(f'param_rules {rule[0]!r}', rule[1])
   for rule in logical_rules:
     if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-      raise ConfigError(f'logical_rules entry {rule!r} must be (logical name, mesh axis or None)')
+      raise ConfigError(f'logical_rules entry {rule!r} must be (logical name, mesh axis or None); '
+                        'pass e.g. --config.logical_rules="((\'hidden\', \'tensor\'),)"')
     _check_axes(f'logical_rules {rule[0]!r}', (rule[1],))
 
 

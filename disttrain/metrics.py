@@ -11,6 +11,8 @@ import time
 
 from tensorboardX import SummaryWriter
 
+from disttrain.errors import ConfigError
+
 
 class Writer:
   """Appends records to metrics.jsonl and TensorBoard, prints progress; process 0 only."""
@@ -20,8 +22,12 @@ class Writer:
     self.workdir = workdir
     self._jsonl = self._tb = None
     if enabled:
-      os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+      try:
+        os.makedirs(workdir, exist_ok=True)
+        self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+      except OSError as e:
+        raise ConfigError(f'workdir={workdir!r} cannot be used ({e.strerror}); pass a writable '
+                          'directory path') from e
       self._tb = SummaryWriter(logdir=workdir)
 
   def write_run(self, info: dict) -> None:

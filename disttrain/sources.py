@@ -155,12 +155,13 @@ def _mnist(cfg: DataConfig) -> Dataset:
   """MNIST IDX files: train/t10k pairs, or the t10k pair alone split by eval_examples."""
   folder = cfg.dir
   if not os.path.isdir(folder):
-    raise DataError(f'data.dir={folder!r} does not exist; pass --config.data.dir=PATH to a folder '
+    problem = 'is not a directory' if os.path.exists(folder) else 'does not exist'
+    raise DataError(f'data.dir={folder!r} {problem}; pass --config.data.dir=PATH to a folder '
                     'with MNIST IDX files')
   train = _read_pair(folder, 'train')
   test = _read_pair(folder, 't10k')
   if train is None and test is None:
-    raise DataError(f'data.dir={folder!r} has no MNIST files; expected t10k-images-idx3-ubyte[.gz] '
+    raise DataError(f'data.dir={folder!r} has no MNIST files; put t10k-images-idx3-ubyte[.gz] '
                     'and t10k-labels-idx1-ubyte[.gz] (and optionally the train-* pair) there')
   if train is None or test is None:
     image, label = train or test

@@ -81,7 +81,7 @@ BAD_INPUTS = [
     # The message names the files that must be there but no imperative (see disttrain/sources.py).
     ('mnist_dir_empty', ['--fake_devices=8', '--config.data.name=mnist',
                          '--config.data.dir={dir}/empty'],
-     ['empty', 'no MNIST files'], r'expected t10k-images-idx3-ubyte'),
+     ['empty', 'no MNIST files'], r'put t10k-images-idx3-ubyte'),
     ('unknown_data_name', ['--fake_devices=8', '--config.data.name=imagenet'],
      ["data.name='imagenet'", 'digits'], r'pick one of them'),
     ('unknown_model_name', ['--fake_devices=8', '--config.model.name=resnet'],
