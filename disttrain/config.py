@@ -18,7 +18,7 @@ MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')  # the global batch is split over these axes
 SHARDINGS = ('replicate', 'fsdp')
 STEP_MODES = ('jit', 'shard_map', 'pmap')
-DATA_NAMES = ('digits', 'mnist', 'synthetic')
+DATA_NAMES = ('digits', 'mnist', 'synthetic', 'text')
 OPTIMIZERS = ('adam', 'adamw', 'sgd')
 LR_SCHEDULES = ('constant', 'cosine', 'linear')
 
@@ -55,13 +55,17 @@ class MeshConfig:
 class DataConfig:
   """Which dataset, where it lives, and how it is split."""
   name: str = 'digits'
-  dir: str = ''  # mnist: folder with train-*/t10k-* IDX files (gzipped or not)
+  dir: str = ''  # mnist: folder with train-*/t10k-* IDX files (gzipped or not); text: see below
   # Examples held out for eval when the source has no separate eval split (digits; mnist with
   # only the t10k pair: first N - eval_examples train, last eval_examples eval). -1 = default.
   eval_examples: int = -1
   synthetic_examples: int = 8192  # synthetic only
   synthetic_features: int = 784  # synthetic only
   prefetch: int = 2  # global batches assembled ahead of the step
+  # text: byte-level windows of the Python standard library's own *.py files (or of the *.py,
+  # *.txt, *.md, *.rst files under data.dir), read in sorted order up to text_bytes bytes.
+  seq_len: int = 128  # text only: tokens per example (targets are the next tokens)
+  text_bytes: int = 2**21  # text only: bytes of text read
 
   def __post_init__(self):
     _one_of('data.name', self.name, DATA_NAMES)
@@ -72,6 +76,8 @@ class DataConfig:
     _positive('data.synthetic_examples', self.synthetic_examples)
     _positive('data.synthetic_features', self.synthetic_features)
     _positive('data.prefetch', self.prefetch, allow_zero=True)
+    _positive('data.seq_len', self.seq_len)
+    _positive('data.text_bytes', self.text_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +86,14 @@ class ModelConfig:
   name: str = 'mnist_mlp'
   hidden: int = 512
   dropout: float = 0.3  # rate; 0 disables dropout
+  num_layers: int = 2  # transformer blocks (char_lm)
+  num_heads: int = 4  # attention heads (char_lm); must divide model.hidden
 
   def __post_init__(self):
     # model.name is checked against disttrain.models.MODELS when the model is built.
     _positive('model.hidden', self.hidden)
+    _positive('model.num_layers', self.num_layers)
+    _positive('model.num_heads', self.num_heads)
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f'model.dropout={self.dropout} must be in [0, 1); pass a rate in [0, 1) '
                         '(0 disables dropout)')
@@ -115,6 +125,11 @@ class Config:
   model: ModelConfig = ModelConfig()
   log_every_steps: int = 50
   eval_every_steps: int = 0  # 0 = only at the end
+  checkpoint_every_steps: int = 0  # async save every N steps; 0 = only at the end
+  max_to_keep: int = 3  # newest checkpoints kept (plus the best one if best_metric is set)
+  best_metric: str = ''  # eval metric whose best checkpoint is also kept, e.g. 'accuracy'
+  best_mode: str = 'max'  # 'max' or 'min' for best_metric
+  restore_from: str = ''  # warm start: params + mutable from another run's checkpoint
 
   def __post_init__(self):
     _positive('seed', self.seed, allow_zero=True)
@@ -130,6 +145,12 @@ class Config:
     _one_of('step_mode', self.step_mode, STEP_MODES)
     _positive('log_every_steps', self.log_every_steps)
     _positive('eval_every_steps', self.eval_every_steps, allow_zero=True)
+    _positive('checkpoint_every_steps', self.checkpoint_every_steps, allow_zero=True)
+    _positive('max_to_keep', self.max_to_keep)
+    _one_of('best_mode', self.best_mode, ('max', 'min'))
+    if self.best_metric and not self.eval_every_steps:
+      raise ConfigError(f'best_metric={self.best_metric!r} needs periodic evals; set '
+                        'eval_every_steps (a multiple of checkpoint_every_steps)')
     _check_rules(self.param_rules, self.logical_rules)
     if self.step_mode == 'pmap' and (self.mesh.fsdp != 1 or self.mesh.tensor != 1
                                      or self.sharding != 'replicate'):

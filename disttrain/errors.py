@@ -23,3 +23,13 @@ class CheckpointError(DisttrainError):
 
 class NonFiniteError(DisttrainError):
   """Training produced a NaN or Inf."""
+
+
+class Preempted(Exception):
+  """SIGTERM: a checkpoint was saved at `step` and has committed; relaunch to resume."""
+  exit_code = 75  # EX_TEMPFAIL: try again (the launcher exits with it)
+
+  def __init__(self, step: int, path: str):
+    super().__init__(f'preempted: saved a checkpoint at step {step} in {path}; relaunch with the '
+                     'same --workdir to resume')
+    self.step = step

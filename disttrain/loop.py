@@ -11,13 +11,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 import disttrain
-from disttrain import data, metrics, models, optim, sources
+from disttrain import checkpoint, data, distributed, metrics, models, optim, sources
 from disttrain import mesh as mesh_lib
 from disttrain import sharding as sharding_lib
 from disttrain import state as state_lib
 from disttrain import step as step_lib
 from disttrain.config import BATCH_AXES, Config
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, NonFiniteError, Preempted
 from disttrain.task import Classification
 
 
@@ -96,7 +96,9 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
           devices: Sequence[jax.Device] | None = None) -> Result:
   """Trains `model` (default: the one cfg.model names) per `cfg`, writing outputs to `workdir`.
 
-  `devices` defaults to every device of every process.
+  Resumes from the newest complete checkpoint in `workdir` if there is one. `devices` defaults
+  to every device of every process. Raises NonFiniteError on a NaN/Inf loss or gradient norm and
+  Preempted after saving on SIGTERM.
   """
   mesh = mesh_lib.build(cfg.mesh, devices)
   check_batch_sizes(cfg, mesh)
@@ -116,6 +118,38 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
                f'({len(dataset.train)} train / {len(dataset.eval)} eval)')
   batches = data.TrainIterator(dataset.train, cfg.global_batch_size, cfg.seed, batch_sharding,
                                prefetch=cfg.data.prefetch)
+  ckpt = checkpoint.Checkpointer(workdir, cfg)
+  watch = distributed.PreemptionWatch()
+  try:
+    state = _restore_or_init(ckpt, cfg, state, lay, batches, writer)
+    return _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_schedule,
+                 ckpt, watch, writer)
+  finally:
+    watch.close()
+    ckpt.close()  # waits for async saves to commit (and raises their errors)
+    writer.close()
+
+
+def _restore_or_init(ckpt, cfg: Config, state, lay, batches, writer):
+  """The newest checkpoint of this workdir, else a warm start from restore_from, else `state`."""
+  abstract = checkpoint.abstract_like(lay.shardings, state)
+  restored = ckpt.restore_latest(abstract)
+  if restored is not None:
+    state, data_state, _, at = restored
+    batches.set_state(data_state)  # the data order continues exactly where it stopped
+    writer.print(f'resumed from step {at}: {ckpt.directory}/{at}')
+    return state
+  if cfg.restore_from:
+    params, mutable, at = checkpoint.restore_params(cfg.restore_from, abstract)
+    writer.print(f'warm start: params from {cfg.restore_from} (step {at}); optimizer, step and '
+                 'data order start fresh')
+    return state.replace(params=params, mutable=mutable)
+  return state
+
+
+def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_schedule, ckpt,
+          watch, writer) -> Result:
+  """Train steps, records, evals, checkpoints; returns the final state and the records."""
   records: list[dict] = []
 
   def emit(record: dict) -> None:
@@ -130,12 +164,35 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
                  f'{result["accuracy"]:.4f} ({result["num_examples"]} examples)')
     return result
 
+  def checked(window: list) -> list:
+    """Fetches a window of (step, metrics); the first non-finite step stops the run unsaved."""
+    window = jax.device_get(window)
+    for at, m in window:
+      if not (np.isfinite(m['loss']) and np.isfinite(m['grad_norm'])):
+        saved = ckpt.steps()
+        raise NonFiniteError(
+            f'step {at}: loss={float(m["loss"])} grad_norm={float(m["grad_norm"])} is not '
+            f'finite; that state was not saved, the last checkpoint is step '
+            f'{saved[-1] if saved else None} in {ckpt.directory}; lower learning_rate or check '
+            'the data')
+    return window
+
+  def write_train_record(window: list) -> None:
+    window = checked(window)
+    at = window[-1][0]
+    examples_per_sec, eta = meter.tick(at, len(window) * cfg.global_batch_size)
+    record = _train_record(at, [m for _, m in window], float(lr_schedule(at - 1)),
+                           examples_per_sec)
+    emit(record)
+    writer.print(f'train step {at}/{cfg.num_train_steps}: loss {record["loss"]:.4f} '
+                 f'{examples_per_sec:,.0f} examples/s, ETA {metrics.format_eta(eta)}')
+
   bound_in_flight = _must_bound_in_flight(mesh)
   first_step = int(state.step)
   device_state = step.place(state)
   del state  # donated to the first step: never touch it again
   meter = metrics.Meter(first_step, cfg.num_train_steps)
-  window, pending_log, previous = [], None, None
+  window, due, previous = [], None, None
   start = time.perf_counter()
   for step_no in range(first_step + 1, cfg.num_train_steps + 1):
     batch = next(batches)
@@ -143,38 +200,47 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
     if bound_in_flight and previous is not None:
       jax.block_until_ready(previous)  # at most two multi-device steps in flight (see above)
     previous = step_metrics
-    # Write the record due at the previous step only now, with this step already queued, so
-    # fetching its metrics never leaves the device idle.
-    if pending_log is not None:
-      _log(pending_log, meter, cfg, lr_schedule, emit, writer)
-      pending_log = None
-    window.append(step_metrics)
-    if step_no % cfg.log_every_steps == 0 or step_no == cfg.num_train_steps:
-      pending_log, window = (step_no, window), []
-    if cfg.eval_every_steps and step_no % cfg.eval_every_steps == 0 \
-        and step_no != cfg.num_train_steps:
-      if pending_log is not None:  # keep records in step order
-        _log(pending_log, meter, cfg, lr_schedule, emit, writer)
-        pending_log = None
-      run_eval(step_no, device_state)
-  if pending_log is not None:
-    _log(pending_log, meter, cfg, lr_schedule, emit, writer)
-  final = run_eval(cfg.num_train_steps, device_state)
+    # The record due at the previous step is fetched only now, with this step queued, so
+    # logging never leaves the device idle.
+    if due is not None:
+      write_train_record(due)
+      due = None
+    window.append((step_no, step_metrics))
+    last = step_no == cfg.num_train_steps
+    if step_no % cfg.log_every_steps == 0 or last:
+      due, window = window, []
+    eval_due = last or (cfg.eval_every_steps and step_no % cfg.eval_every_steps == 0)
+    save_due = last or (cfg.checkpoint_every_steps
+                        and step_no % cfg.checkpoint_every_steps == 0)
+    preempted = watch.reached(step_no)
+    if not (eval_due or save_due or preempted):
+      continue
+    # Order matters: every step up to this one is checked finite before anything is saved, and
+    # records stay in step order.
+    if due is not None:
+      write_train_record(due)
+      due = None
+    window = checked(window)
+    result = run_eval(step_no, device_state) if eval_due else None
+    if save_due or preempted:
+      ckpt.save(step_no, step.export(device_state), batches.get_state(),
+                _meta(cfg, mesh, step_no), metrics=result)
+    if preempted:
+      ckpt.wait()  # the checkpoint must have committed before the process exits
+      raise Preempted(step_no, ckpt.directory)
+  if first_step >= cfg.num_train_steps:
+    writer.print(f'already at step {first_step} of {cfg.num_train_steps}: nothing to train')
+    result = run_eval(first_step, device_state)
   elapsed = time.perf_counter() - start
   writer.print(f'done: {cfg.num_train_steps - first_step} steps in {elapsed:.1f}s on '
                f'{mesh.size} devices {mesh_lib.axis_sizes(mesh)}; final eval accuracy '
-               f'{final["accuracy"]:.4f}, loss {final["loss"]:.4f} '
-               f'({final["num_examples"]} examples); outputs in {workdir}')
-  writer.close()
+               f'{result["accuracy"]:.4f}, loss {result["loss"]:.4f} '
+               f'({result["num_examples"]} examples); outputs in {workdir}')
   return Result(state=step.export(device_state), records=records,
                 trace_count=step.trace_count[0])
 
 
-def _log(pending, meter, cfg: Config, lr_schedule, emit, writer) -> None:
-  step_no, window = pending
-  window = jax.device_get(window)
-  examples_per_sec, eta = meter.tick(step_no, len(window) * cfg.global_batch_size)
-  record = _train_record(step_no, window, float(lr_schedule(step_no - 1)), examples_per_sec)
-  emit(record)
-  writer.print(f'train step {step_no}/{cfg.num_train_steps}: loss {record["loss"]:.4f} '
-               f'{examples_per_sec:,.0f} examples/s, ETA {metrics.format_eta(eta)}')
+def _meta(cfg: Config, mesh: Mesh, step_no: int) -> dict:
+  """Run metadata stored with each checkpoint."""
+  return {'step': step_no, 'config': cfg.to_dict(), 'mesh': mesh_lib.axis_sizes(mesh),
+          'num_processes': jax.process_count(), 'disttrain_version': disttrain.__version__}

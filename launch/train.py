@@ -37,6 +37,9 @@ def main(argv):
   try:
     cfg = disttrain.from_config_dict(_CONFIG.value)
     disttrain.train(cfg, _WORKDIR.value)
+  except disttrain.Preempted as e:
+    print(e, flush=True)
+    sys.exit(e.exit_code)  # 75: a checkpoint was saved; relaunch to resume
   except disttrain.DisttrainError as e:
     _fail(f'{type(e).__name__}: {e}')
 

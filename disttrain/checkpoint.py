@@ -1,0 +1,161 @@
+"""Orbax checkpoints under DIR/checkpoints: TrainState + data iterator state + run metadata.
+
+Saves are asynchronous; their errors are raised at the next save or at close, never swallowed.
+A save torn by a kill stays an orbax temporary directory, is never listed as a step, and is
+cleaned up when the next run opens the manager. Restores build the abstract state with the
+*current* mesh's shardings and let orbax reshard. A latest checkpoint that fails to restore is
+moved aside to DIR/checkpoints/corrupt/ (kept for inspection, never deleted) and the previous
+complete one is used. Nothing here deletes a complete checkpoint: only keep-N retention does.
+"""
+
+import os
+import time
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
+
+from disttrain import sharding as sharding_lib
+from disttrain.config import Config
+from disttrain.errors import CheckpointError
+
+ITEMS = ('state', 'data', 'meta')
+
+
+def _handlers() -> dict:
+  # Registered up front so that metadata (shapes) can be read before anything is saved.
+  return {'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
+          'meta': ocp.JsonCheckpointHandler()}
+
+
+def abstract_like(shardings: Any, shapes: Any) -> Any:
+  """ShapeDtypeStructs carrying the current layout's shardings: orbax reshards into them."""
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, shardings)
+
+
+class Checkpointer:
+  """One run's checkpoints: save every N steps and at the end, keep N (and the best), restore."""
+
+  def __init__(self, workdir: str, cfg: Config):
+    self.directory = os.path.abspath(os.path.join(workdir, 'checkpoints'))
+    keep = [policies.LatestN(n=cfg.max_to_keep)]
+    if cfg.best_metric:
+      keep.append(policies.BestN(get_metric_fn=lambda m: m[cfg.best_metric],
+                                 reverse=cfg.best_mode == 'min', n=1,
+                                 keep_checkpoints_without_metrics=False))
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=policies.AnyPreservationPolicy(keep),
+        cleanup_tmp_directories=True,  # torn saves from killed runs
+        enable_async_checkpointing=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_handlers=_handlers())
+
+  def steps(self) -> list[int]:
+    """Complete checkpoints, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def save(self, step: int, state: Any, data_state: dict, meta: dict,
+           metrics: dict | None = None) -> None:
+    """Starts an async save; raises the error of an earlier async save if it failed."""
+    self._manager.check_for_errors()
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+        meta=ocp.args.JsonSave(meta)), metrics=metrics, force=True)
+
+  def wait(self) -> None:
+    """Blocks until every started save has committed; raises its error if one failed."""
+    self._manager.wait_until_finished()
+    self._manager.check_for_errors()
+
+  def close(self) -> None:
+    self.wait()
+    self._manager.close()
+
+  def restore_latest(self, abstract_state: Any) -> tuple[Any, dict, dict, int] | None:
+    """(state, data state, meta, step) of the newest checkpoint that restores; None if none."""
+    failures = []
+    for step in reversed(self.steps()):
+      check_fits(self._manager, step, abstract_state, self.directory)
+      try:
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore()))
+      except Exception as e:  # pylint: disable=broad-except
+        # Any read error (truncated array file, bad metadata) means this step is unusable.
+        failures.append((step, f'{type(e).__name__}: {str(e).splitlines()[0][:200]}'))
+        self._quarantine(step)
+        continue
+      if failures:
+        logging.warning('checkpoint step %s in %s could not be restored (%s); fell back to step '
+                        '%d', failures[0][0], self.directory, failures[0][1], step)
+        print(f'warning: checkpoint step {failures[0][0]} is corrupt ({failures[0][1]}); moved '
+              f'to {self.directory}/corrupt/, resuming from step {step} instead', flush=True)
+      return restored['state'], restored['data'], restored['meta'], step
+    if failures:
+      raise CheckpointError(f'no checkpoint in {self.directory} could be restored (steps '
+                            f'{[s for s, _ in failures]}, first error: {failures[0][1]}); they '
+                            'were moved to corrupt/; remove the workdir to start fresh')
+    return None
+
+  def _quarantine(self, step: int) -> None:
+    """Moves an unreadable step aside (never deleted) so a later save can reuse its number."""
+    if jax.process_index() == 0:
+      corrupt = os.path.join(self.directory, 'corrupt')
+      os.makedirs(corrupt, exist_ok=True)
+      os.rename(os.path.join(self.directory, str(step)),
+                os.path.join(corrupt, f'{step}-{int(time.time())}'))
+    self._manager.reload()
+
+
+def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
+               where: str) -> None:
+  """One-line error naming the first parameter whose shape or presence differs."""
+  try:
+    saved = manager.item_metadata(step)['state'].tree
+  except Exception:  # pylint: disable=broad-except
+    return  # unreadable metadata: a corrupt checkpoint, which restore reports and falls back from
+  expected = {sharding_lib.path_str(p): tuple(x.shape)
+              for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+  found = {sharding_lib.path_str(p): tuple(x.shape)
+           for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
+  for path, shape in expected.items():
+    if path not in found:
+      raise CheckpointError(f'checkpoint {where}/{step} has no {path} (config expects shape '
+                            f'{shape}); it was saved for another model: use a matching config '
+                            'or another workdir')
+    if found[path] != shape:
+      raise CheckpointError(f'checkpoint {where}/{step}: {path} has shape {found[path]} but the '
+                            f'config expects {shape}; use the config it was saved with or '
+                            'another workdir')
+  extra = sorted(set(found) - set(expected))
+  if extra:
+    raise CheckpointError(f'checkpoint {where}/{step} has {extra[0]} {found[extra[0]]}, which the '
+                          'config does not; use the config it was saved with or another workdir')
+
+
+def restore_params(path: str, abstract_state: Any) -> tuple[Any, Any, int]:
+  """(params, mutable, step) from another run's checkpoint, for fine-tuning / warm starts.
+
+  `path` is a checkpoints directory (its latest step is used) or one step directory in it.
+  """
+  path = os.path.abspath(path)
+  directory, step = path, None
+  if os.path.basename(path).isdigit():
+    directory, step = os.path.dirname(path), int(os.path.basename(path))
+  if not os.path.isdir(directory):
+    raise CheckpointError(f'restore_from={path!r} does not exist; pass a checkpoints directory '
+                          'or one of its step directories')
+  manager = ocp.CheckpointManager(directory, item_handlers=_handlers(),
+                                  options=ocp.CheckpointManagerOptions(read_only=True))
+  step = manager.latest_step() if step is None else step
+  if step is None or step not in manager.all_steps():
+    raise CheckpointError(f'restore_from={path!r} holds no complete checkpoint; pass a '
+                          'checkpoints directory or one of its step directories')
+  check_fits(manager, step, abstract_state, directory)
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state)))
+  manager.close()
+  return restored['state'].params, restored['state'].mutable, step

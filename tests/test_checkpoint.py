@@ -1,0 +1,255 @@
+"""Checkpoints resume exactly, reshard onto other meshes, survive torn/corrupt saves and NaNs."""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import disttrain
+from disttrain import checkpoint, models, optim, sources
+from disttrain import mesh as mesh_lib
+from disttrain import state as state_lib
+from disttrain.errors import CheckpointError
+from tests.conftest import ROOT
+from tests.helpers import devices, make_config, to_numpy
+
+LAUNCH = [sys.executable, str(ROOT / 'launch' / 'train.py'),
+          f'--config={ROOT / "launch" / "configs" / "mnist_mlp.py"}', '--fake_devices=8',
+          '--config.model.hidden=128', '--config.global_batch_size=64',
+          '--config.log_every_steps=1', '--config.checkpoint_every_steps=20']
+STEPS = 150
+
+
+def _env():
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)  # --fake_devices sets the device count
+  return env
+
+
+def _launch(workdir, *extra) -> subprocess.Popen:
+  return subprocess.Popen(LAUNCH + [f'--workdir={workdir}', f'--config.num_train_steps={STEPS}',
+                                    *extra], env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def _train_losses(workdir) -> dict[int, float]:
+  """step -> loss of the *last* record for that step (a resumed run appends its own)."""
+  losses = {}
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    for line in f:
+      record = json.loads(line)
+      if record['split'] == 'train':
+        losses[record['step']] = record['loss']
+  return losses
+
+
+def _last_logged_step(workdir) -> int:
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    return 0
+  with open(path, encoding='utf-8') as f:
+    steps = [json.loads(line)['step'] for line in f if line.strip()]
+  return max(steps, default=0)
+
+
+def _saved_params(workdir, step):
+  manager = ocp.CheckpointManager(os.path.join(workdir, 'checkpoints'),
+                                  item_handlers=checkpoint._handlers())  # pylint: disable=protected-access
+  restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  manager.close()
+  return to_numpy(restored['state']['params'])
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('uninterrupted')
+  proc = _launch(workdir)
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0, out
+  return workdir
+
+
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM])
+def test_killed_run_resumes_bit_exactly(sig, uninterrupted, tmp_path):
+  proc = _launch(tmp_path)
+  # Kill at a step after the second checkpoint (steps 20 and 40) has committed.
+  while (_last_logged_step(tmp_path) < 45 or not (tmp_path / 'checkpoints' / '40').is_dir()) \
+      and proc.poll() is None:
+    time.sleep(0.02)
+  assert proc.poll() is None, 'the run finished before it could be interrupted'
+  proc.send_signal(sig)
+  out, _ = proc.communicate(timeout=120)
+  if sig == signal.SIGTERM:
+    assert proc.returncode == disttrain.Preempted.exit_code, out
+    assert 'preempted: saved a checkpoint at step' in out
+  else:
+    assert proc.returncode == -signal.SIGKILL
+  saved = sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit())
+  resume_step = saved[-1]
+  assert resume_step >= 40
+  if sig == signal.SIGTERM:
+    assert resume_step > 45 and resume_step % 20, 'preemption saves at the step it stopped'
+
+  relaunch = _launch(tmp_path)
+  out, _ = relaunch.communicate(timeout=300)
+  assert relaunch.returncode == 0, out
+  assert f'resumed from step {resume_step}' in out
+  expected, actual = _train_losses(uninterrupted), _train_losses(tmp_path)
+  after = [s for s in range(resume_step + 1, STEPS + 1)]
+  assert [actual[s] for s in after] == [expected[s] for s in after]  # bitwise equal
+  for a, b in zip(jax.tree.leaves(_saved_params(tmp_path, STEPS)),
+                  jax.tree.leaves(_saved_params(uninterrupted, STEPS))):
+    np.testing.assert_array_equal(a, b)
+
+
+def _layout(cfg, n):
+  mesh = mesh_lib.build(cfg.mesh, devices(n))
+  dataset = sources.load(cfg.data)
+  model = models.build(cfg.model, dataset.num_classes)
+  tx, _ = optim.build(cfg)
+  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
+                                cfg, mesh)
+  return checkpoint.abstract_like(lay.shardings, state), lay
+
+
+@pytest.fixture(scope='module')
+def saved_on_eight(tmp_path_factory):
+  """A data=8 checkpoint at step 10, and the uninterrupted data=8 losses for steps 1-12."""
+  common = dict(log_every_steps=1, model__dropout=0.0, model__hidden=128)
+  reference = disttrain.train(make_config(mesh__data=8, num_train_steps=12, **common),
+                              str(tmp_path_factory.mktemp('ref')), devices=devices(8))
+  workdir = tmp_path_factory.mktemp('saved8')
+  saved = disttrain.train(make_config(mesh__data=8, num_train_steps=10, **common), str(workdir),
+                          devices=devices(8))
+  losses = {r['step']: r['loss'] for r in reference.records if r['split'] == 'train'}
+  return workdir, to_numpy(saved.state.params), losses, common
+
+
+@pytest.mark.parametrize('mesh_overrides,n', [({'mesh__data': 1}, 1),
+                                              ({'mesh__data': 4, 'mesh__tensor': 2}, 8)])
+def test_checkpoint_restores_onto_another_mesh(saved_on_eight, mesh_overrides, n, tmp_path):
+  source, saved_params, losses, common = saved_on_eight
+  cfg = make_config(num_train_steps=12, **mesh_overrides, **common)
+  abstract, lay = _layout(cfg, n)
+  restored = checkpoint.Checkpointer(str(source), cfg).restore_latest(abstract)
+  state, _, meta, step = restored
+  assert step == 10 and meta['mesh']['data'] == 8
+  for got, want in zip(jax.tree.leaves(to_numpy(state.params)), jax.tree.leaves(saved_params)):
+    np.testing.assert_array_equal(got, want)  # exactly the saved values
+  assert state.params['Dense_0']['kernel'].sharding == lay.shardings.params['Dense_0']['kernel']
+  # Training continues on the new mesh; its next steps match the uninterrupted 8-device run.
+  workdir = tmp_path / 'continue'
+  shutil.copytree(source, workdir)
+  result = disttrain.train(cfg, str(workdir), devices=devices(n))
+  resumed = {r['step']: r['loss'] for r in result.records if r['split'] == 'train'}
+  assert sorted(resumed) == [11, 12]
+  np.testing.assert_allclose([resumed[11], resumed[12]], [losses[11], losses[12]], rtol=1e-4)
+
+
+def _copy_run(source, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(source, workdir)
+  return workdir
+
+
+def test_torn_save_is_ignored_and_cleaned(saved_on_eight, tmp_path):
+  source, _, _, common = saved_on_eight
+  workdir = _copy_run(source, tmp_path)
+  ckpt_dir = workdir / 'checkpoints'
+  # What a kill during an async save leaves: orbax's temporary directory, never committed.
+  torn = ckpt_dir / '11.orbax-checkpoint-tmp'
+  shutil.copytree(ckpt_dir / '10', torn)
+  os.remove(next(iter(glob.glob(str(torn / 'state' / 'ocdbt.process_0' / 'd' / '*')))))
+  cfg = make_config(mesh__data=8, num_train_steps=12, **common)
+  abstract, _ = _layout(cfg, 8)
+  manager = checkpoint.Checkpointer(str(workdir), cfg)
+  assert manager.steps() == [10]
+  assert manager.restore_latest(abstract)[3] == 10
+  manager.close()  # the clean-up of temporary directories runs in the background
+  assert not torn.exists(), 'the torn temporary directory should be cleaned up'
+
+
+def test_corrupt_latest_falls_back_to_previous(saved_on_eight, tmp_path, capsys):
+  source, saved_params, _, common = saved_on_eight
+  workdir = _copy_run(source, tmp_path)
+  ckpt_dir = workdir / 'checkpoints'
+  # A second complete checkpoint at step 12, then its array data truncated.
+  cfg = make_config(mesh__data=8, num_train_steps=12, checkpoint_every_steps=12, **common)
+  disttrain.train(cfg, str(workdir), devices=devices(8))
+  assert sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) == [10, 12]
+  for path in glob.glob(str(ckpt_dir / '12' / 'state' / '**' / 'd' / '*'), recursive=True):
+    with open(path, 'r+b') as f:
+      f.truncate(max(os.path.getsize(path) // 3, 1))
+  abstract, _ = _layout(cfg, 8)
+  state, _, _, step = checkpoint.Checkpointer(str(workdir), cfg).restore_latest(abstract)
+  out = capsys.readouterr().out
+  assert step == 10
+  assert 'checkpoint step 12 is corrupt' in out and 'resuming from step 10' in out
+  for got, want in zip(jax.tree.leaves(to_numpy(state.params)), jax.tree.leaves(saved_params)):
+    np.testing.assert_array_equal(got, want)
+  assert (ckpt_dir / '10').is_dir(), 'the complete checkpoint must survive'
+  assert len(os.listdir(ckpt_dir / 'corrupt')) == 1, 'the corrupt one is kept aside, not deleted'
+
+
+def test_checkpoint_of_another_model_names_first_mismatch(saved_on_eight, tmp_path):
+  source, _, _, common = saved_on_eight
+  workdir = _copy_run(source, tmp_path)
+  cfg = make_config(mesh__data=8, num_train_steps=12, **{**common, 'model__hidden': 64})
+  with pytest.raises(CheckpointError, match=r'params/BatchNorm_0/bias has shape \(128,\) but the '
+                                            r'config expects \(64,\)') as err:
+    disttrain.train(cfg, str(workdir), devices=devices(8))
+  assert '\n' not in str(err.value)
+  assert (workdir / 'checkpoints' / '10').is_dir()
+
+
+def test_nan_stops_with_step_and_keeps_last_finite_checkpoint(tmp_path):
+  # SGD at lr 1e4 diverges within a few steps (measured: NaN at step 4 on digits).
+  proc = subprocess.run(
+      LAUNCH + [f'--workdir={tmp_path}', '--config.num_train_steps=60',
+                '--config.checkpoint_every_steps=1', '--config.optimizer=sgd',
+                '--config.learning_rate=1e4', '--config.model.dropout=0'],
+      env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  error = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+  assert len(error) == 1 and 'NonFiniteError: step ' in error[0], proc.stderr
+  bad_step = int(error[0].split('step ')[1].split(':')[0])
+  saved = sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit())
+  assert saved[-1] == bad_step - 1
+  finite = [r for r in map(json.loads, open(tmp_path / 'metrics.jsonl')) if r['split'] == 'train']
+  assert all(np.isfinite(r['loss']) for r in finite)
+
+
+class _IdTask(disttrain.Classification):
+  """Classification plus per-step fingerprints of the example ids in the global batch."""
+
+  def per_example(self, logits, batch):
+    out = super().per_example(logits, batch)
+    ids = batch['id'].astype(jnp.float32)
+    return {**out, 'id_mean': ids, 'id_sq_mean': ids * ids}
+
+
+def test_data_order_after_resume_equals_uninterrupted(tmp_path):
+  common = dict(mesh__data=8, log_every_steps=1, model__hidden=32)
+  full = disttrain.train(make_config(num_train_steps=30, **common), str(tmp_path / 'full'),
+                         task=_IdTask(), devices=devices(8))
+  disttrain.train(make_config(num_train_steps=13, **common), str(tmp_path / 'split'),
+                  task=_IdTask(), devices=devices(8))
+  resumed = disttrain.train(make_config(num_train_steps=30, **common), str(tmp_path / 'split'),
+                            task=_IdTask(), devices=devices(8))
+  def fingerprints(result):
+    return {r['step']: (r['id_mean'], r['id_sq_mean']) for r in result.records
+            if r['split'] == 'train'}
+  expected, actual = fingerprints(full), fingerprints(resumed)
+  assert sorted(actual) == list(range(14, 31))  # 1500 examples / 64 = 23 steps an epoch: crosses
+  assert all(actual[s] == expected[s] for s in actual)
+  assert len(set(expected.values())) == 30  # every step saw a different batch
