@@ -1,10 +1,104 @@
 """Process-level facts and decisions that every process must take at the same step."""
 
+import re
 import signal
+import socket
 import threading
+import time
 
 import jax
 from jax.experimental import multihost_utils
+
+from disttrain.errors import DisttrainError
+
+
+class DistributedError(DisttrainError):
+  """The processes of a multi-process job could not form one job."""
+
+
+def initialize(coordinator_address: str | None, num_processes: int | None,
+               process_id: int | None, *, init_timeout: int = 300,
+               heartbeat_timeout: int = 100) -> None:
+  """Starts jax.distributed: explicit coordinator, or auto-detected (TPU pods, SLURM, ...).
+
+  On CPU the gloo collectives are selected so that processes really exchange data.
+  """
+  if jax.config.jax_platforms in (None, '', 'cpu') or 'cpu' in str(jax.config.jax_platforms):
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  if coordinator_address and num_processes and num_processes > 1 and process_id is not None:
+    # jax.distributed aborts the process on a join timeout without saying who is missing.
+    _roll_call(coordinator_address, num_processes, process_id, init_timeout)
+  try:
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=init_timeout,
+                               heartbeat_timeout_seconds=heartbeat_timeout)
+  except Exception as e:  # pylint: disable=broad-except
+    message = str(e)
+    missing = sorted({int(t) for t in re.findall(r'task:(\d+)', message)} - {process_id})
+    who = (f'process(es) {missing} did not join' if missing else
+           f'not all {num_processes} processes joined')
+    raise DistributedError(
+        f'jax.distributed did not start within {init_timeout}s: {who} (coordinator '
+        f'{coordinator_address}, this is process {process_id}); start every process with the '
+        f'same --coordinator_address and --num_processes, or raise --distributed_init_timeout'
+    ) from e
+
+
+def _roll_call(address: str, num_processes: int, process_id: int, timeout: float) -> None:
+  """Every process checks in with process 0 on the coordinator's port + 1 before JAX starts.
+
+  Process 0 names the process ids that did not arrive in time; the others say the coordinator
+  did not release them. Everyone proceeds only when all have checked in.
+  """
+  host, port = address.rsplit(':', 1)
+  port = int(port) + 1
+  deadline = time.monotonic() + timeout
+  if process_id == 0:
+    try:
+      server = socket.create_server(('', port))
+    except OSError as e:
+      raise DistributedError(f'cannot listen on port {port} (coordinator port + 1) for the roll '
+                             f'call: {e.strerror}; pick another --coordinator_address port') from e
+    joined: dict[int, socket.socket] = {}
+    with server:
+      while len(joined) < num_processes - 1 and time.monotonic() < deadline:
+        server.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+          conn, _ = server.accept()
+          conn.settimeout(max(deadline - time.monotonic(), 0.01))
+          joined[int(conn.makefile().readline())] = conn
+        except (socket.timeout, ValueError):
+          continue
+      missing = sorted(set(range(1, num_processes)) - set(joined))
+      for conn in joined.values():
+        if not missing:
+          conn.sendall(b'go\n')
+        conn.close()
+    if missing:
+      raise DistributedError(
+          f'process(es) {missing} of {num_processes} did not join within {timeout:.0f}s '
+          f'(coordinator {address}); start them with --coordinator_address={address} '
+          f'--num_processes={num_processes}, or raise --distributed_init_timeout')
+    return
+  while True:
+    try:
+      with socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.01)) \
+          as conn:
+        conn.sendall(f'{process_id}\n'.encode())
+        if conn.makefile().readline().strip() == 'go':
+          return
+        break
+    except ConnectionRefusedError:
+      if time.monotonic() > deadline:
+        break
+      time.sleep(0.2)
+    except (socket.timeout, OSError):
+      break
+  raise DistributedError(
+      f'process {process_id}: the coordinator (process 0 at {address}) did not start the job '
+      f'within {timeout:.0f}s; start process 0 and every other process with the same '
+      '--coordinator_address and --num_processes, or raise --distributed_init_timeout')
 
 
 class PreemptionWatch:

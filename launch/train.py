@@ -13,11 +13,31 @@ from absl import app, flags, logging
 import ml_collections
 from ml_collections import config_flags
 
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  return int(value) if value and value.isdigit() else None
+
+
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (launch/configs/*.py).',
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for metrics, run.json, TensorBoard.')
 _FAKE_DEVICES = flags.DEFINE_integer(
     'fake_devices', None, 'Run on N CPU devices (set before JAX initialises its backend).')
+_DISTRIBUTED = flags.DEFINE_bool(
+    'distributed', False, 'Initialise jax.distributed. Without --coordinator_address, JAX detects '
+    'the cluster itself (Cloud TPU pods, SLURM, ...).')
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', os.environ.get('JAX_COORDINATOR_ADDRESS'),
+    'host:port of process 0 (implies --distributed). Env: JAX_COORDINATOR_ADDRESS.')
+_NUM_PROCESSES = flags.DEFINE_integer(
+    'num_processes', _env_int('JAX_NUM_PROCESSES'), 'Processes in the job. Env: JAX_NUM_PROCESSES.')
+_PROCESS_ID = flags.DEFINE_integer(
+    'process_id', _env_int('JAX_PROCESS_ID'), 'This process, 0..num_processes-1. Env: JAX_PROCESS_ID.')
+_INIT_TIMEOUT = flags.DEFINE_integer(
+    'distributed_init_timeout', 300, 'Seconds to wait for every process to join.')
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    'distributed_heartbeat_timeout', 100, 'Seconds without a heartbeat before a process is '
+    'declared dead and the job stops.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 _EXAMPLE_CONFIG = 'launch/configs/mnist_mlp.py'
@@ -34,8 +54,13 @@ def main(argv):
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', _FAKE_DEVICES.value)
   import disttrain  # pylint: disable=g-import-not-at-top
+  from disttrain import distributed  # pylint: disable=g-import-not-at-top
   try:
-    cfg = disttrain.from_config_dict(_CONFIG.value)
+    cfg = disttrain.from_config_dict(_CONFIG.value)  # bad config: fail before joining a job
+    if _DISTRIBUTED.value or _COORDINATOR.value:
+      distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                             init_timeout=_INIT_TIMEOUT.value,
+                             heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
     disttrain.train(cfg, _WORKDIR.value)
   except disttrain.Preempted as e:
     print(e, flush=True)

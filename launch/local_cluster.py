@@ -1,0 +1,147 @@
+"""Run launch/train.py as a multi-process jax.distributed job on this machine (CPU, gloo).
+
+  python launch/local_cluster.py --num_processes=2 --devices_per_process=4 -- \
+      --config=launch/configs/mnist_mlp.py --workdir=runs/mp
+
+Starts a coordinator on a free loopback port and P processes with D fake CPU devices each; every
+output line is prefixed with its process id. If one process fails, the others are stopped and
+this exits with its code and a one-line reason. SIGTERM is forwarded to every process (each saves
+a preemption checkpoint at one agreed step; exit 75). --timeout ends a hung job.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from absl import app, flags
+
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', 2, 'Processes to start.')
+_DEVICES = flags.DEFINE_integer('devices_per_process', 4, 'Fake CPU devices per process.')
+_TIMEOUT = flags.DEFINE_float('timeout', 1800, 'Seconds before a hung job is stopped.')
+_GRACE = flags.DEFINE_float('grace', 20, 'Seconds the others get to stop before SIGKILL.')
+
+TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
+PREEMPTED = 75  # launch/train.py's exit code after a preemption checkpoint
+
+
+def free_port_pair() -> int:
+  """A loopback port p with p + 1 also free (the roll call listens on p + 1)."""
+  for _ in range(100):
+    with socket.socket() as s:
+      s.bind(('127.0.0.1', 0))
+      port = s.getsockname()[1]
+    try:
+      with socket.socket() as a, socket.socket() as b:
+        a.bind(('127.0.0.1', port))
+        b.bind(('127.0.0.1', port + 1))
+      return port
+    except OSError:
+      continue
+  raise RuntimeError('no free pair of loopback ports')
+
+
+def _pump(index: int, stream) -> None:
+  for line in stream:
+    sys.stdout.write(f'[{index}] {line}')
+    sys.stdout.flush()
+
+
+def _describe(code: int) -> str:
+  return f'killed by {signal.Signals(-code).name}' if code < 0 else f'exited with code {code}'
+
+
+def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+  """SIGTERM every live process group, then SIGKILL what is left after `grace` seconds."""
+  for p in procs:
+    if p.poll() is None:
+      os.killpg(p.pid, signal.SIGTERM)
+  deadline = time.monotonic() + grace
+  while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    time.sleep(0.1)
+  for p in procs:
+    try:
+      os.killpg(p.pid, signal.SIGKILL)  # also any child a process left behind
+    except ProcessLookupError:
+      pass
+    p.wait()
+
+
+def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
+        grace: float) -> int:
+  """Runs the job; returns the exit status for this launcher."""
+  port = free_port_pair()
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
+  env.pop('XLA_FLAGS', None)  # --fake_devices decides the device count
+  procs, pumps = [], []
+  for i in range(num_processes):
+    cmd = [sys.executable, TRAIN, *train_args, f'--fake_devices={devices}',
+           f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={num_processes}',
+           f'--process_id={i}']
+    # Own process group each, so that stopping a process also stops anything it started.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    procs.append(proc)
+    pumps.append(threading.Thread(target=_pump, args=(i, proc.stdout), daemon=True))
+    pumps[-1].start()
+
+  terminated = threading.Event()
+
+  def forward_sigterm(*_):
+    terminated.set()
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+  previous = signal.signal(signal.SIGTERM, forward_sigterm)
+  deadline = time.monotonic() + timeout
+  try:
+    while True:
+      codes = [p.poll() for p in procs]
+      failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, PREEMPTED)]
+      if failed and not terminated.is_set():
+        index, code = failed[0]
+        _stop(procs, grace)
+        _finish(pumps)
+        print(f'local_cluster: process {index} {_describe(code)}; stopped the other '
+              f'{num_processes - 1} process(es)', file=sys.stderr, flush=True)
+        return code if code > 0 else 128 - code
+      if all(c is not None for c in codes):
+        _finish(pumps)
+        if all(c == 0 for c in codes):
+          return 0
+        if all(c == PREEMPTED for c in codes):
+          print('local_cluster: preempted; every process saved its checkpoint (exit 75), '
+                'relaunch to resume', file=sys.stderr, flush=True)
+          return PREEMPTED
+        index, code = next((i, c) for i, c in enumerate(codes) if c != 0)
+        print(f'local_cluster: process {index} {_describe(code)}', file=sys.stderr, flush=True)
+        return code if code > 0 else 128 - code
+      if time.monotonic() > deadline:
+        _stop(procs, grace)
+        _finish(pumps)
+        print(f'local_cluster: timed out after {timeout:.0f}s; stopped all {num_processes} '
+              'processes (raise --timeout if the job needs longer)', file=sys.stderr, flush=True)
+        return 124
+      time.sleep(0.1)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+    _stop(procs, 0)  # never leave orphans, whatever happened above
+
+
+def _finish(pumps) -> None:
+  for t in pumps:
+    t.join(timeout=5)
+
+
+def main(argv):
+  if _NUM_PROCESSES.value < 1 or _DEVICES.value < 1:
+    print('error: --num_processes and --devices_per_process must be >= 1', file=sys.stderr)
+    sys.exit(2)
+  sys.exit(run(_NUM_PROCESSES.value, _DEVICES.value, argv[1:], _TIMEOUT.value, _GRACE.value))
+
+
+if __name__ == '__main__':
+  app.run(main)
