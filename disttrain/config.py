@@ -121,6 +121,8 @@ class Config:
   # ((logical axis name, mesh axis or None), ...) for Flax logical-axis metadata.
   logical_rules: tuple = ()
   step_mode: str = 'jit'
+  steps_per_dispatch: int = 1  # K steps per compiled call (lax.scan over K batches), like Keras'
+  # steps_per_execution; num_train_steps and every *_every_steps must be multiples of K
   data: DataConfig = DataConfig()
   model: ModelConfig = ModelConfig()
   log_every_steps: int = 50
@@ -152,6 +154,7 @@ class Config:
       raise ConfigError(f'best_metric={self.best_metric!r} needs periodic evals; set '
                         'eval_every_steps (a multiple of checkpoint_every_steps)')
     _check_rules(self.param_rules, self.logical_rules)
+    self._check_dispatch()
     if self.step_mode == 'pmap' and (self.mesh.fsdp != 1 or self.mesh.tensor != 1
                                      or self.sharding != 'replicate'):
       raise ConfigError(
@@ -162,6 +165,20 @@ class Config:
       raise ConfigError(
           f'step_mode=shard_map splits the batch only, got mesh.tensor={self.mesh.tensor}; use '
           'step_mode=jit for tensor parallelism')
+
+  def _check_dispatch(self) -> None:
+    k = self.steps_per_dispatch
+    _positive('steps_per_dispatch', k)
+    if k == 1:
+      return
+    if self.step_mode == 'pmap':
+      raise ConfigError(f'steps_per_dispatch={k} needs step_mode=jit or shard_map, not pmap; '
+                        'use one of them or steps_per_dispatch=1')
+    for name in ('num_train_steps', 'log_every_steps', 'eval_every_steps',
+                 'checkpoint_every_steps'):
+      if getattr(self, name) % k:
+        raise ConfigError(f'{name}={getattr(self, name)} is not a multiple of '
+                          f'steps_per_dispatch={k}; use a multiple of {k}')
 
   @property
   def eval_batch(self) -> int:

@@ -67,6 +67,16 @@ class _Assembler:
       lo = int(np.searchsorted(self.rows, start))
       self.pieces.append((device, lo, lo + stop - start))
 
+  def stacked(self, local: dict[str, np.ndarray]) -> Batch:
+    """[K, B, ...] global arrays from [K, local rows, ...] numpy: K batches for one dispatch."""
+    sharding = NamedSharding(self.sharding.mesh, P(None, *self.sharding.spec))
+    shapes = {k: (v.shape[0], self.batch_size) + v.shape[2:] for k, v in local.items()}
+    if self.contiguous:
+      return jax.make_array_from_process_local_data(sharding, local, shapes)
+    return {k: jax.make_array_from_single_device_arrays(
+        shapes[k], sharding, [jax.device_put(v[:, lo:hi], device) for device, lo, hi in self.pieces])
+            for k, v in local.items()}
+
   def __call__(self, local: dict[str, np.ndarray], piecewise: bool = False) -> Batch:
     """Global arrays of leading dim batch_size; piecewise forces the per-device path."""
     for key, value in local.items():
@@ -136,6 +146,11 @@ class TrainIterator:
   def __next__(self) -> Batch:
     """The next global batch."""
     return self._assemble(next(self._it))
+
+  def next_many(self, k: int) -> Batch:
+    """The next k global batches stacked on a new leading axis (steps_per_dispatch = k)."""
+    local = [next(self._it) for _ in range(k)]
+    return self._assemble.stacked({key: np.stack([b[key] for b in local]) for key in local[0]})
 
   def get_state(self) -> dict:
     """JSON-serialisable position: the next batch to deliver plus what the order depends on."""

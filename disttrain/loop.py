@@ -165,9 +165,14 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
     return result
 
   def checked(window: list) -> list:
-    """Fetches a window of (step, metrics); the first non-finite step stops the run unsaved."""
-    window = jax.device_get(window)
-    for at, m in window:
+    """Fetches [(steps, metrics)] as [(step, metrics)]; a non-finite step stops the run unsaved."""
+    flat = []
+    for steps, m in jax.device_get(window):
+      if len(steps) == 1 and np.ndim(m['loss']) == 0:
+        flat.append((steps[0], m))
+      else:  # one dispatch of K steps: metrics have a leading [K] axis
+        flat.extend((at, {k: v[i] for k, v in m.items()}) for i, at in enumerate(steps))
+    for at, m in flat:
       if not (np.isfinite(m['loss']) and np.isfinite(m['grad_norm'])):
         saved = ckpt.steps()
         raise NonFiniteError(
@@ -175,11 +180,11 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
             f'finite; that state was not saved, the last checkpoint is step '
             f'{saved[-1] if saved else None} in {ckpt.directory}; lower learning_rate or check '
             'the data')
-    return window
+    return [([at], m) for at, m in flat]
 
   def write_train_record(window: list) -> None:
     window = checked(window)
-    at = window[-1][0]
+    at = window[-1][0][0]
     examples_per_sec, eta = meter.tick(at, len(window) * cfg.global_batch_size)
     record = _train_record(at, [m for _, m in window], float(lr_schedule(at - 1)),
                            examples_per_sec)
@@ -193,10 +198,13 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
   del state  # donated to the first step: never touch it again
   meter = metrics.Meter(first_step, cfg.num_train_steps)
   window, due, previous = [], None, None
+  per_call = cfg.steps_per_dispatch
   start = time.perf_counter()
-  for step_no in range(first_step + 1, cfg.num_train_steps + 1):
-    batch = next(batches)
-    device_state, step_metrics = step.train(device_state, batch)
+  for step_no in range(first_step + per_call, cfg.num_train_steps + 1, per_call):
+    if per_call == 1:
+      device_state, step_metrics = step.train(device_state, next(batches))
+    else:  # K steps in one compiled call; every cadence below is a multiple of K
+      device_state, step_metrics = step.train_many(device_state, batches.next_many(per_call))
     if bound_in_flight and previous is not None:
       jax.block_until_ready(previous)  # at most two multi-device steps in flight (see above)
     previous = step_metrics
@@ -205,7 +213,7 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
     if due is not None:
       write_train_record(due)
       due = None
-    window.append((step_no, step_metrics))
+    window.append((list(range(step_no - per_call + 1, step_no + 1)), step_metrics))
     last = step_no == cfg.num_train_steps
     if step_no % cfg.log_every_steps == 0 or last:
       due, window = window, []
