@@ -7,4 +7,5 @@ from disttrain.errors import (CheckpointError, ConfigError, DataError, Disttrain
                               NonFiniteError, Preempted, ShardingError)
 from disttrain.loop import Result, evaluate, train
 from disttrain.state import TrainState
+from disttrain.step import StepContext
 from disttrain.task import Classification

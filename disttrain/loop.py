@@ -93,24 +93,29 @@ def run_info(cfg: Config, mesh: Mesh, lay: state_lib.Layout) -> dict:
 
 
 def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
-          devices: Sequence[jax.Device] | None = None) -> Result:
+          devices: Sequence[jax.Device] | None = None, tx: Any = None,
+          train_step: Any = None) -> Result:
   """Trains `model` (default: the one cfg.model names) per `cfg`, writing outputs to `workdir`.
 
-  Resumes from the newest complete checkpoint in `workdir` if there is one. `devices` defaults
-  to every device of every process. Raises NonFiniteError on a NaN/Inf loss or gradient norm and
-  Preempted after saving on SIGTERM.
+  Levels of disclosure: the config alone; your own `model` (any front end in disttrain.models)
+  and `task` (per-example loss and metrics); your own optax `tx` and/or `train_step(ctx, state,
+  batch) -> (state, metrics)` (see step.StepContext). Sharding, data, checkpoints and logging
+  stay the same. Resumes from the newest complete checkpoint in `workdir` if there is one.
+  `devices` defaults to every device of every process. Raises NonFiniteError on a NaN/Inf loss
+  or gradient norm and Preempted after saving on SIGTERM.
   """
   mesh = mesh_lib.build(cfg.mesh, devices)
   check_batch_sizes(cfg, mesh)
   dataset = sources.load(cfg.data)
   model = model or models.build(cfg.model, dataset.num_classes)
   task = task or Classification()
-  tx, lr_schedule = optim.build(cfg)
+  config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
+  tx = tx or config_tx
   batch_sharding = data.batch_sharding(mesh)
 
   state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
                                 cfg, mesh)
-  step = step_lib.build(model, task, tx, cfg, mesh, lay, batch_sharding)
+  step = step_lib.build(model, task, tx, cfg, mesh, lay, batch_sharding, train_step)
   writer = metrics.Writer(workdir, enabled=jax.process_index() == 0)
   writer.write_run(run_info(cfg, mesh, lay))
   writer.print(f'disttrain: {mesh.size} devices, mesh {mesh_lib.axis_sizes(mesh)}, '

@@ -55,14 +55,32 @@ def layout(model, tx, sample_batch: dict, cfg: Config, mesh: Mesh) -> Layout:
   mutable_specs, _ = sharding_lib.specs_for(abstract.mutable, cfg, mesh)
   replicate = NamedSharding(mesh, P())
   param_shardings = sharding_lib.named(mesh, param_specs)
-  # Optimizer state follows its parameter; counts and other non-parameter leaves replicate.
-  opt_shardings = optax.tree_map_params(
-      tx, lambda _, s: s, abstract.opt_state, param_shardings,
-      transform_non_params=lambda _: replicate,
-      is_leaf=lambda x: isinstance(x, NamedSharding))
+  opt_shardings = _follow_params(abstract.opt_state, abstract.params, param_shardings, replicate)
   shardings = TrainState(step=replicate, params=param_shardings, opt_state=opt_shardings,
                          mutable=sharding_lib.named(mesh, mutable_specs), rng=replicate)
   return Layout(shardings=shardings, param_specs=param_specs, replicated=replicated)
+
+
+def _follow_params(opt_state, params, param_shardings, replicate: NamedSharding):
+  """Each optimizer-state leaf takes the sharding of its parameter; others replicate.
+
+  Its parameter is the one whose path ends the leaf's path ('.../mu/Dense_0/kernel') with the
+  same shape: this covers Adam-style moments, multi_transform's per-group states and custom
+  transformations alike; counts and other scalars replicate.
+  """
+  by_path = {}
+  for (path, leaf), sharding in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                    jax.tree.leaves(param_shardings)):
+    by_path[sharding_lib.path_str(path)] = (tuple(leaf.shape), sharding)
+
+  def follow(path, leaf):
+    parts = sharding_lib.path_str(path).split('/')
+    for i in range(len(parts)):
+      shape, sharding = by_path.get('/'.join(parts[i:]), (None, None))
+      if shape == tuple(leaf.shape):
+        return sharding
+    return replicate
+  return jax.tree_util.tree_map_with_path(follow, opt_state)
 
 
 def create(model, tx, sample_batch: dict, cfg: Config, mesh: Mesh) -> tuple[TrainState, Layout]:

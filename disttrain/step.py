@@ -21,6 +21,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from disttrain.config import BATCH_AXES, Config
+from disttrain.errors import ConfigError
 from disttrain.state import Layout, TrainState
 
 Metrics = dict[str, jax.Array]
@@ -58,6 +59,35 @@ def _update(tx, state: TrainState, grads, sums, count, new_mutable) -> tuple[Tra
   return new_state, metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+  """What a user-supplied train step gets: the framework's own pieces of the default step.
+
+  The default step is `apply_gradients(state, *loss_and_grads(state, batch))`; a custom one
+  (two optimizers, GAN-style alternation, ...) recombines these and keeps sharding, data,
+  checkpoints and logging. It must return (new state, metrics) with a scalar 'loss'.
+  """
+  model: Any
+  task: Any
+  tx: optax.GradientTransformation
+
+  def dropout_key(self, state: TrainState) -> jax.Array:
+    """fold_in(rng, step): the same for every layout."""
+    return _dropout_key(state)
+
+  def loss_and_grads(self, state: TrainState, batch: dict, params: Any = None):
+    """(grads, masked sums, global valid count, new mutable) of the global-batch mean loss."""
+    count = jnp.sum(batch['mask'])
+    grads, sums, new_mutable = _grads(self.model, self.task,
+                                      state.params if params is None else params, state.mutable,
+                                      batch, _dropout_key(state), count)
+    return grads, sums, count, new_mutable
+
+  def apply_gradients(self, state: TrainState, grads, sums, count, new_mutable):
+    """One optimizer update with `tx`; metrics = sums / count, count, grad_norm."""
+    return _update(self.tx, state, grads, sums, count, new_mutable)
+
+
 @dataclasses.dataclass
 class Step:
   """Compiled train/eval steps for one style, plus conversions to the style's state form."""
@@ -73,8 +103,12 @@ class Step:
 
 
 def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh, lay: Layout,
-          batch_sharding: NamedSharding) -> Step:
-  """The train and eval steps of `cfg.step_mode`, jitted with shardings and donation."""
+          batch_sharding: NamedSharding, train_step: Callable | None = None) -> Step:
+  """The train and eval steps of `cfg.step_mode`, jitted with shardings and donation.
+
+  `train_step(ctx: StepContext, state, batch) -> (state, metrics)` replaces the default update
+  (jit style only: it is written for the global batch).
+  """
   traces = [0]
   replicated = NamedSharding(mesh, P())
 
@@ -119,13 +153,21 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
     def grads_fn(state: TrainState, batch: dict):
       return sharded_grads(state.params, state.mutable, batch, _dropout_key(state))
 
+  one_step = lambda state, batch: _update(tx, state, *grads_fn(state, batch))
+  if train_step is not None:
+    if cfg.step_mode != 'jit':
+      raise ConfigError(f'a custom train_step is written for the global batch and runs with '
+                        f'step_mode=jit, not {cfg.step_mode}; pass --config.step_mode=jit')
+    context = StepContext(model=model, task=task, tx=tx)
+    one_step = lambda state, batch: _with_defaults(*train_step(context, state, batch), batch)
+
   def train_fn(state: TrainState, batch: dict):
     traces[0] += 1
-    return _update(tx, state, *grads_fn(state, batch))
+    return one_step(state, batch)
 
   def train_many_fn(state: TrainState, batches: dict):
     traces[0] += 1
-    return jax.lax.scan(lambda s, b: _update(tx, s, *grads_fn(s, b)), state, batches)
+    return jax.lax.scan(one_step, state, batches)
 
   train = jax.jit(train_fn, in_shardings=(lay.shardings, batch_sharding),
                   out_shardings=(lay.shardings, replicated), donate_argnums=0)
@@ -136,6 +178,17 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
                   in_shardings=(lay.shardings, batch_sharding), out_shardings=lay.shardings.params)
   return Step(train=train, evaluate=evaluate, grads=grads, train_many=train_many, place=identity,
               export=identity, trace_count=traces)
+
+
+def _with_defaults(state: TrainState, metrics: Metrics, batch: dict):
+  """A custom step's metrics, completed with what logging and the NaN guard read."""
+  if 'loss' not in metrics:
+    raise ConfigError(f'the custom train_step returned metrics {sorted(metrics)} without a '
+                      "scalar 'loss'; return (state, {'loss': ..., ...})")
+  metrics = dict(metrics)
+  metrics.setdefault('count', jnp.sum(batch['mask']))
+  metrics.setdefault('grad_norm', jnp.zeros((), jnp.float32))
+  return state, metrics
 
 
 def _with_batch_axes(model, axes, state_mutable):
