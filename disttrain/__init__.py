@@ -5,7 +5,7 @@ __version__ = '0.1.0'
 from disttrain.config import Config, DataConfig, MeshConfig, ModelConfig, defaults, from_config_dict
 from disttrain.errors import (CheckpointError, ConfigError, DataError, DisttrainError,
                               NonFiniteError, Preempted, ShardingError)
-from disttrain.loop import Result, evaluate, train
+from disttrain.loop import Result, Setup, evaluate, setup, train
 from disttrain.state import TrainState
 from disttrain.step import StepContext
 from disttrain.task import Classification

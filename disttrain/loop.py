@@ -92,6 +92,40 @@ def run_info(cfg: Config, mesh: Mesh, lay: state_lib.Layout) -> dict:
   }
 
 
+@dataclasses.dataclass
+class Setup:
+  """Everything a run is built from, before any step: also what tests and benchmarks drive."""
+  cfg: Config
+  mesh: Mesh
+  dataset: sources.Dataset
+  model: Any
+  task: Any
+  tx: Any
+  lr_schedule: Any  # logged as learning_rate
+  batch_sharding: Any
+  state: state_lib.TrainState  # fresh, created sharded
+  layout: state_lib.Layout
+  step: step_lib.Step
+
+
+def setup(cfg: Config, model: Any = None, task: Any = None,
+          devices: Sequence[jax.Device] | None = None, tx: Any = None,
+          train_step: Any = None) -> Setup:
+  """Mesh, data, model, optimizer, sharded state and compiled-on-first-call steps for `cfg`."""
+  mesh = mesh_lib.build(cfg.mesh, devices)
+  check_batch_sizes(cfg, mesh)
+  dataset = sources.load(cfg.data)
+  model = model or models.build(cfg.model, dataset.num_classes)
+  task = task or Classification()
+  config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
+  tx = tx or config_tx
+  batch_sharding = data.batch_sharding(mesh)
+  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
+                                cfg, mesh)
+  step = step_lib.build(model, task, tx, cfg, mesh, lay, batch_sharding, train_step)
+  return Setup(cfg, mesh, dataset, model, task, tx, lr_schedule, batch_sharding, state, lay, step)
+
+
 def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
           devices: Sequence[jax.Device] | None = None, tx: Any = None,
           train_step: Any = None) -> Result:
@@ -104,31 +138,22 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
   `devices` defaults to every device of every process. Raises NonFiniteError on a NaN/Inf loss
   or gradient norm and Preempted after saving on SIGTERM.
   """
-  mesh = mesh_lib.build(cfg.mesh, devices)
-  check_batch_sizes(cfg, mesh)
-  dataset = sources.load(cfg.data)
-  model = model or models.build(cfg.model, dataset.num_classes)
-  task = task or Classification()
-  config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
-  tx = tx or config_tx
-  batch_sharding = data.batch_sharding(mesh)
-
-  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
-                                cfg, mesh)
-  step = step_lib.build(model, task, tx, cfg, mesh, lay, batch_sharding, train_step)
+  run = setup(cfg, model, task, devices, tx, train_step)
+  mesh, dataset = run.mesh, run.dataset
   writer = metrics.Writer(workdir, enabled=jax.process_index() == 0)
-  writer.write_run(run_info(cfg, mesh, lay))
+  writer.write_run(run_info(cfg, mesh, run.layout))
   writer.print(f'disttrain: {mesh.size} devices, mesh {mesh_lib.axis_sizes(mesh)}, '
                f'step_mode={cfg.step_mode}, sharding={cfg.sharding}, data={cfg.data.name} '
                f'({len(dataset.train)} train / {len(dataset.eval)} eval)')
-  batches = data.TrainIterator(dataset.train, cfg.global_batch_size, cfg.seed, batch_sharding,
-                               prefetch=cfg.data.prefetch)
+  batches = data.TrainIterator(dataset.train, cfg.global_batch_size, cfg.seed,
+                               run.batch_sharding, prefetch=cfg.data.prefetch)
   ckpt = checkpoint.Checkpointer(workdir, cfg)
   watch = distributed.PreemptionWatch()
   try:
-    state = _restore_or_init(ckpt, cfg, state, lay, batches, writer)
-    return _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_schedule,
-                 ckpt, watch, writer)
+    state = _restore_or_init(ckpt, cfg, run.state, run.layout, batches, writer)
+    run.state = None  # donated to the first step: never touch it again
+    return _loop(cfg, workdir, mesh, run.step, state, batches, dataset, run.batch_sharding,
+                 run.lr_schedule, ckpt, watch, writer)
   finally:
     watch.close()
     ckpt.close()  # waits for async saves to commit (and raises their errors)

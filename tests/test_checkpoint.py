@@ -16,9 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import disttrain
-from disttrain import checkpoint, models, optim, sources
-from disttrain import mesh as mesh_lib
-from disttrain import state as state_lib
+from disttrain import checkpoint
 from disttrain.errors import CheckpointError
 from tests.conftest import ROOT
 from tests.helpers import devices, make_config, to_numpy
@@ -113,13 +111,8 @@ def test_killed_run_resumes_bit_exactly(sig, uninterrupted, tmp_path):
 
 
 def _layout(cfg, n):
-  mesh = mesh_lib.build(cfg.mesh, devices(n))
-  dataset = sources.load(cfg.data)
-  model = models.build(cfg.model, dataset.num_classes)
-  tx, _ = optim.build(cfg)
-  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
-                                cfg, mesh)
-  return checkpoint.abstract_like(lay.shardings, state), lay
+  run = disttrain.setup(cfg, devices=devices(n))
+  return checkpoint.abstract_like(run.layout.shardings, run.state), run.layout
 
 
 @pytest.fixture(scope='module')

@@ -25,11 +25,7 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import data, models, optim, sources
-from disttrain import mesh as mesh_lib
-from disttrain import state as state_lib
-from disttrain import step as step_lib
-from disttrain.task import Classification
+from disttrain import data
 from tests.helpers import LAYOUTS, devices, make_config, to_numpy
 
 DROPOUT_INVARIANT = ('replicate8', 'fsdp8', 'data4_tensor2')
@@ -41,16 +37,11 @@ def _dropout(layout: str) -> float:
 
 def _one_step(cfg, n_devices: int):
   """Loss, gradients and new params after one step from the seed's initial state."""
-  mesh = mesh_lib.build(cfg.mesh, devices(n_devices))
-  dataset = sources.load(cfg.data)
-  model = models.build(cfg.model, dataset.num_classes)
-  tx, _ = optim.build(cfg)
-  batch_sharding = data.batch_sharding(mesh)
-  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
-                                cfg, mesh)
-  step = step_lib.build(model, Classification(), tx, cfg, mesh, lay, batch_sharding)
-  batch = next(data.TrainIterator(dataset.train, cfg.global_batch_size, cfg.seed, batch_sharding))
-  device_state = step.place(state)
+  run = disttrain.setup(cfg, devices=devices(n_devices))
+  step = run.step
+  batch = next(data.TrainIterator(run.dataset.train, cfg.global_batch_size, cfg.seed,
+                                  run.batch_sharding))
+  device_state = step.place(run.state)
   grads = to_numpy(step.grads(device_state, batch))
   new_state, metrics = step.train(device_state, batch)
   new_state = step.export(new_state)

@@ -5,10 +5,7 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import data, models, optim, sources
-from disttrain import mesh as mesh_lib
-from disttrain import state as state_lib
-from disttrain import step as step_lib
+from disttrain import sources
 from disttrain.task import Classification
 from tests.helpers import devices, make_config, to_numpy
 
@@ -16,15 +13,8 @@ BATCH = 64  # 8 rows per device on 8 devices
 
 
 def _build(cfg, n):
-  mesh = mesh_lib.build(cfg.mesh, devices(n))
-  dataset = sources.load(cfg.data)
-  model = models.build(cfg.model, dataset.num_classes)
-  tx, _ = optim.build(cfg)
-  sharding = data.batch_sharding(mesh)
-  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
-                                cfg, mesh)
-  step = step_lib.build(model, Classification(), tx, cfg, mesh, lay, sharding)
-  return dataset, model, state, step, sharding
+  run = disttrain.setup(cfg, devices=devices(n))
+  return run.dataset, run.model, run.state, run.step, run.batch_sharding
 
 
 def _uneven_batch(dataset):

@@ -3,20 +3,15 @@
 import jax
 import pytest
 
-from disttrain import models, optim, sharding, sources
-from disttrain import mesh as mesh_lib
-from disttrain import state as state_lib
+import disttrain
+from disttrain import sharding
 from disttrain.errors import ConfigError, ShardingError
 from tests.helpers import devices, make_config
 
 
 def _state(cfg):
-  mesh = mesh_lib.build(cfg.mesh, devices(8))
-  dataset = sources.load(cfg.data)
-  model = models.build(cfg.model, dataset.num_classes)
-  tx, _ = optim.build(cfg)
-  return state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]), cfg,
-                          mesh)
+  run = disttrain.setup(cfg, devices=devices(8))
+  return run.state, run.layout
 
 
 def _device0_bytes(tree) -> int:
