@@ -35,6 +35,12 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
                                heartbeat_timeout_seconds=heartbeat_timeout)
   except Exception as e:  # pylint: disable=broad-except
     message = str(e)
+    if coordinator_address is None and 'coordinator_address' in message:
+      # Auto-detection found no cluster environment (Cloud TPU pod, SLURM, ...); not a timeout.
+      raise DistributedError(
+          f'--distributed: JAX detected no cluster to join ({message}); on a multi-host TPU '
+          'slice run the same command on every host, elsewhere pass --coordinator_address='
+          'HOST:PORT --num_processes=N --process_id=I') from e
     missing = sorted({int(t) for t in re.findall(r'task:(\d+)', message)} - {process_id})
     who = (f'process(es) {missing} did not join' if missing else
            f'not all {num_processes} processes joined')
@@ -104,21 +110,31 @@ def _roll_call(address: str, num_processes: int, process_id: int, timeout: float
 class PreemptionWatch:
   """Tells, at a step, whether the job was asked to stop (SIGTERM) and must save there.
 
-  With several processes, jax.distributed's preemption service receives the signal and
-  `reached_preemption_sync_point` makes every process agree on the same step. A single process
-  catches SIGTERM itself (main thread only) and stops at the next step.
+  With several processes, jax.distributed's preemption service catches SIGTERM (measured: also
+  in CPU processes) and `reached_preemption_sync_point` makes every process agree on one call:
+  the fastest process's last call + 1, matched by equality. So the id passed must advance by
+  exactly one per call; step numbers advance by steps_per_dispatch and would never match, so
+  the watch counts its own calls. A single process catches SIGTERM itself (main thread only)
+  and stops at the next step.
   """
 
   def __init__(self):
     self._requested = threading.Event()
     self._previous = None
+    self._calls = 0
     self._multi = jax.process_count() > 1
     if not self._multi and threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, lambda *_: self._requested.set())
 
   def reached(self, step: int) -> bool:
+    """True at the (dispatched) step where every process must save and stop.
+
+    Call it once per dispatch, the same number of times on every process.
+    """
+    del step  # the sync protocol needs a counter that advances by one per call
+    self._calls += 1
     if self._multi:
-      return multihost_utils.reached_preemption_sync_point(step)
+      return multihost_utils.reached_preemption_sync_point(self._calls)
     return self._requested.is_set()
 
   def close(self) -> None:

@@ -9,6 +9,7 @@ this exits with its code and a one-line reason. SIGTERM is forwarded to every pr
 a preemption checkpoint at one agreed step; exit 75). --timeout ends a hung job.
 """
 
+import ctypes
 import os
 import signal
 import socket
@@ -25,6 +26,9 @@ _TIMEOUT = flags.DEFINE_float('timeout', 1800, 'Seconds before a hung job is sto
 _GRACE = flags.DEFINE_float('grace', 20, 'Seconds the others get to stop before SIGKILL.')
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
+_PROGRAM = flags.DEFINE_string(
+    'program', TRAIN, 'Script every process runs; it must accept --fake_devices, '
+    '--coordinator_address, --num_processes and --process_id (as launch/train.py does).')
 PREEMPTED = 75  # launch/train.py's exit code after a preemption checkpoint
 
 
@@ -42,6 +46,18 @@ def free_port_pair() -> int:
     except OSError:
       continue
   raise RuntimeError('no free pair of loopback ports')
+
+
+def _die_with(parent: int):
+  """A preexec_fn: the child gets SIGKILL when this launcher dies, even by SIGKILL (Linux)."""
+  libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith('linux') else None
+
+  def preexec() -> None:
+    if libc is not None:
+      libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+      if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+  return preexec
 
 
 def _pump(index: int, stream) -> None:
@@ -71,27 +87,29 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> None:
 
 
 def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
-        grace: float) -> int:
+        grace: float, program: str = TRAIN) -> int:
   """Runs the job; returns the exit status for this launcher."""
   port = free_port_pair()
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
   env.pop('XLA_FLAGS', None)  # --fake_devices decides the device count
-  procs, pumps = [], []
+  procs = []
   for i in range(num_processes):
-    cmd = [sys.executable, TRAIN, *train_args, f'--fake_devices={devices}',
+    cmd = [sys.executable, program, *train_args, f'--fake_devices={devices}',
            f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={num_processes}',
            f'--process_id={i}']
-    # Own process group each, so that stopping a process also stops anything it started.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    procs.append(proc)
-    pumps.append(threading.Thread(target=_pump, args=(i, proc.stdout), daemon=True))
-    pumps[-1].start()
-
-  terminated = threading.Event()
+    # Own process group each, so that stopping a process also stops anything it started; and
+    # no worker outlives a launcher that is killed outright (its own session would keep it).
+    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                  preexec_fn=_die_with(os.getpid())))
+  # The output threads start only now: preexec_fn runs between fork and exec, which is safe
+  # only while this process has no other threads.
+  pumps = [threading.Thread(target=_pump, args=(i, p.stdout), daemon=True)
+           for i, p in enumerate(procs)]
+  for t in pumps:
+    t.start()
 
   def forward_sigterm(*_):
-    terminated.set()
     for p in procs:
       if p.poll() is None:
         os.killpg(p.pid, signal.SIGTERM)
@@ -101,7 +119,9 @@ def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
     while True:
       codes = [p.poll() for p in procs]
       failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, PREEMPTED)]
-      if failed and not terminated.is_set():
+      # Also after SIGTERM: a process that died without its checkpoint leaves the others
+      # waiting in a collective (or the roll call) until a timeout, not saving.
+      if failed:
         index, code = failed[0]
         _stop(procs, grace)
         _finish(pumps)
@@ -140,7 +160,8 @@ def main(argv):
   if _NUM_PROCESSES.value < 1 or _DEVICES.value < 1:
     print('error: --num_processes and --devices_per_process must be >= 1', file=sys.stderr)
     sys.exit(2)
-  sys.exit(run(_NUM_PROCESSES.value, _DEVICES.value, argv[1:], _TIMEOUT.value, _GRACE.value))
+  sys.exit(run(_NUM_PROCESSES.value, _DEVICES.value, argv[1:], _TIMEOUT.value, _GRACE.value,
+               _PROGRAM.value))
 
 
 if __name__ == '__main__':

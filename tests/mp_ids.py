@@ -1,0 +1,135 @@
+"""One process of a multi-process job that records which example ids it reads (test helper).
+
+  python launch/local_cluster.py --program=tests/mp_ids.py --num_processes=2 \
+      --devices_per_process=4 -- --out=DIR
+
+Per layout (natural and interleaved device orders, with and without a replicated tensor axis)
+it reads two epochs of TrainIterator and one pass of eval_batches, checks every device's rows
+against the global batch of a 1-device iterator in the same process, and writes
+DIR/ids_<process>.json for tests/test_multiprocess.py to take the union over processes.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BATCH = 64
+EVAL_EXAMPLES = 325  # digits: 1797 - 325 = 1472 = 23 x 64 train (no remainder); 325 = 5 x 64 + 5
+EPOCHS = 2
+
+
+class _RecordingIds(np.ndarray):
+  """An id array that logs every fancy-index gather: exactly the ids this process reads."""
+
+  def __array_finalize__(self, obj):
+    self.reads = getattr(obj, 'reads', None)
+
+  def __getitem__(self, index):
+    out = np.asarray(super().__getitem__(index))
+    if isinstance(index, np.ndarray) and self.reads is not None:
+      self.reads.append(out.copy())
+    return out
+
+
+def _recording(split):
+  from disttrain import sources  # pylint: disable=g-import-not-at-top
+  ids = split.id.view(_RecordingIds)
+  ids.reads = []
+  return sources.Split(split.image, split.label, ids), ids.reads
+
+
+def _held(array) -> dict[tuple[int, int], np.ndarray]:
+  """(start, stop) -> rows of `array` on this process's devices, one entry per distinct block."""
+  blocks = {}
+  for shard in array.addressable_shards:
+    start, stop, _ = shard.index[0].indices(array.shape[0])
+    blocks[(start, stop)] = np.asarray(shard.data)
+  return blocks
+
+
+def _layouts(jax, mesh_lib, config_lib):
+  """name -> (mesh config, device order)."""
+  per_process = [[d for d in jax.devices() if d.process_index == p]
+                 for p in range(jax.process_count())]
+  natural = [d for devices in per_process for d in devices]
+  interleaved = [d for group in zip(*per_process) for d in group]
+  return {
+      'natural_data8': (config_lib.MeshConfig(data=-1), natural),
+      'interleaved_data8': (config_lib.MeshConfig(data=-1), interleaved),
+      'natural_data2_fsdp2_tensor2': (config_lib.MeshConfig(data=2, fsdp=2, tensor=2), natural),
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  for name in ('coordinator_address', 'out'):
+    parser.add_argument(f'--{name}', required=True)
+  for name in ('fake_devices', 'num_processes', 'process_id'):
+    parser.add_argument(f'--{name}', type=int, required=True)
+  args = parser.parse_args()
+
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update('jax_platforms', 'cpu')
+  jax.config.update('jax_num_cpu_devices', args.fake_devices)
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from disttrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  from disttrain import data, distributed, sources  # pylint: disable=g-import-not-at-top
+  from disttrain import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+
+  distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                         init_timeout=120)
+  dataset = sources.load(config_lib.DataConfig(name='digits', eval_examples=EVAL_EXAMPLES))
+  steps = EPOCHS * len(dataset.train) // BATCH
+  # The reference: the same stream on one local device, i.e. the whole global batch.
+  one_device = data.batch_sharding(mesh_lib.build(config_lib.MeshConfig(data=1),
+                                                  jax.local_devices()[:1]))
+  reference = data.TrainIterator(dataset.train, BATCH, 0, one_device)
+  reference_ids = [np.asarray(next(reference)['id']) for _ in range(steps)]
+
+  report = {'process': jax.process_index(), 'train_examples': len(dataset.train),
+            'eval_examples': len(dataset.eval), 'batch': BATCH, 'steps': steps, 'layouts': {}}
+  for name, (mesh_cfg, devices) in _layouts(jax, mesh_lib, config_lib).items():
+    sharding = data.batch_sharding(mesh_lib.build(mesh_cfg, devices))
+    rows = data.local_rows(sharding, BATCH)
+    split, reads = _recording(dataset.train)
+    batches = data.TrainIterator(split, BATCH, 0, sharding)
+    held_ids = []
+    for k in range(steps):
+      batch = next(batches)
+      blocks = _held(batch['id'])
+      for (start, stop), ids in blocks.items():
+        # Each device holds exactly its rows of the global batch, whatever the device order.
+        np.testing.assert_array_equal(ids, reference_ids[k][start:stop], err_msg=f'{name} {k}')
+      held = np.concatenate([blocks[b] for b in sorted(blocks)])
+      held_ids.append(held.tolist())
+    # Reads happen in grain's single reader thread, in batch order (it may read ahead).
+    read_ids = [r.tolist() for r in reads[:steps]]
+    # A global reduction over the processes' data: every step sees the whole global batch.
+    total = jax.jit(jnp.sum)(batch['id'].astype(jnp.float32))
+
+    eval_ids, eval_batches, eval_count = [], 0, 0.0
+    for batch in data.eval_batches(dataset.eval, BATCH, sharding):
+      eval_batches += 1
+      blocks = _held(batch['id'])
+      masks = _held(batch['mask'])
+      for block, ids in blocks.items():
+        eval_ids += ids[masks[block] > 0].tolist()
+      eval_count += float(jax.jit(jnp.sum)(batch['mask']))  # collective: the global count
+    report['layouts'][name] = {
+        'local_rows': rows.tolist(), 'read_ids': read_ids, 'held_ids': held_ids,
+        'last_batch_id_sum': float(total), 'last_reference_id_sum': float(reference_ids[-1].sum()),
+        'eval_ids': eval_ids, 'eval_batches': eval_batches, 'eval_count': eval_count}
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, f'ids_{jax.process_index()}.json'), 'w',
+            encoding='utf-8') as f:
+    json.dump(report, f)
+  print(f'process {jax.process_index()}: wrote ids for {len(report["layouts"])} layouts')
+
+
+if __name__ == '__main__':
+  main()

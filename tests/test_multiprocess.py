@@ -1,0 +1,396 @@
+"""Real multi-process jobs: launch/local_cluster.py, 2 processes x 4 CPU devices over gloo.
+
+Each job is a subprocess tree (the launcher and its 2 workers), run one at a time: on 2 cores,
+XLA:CPU collectives time out when several multi-device jobs share the machine. The 1 x 8
+references run in this pytest process (8 fake devices, conftest.py), never beside a job.
+
+Tolerances, as in tests/test_equivalence.py: 2 x 4 and 1 x 8 compute the same global batches
+and differ only in the order of the cross-device sums (gloo between processes, XLA's in-process
+all-reduce within one), ~1e-7 relative per step, amplified by training: rtol 1e-4 over the
+first 10 steps and 1e-2 over 30. Two 2 x 4 runs of one config are bitwise equal (same
+reduction order), so a resumed 2 x 4 run must equal an uninterrupted one exactly.
+"""
+
+import json
+import os
+import runpy
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import disttrain
+from disttrain import config as config_lib
+from tests.conftest import ROOT
+
+CONFIG = 'launch/configs/mnist_mlp.py'
+STEPS = 30
+DIGITS_EVAL = 297  # not a multiple of 2 processes x eval batch 64: the last batch is padded
+BASE = {'model.hidden': 64, 'global_batch_size': 64, 'eval_batch_size': 64,
+        'num_train_steps': STEPS, 'log_every_steps': 1, 'checkpoint_every_steps': 10,
+        'eval_every_steps': 0}
+CASES = {
+    # jit keeps the config's dropout 0.3: its mask is drawn for the global batch (threefry is
+    # partitionable), so it does not depend on how the batch is split over processes.
+    'jit': {},
+    # fsdp_min_size lowered so that the 64-wide kernels really are split over fsdp.
+    'fsdp': {'mesh.data': 2, 'mesh.fsdp': 4, 'sharding': 'fsdp', 'fsdp_min_size': 1024},
+    # shard_map folds the device index into the dropout key (a per-device mask), so 8 devices
+    # on 2 processes and 8 on 1 draw the same masks only by the device order: compare without.
+    'shard_map': {'step_mode': 'shard_map', 'model.dropout': 0.0},
+}
+JOB_TIMEOUT = 240
+
+
+def _env() -> dict:
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
+  env.pop('XLA_FLAGS', None)  # the launcher gives each process --fake_devices
+  return env
+
+
+def _cluster_cmd(*args: str, grace: float = 20) -> list[str]:
+  return [sys.executable, 'launch/local_cluster.py', '--num_processes=2',
+          '--devices_per_process=4', f'--timeout={JOB_TIMEOUT}', f'--grace={grace}', *args]
+
+
+def _train_flags(overrides: dict, workdir) -> list[str]:
+  return ['--', f'--config={CONFIG}', f'--workdir={workdir}',
+          *(f'--config.{k}={v}' for k, v in overrides.items())]
+
+
+def _cluster(overrides: dict, workdir) -> str:
+  """Runs a 2 x 4 training job to the end; returns its output."""
+  proc = subprocess.run(_cluster_cmd(*_train_flags(overrides, workdir)), cwd=ROOT, env=_env(),
+                        capture_output=True, text=True, timeout=JOB_TIMEOUT + 60, check=False)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, out[-4000:]
+  return out
+
+
+def _start_cluster(overrides: dict, workdir, grace: float = 20) -> subprocess.Popen:
+  return subprocess.Popen(_cluster_cmd(*_train_flags(overrides, workdir), grace=grace), cwd=ROOT,
+                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _config(overrides: dict) -> disttrain.Config:
+  """The same Config that launch/train.py builds from CONFIG and these overrides."""
+  cd = runpy.run_path(str(ROOT / CONFIG))['get_config']()
+  for key, value in overrides.items():
+    *parents, leaf = key.split('.')
+    node = cd
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return config_lib.from_config_dict(cd)
+
+
+def _records(workdir, split: str) -> list[dict]:
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    return [r for r in map(json.loads, f) if r['split'] == split]
+
+
+def _losses(workdir) -> dict[int, float]:
+  """step -> loss of the last train record for it (a resumed run appends its own)."""
+  return {r['step']: r['loss'] for r in _records(workdir, 'train')}
+
+
+def _last_logged_step(workdir) -> int:
+  try:
+    return max((r['step'] for r in _records(workdir, 'train')), default=0)
+  except (OSError, json.JSONDecodeError):  # not written yet, or a line half written
+    return 0
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """case -> (2 x 4 workdir, 1 x 8 workdir), each trained once for STEPS steps on first use."""
+  done = {}
+
+  def get(case: str):
+    if case not in done:
+      overrides = {**BASE, **CASES[case]}
+      two = tmp_path_factory.mktemp(f'{case}_2x4')
+      _cluster(overrides, two)
+      one = tmp_path_factory.mktemp(f'{case}_1x8')
+      disttrain.train(_config(overrides), str(one))
+      done[case] = two, one
+    return done[case]
+  return get
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. 2 processes x 4 devices compute what 1 process x 8 devices computes.
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_two_processes_match_one(runs, case):
+  two, one = runs(case)
+  info = json.loads((two / 'run.json').read_text())
+  assert (info['num_processes'], info['num_devices']) == (2, 8)
+  if case == 'fsdp':  # parameters really are split over the processes' devices
+    assert any('fsdp' in spec for spec in info['param_specs'].values()), info['param_specs']
+  got, want = _losses(two), _losses(one)
+  assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+  steps = sorted(want)
+  np.testing.assert_allclose([got[s] for s in steps[:10]], [want[s] for s in steps[:10]],
+                             rtol=1e-4)
+  np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-2)
+  (eval_two,), (eval_one,) = _records(two, 'eval'), _records(one, 'eval')
+  # Every eval example counted once although 297 does not split over 2 processes x 64.
+  assert eval_two['num_examples'] == eval_one['num_examples'] == DIGITS_EVAL
+  assert abs(eval_two['accuracy'] - eval_one['accuracy']) <= 0.005
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Each process reads exactly the rows its devices hold; together, every example once.
+
+def test_processes_read_their_rows_and_together_every_example_once(tmp_path):
+  proc = subprocess.run(_cluster_cmd('--program=tests/mp_ids.py', '--', f'--out={tmp_path}'),
+                        cwd=ROOT, env=_env(), capture_output=True, text=True,
+                        timeout=JOB_TIMEOUT + 60, check=False)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+  reports = [json.loads((tmp_path / f'ids_{p}.json').read_text()) for p in (0, 1)]
+  meta = reports[0]
+  batch, steps, n_train = meta['batch'], meta['steps'], meta['train_examples']
+  epoch = n_train // batch
+  assert n_train == epoch * batch and steps == 2 * epoch  # whole epochs: no remainder dropped
+  train_ids = np.arange(n_train)
+  eval_ids = np.arange(n_train, n_train + meta['eval_examples'])
+  for name in meta['layouts']:
+    layouts = [r['layouts'][name] for r in reports]
+    rows = [set(l['local_rows']) for l in layouts]
+    assert rows[0].isdisjoint(rows[1]) and rows[0] | rows[1] == set(range(batch)), name
+    if name.startswith('interleaved'):  # rows follow the devices, not the process index
+      assert sorted(rows[0]) != list(range(batch // 2)), rows[0]
+    for layout in layouts:
+      # mp_ids checked each device's rows against a 1-device iterator; here: what a process
+      # gathered from the data is exactly what its devices hold, half of each batch.
+      assert layout['read_ids'] == layout['held_ids'], name
+      assert {len(ids) for ids in layout['read_ids']} == {batch // 2}, name
+      assert layout['last_batch_id_sum'] == layout['last_reference_id_sum'], name
+    orders = []
+    for e in range(2):
+      ids = np.concatenate([np.concatenate(l['read_ids'][e * epoch:(e + 1) * epoch])
+                            for l in layouts])
+      np.testing.assert_array_equal(np.sort(ids), train_ids, err_msg=f'{name} epoch {e}')
+      orders.append(np.concatenate(layouts[0]['read_ids'][e * epoch:(e + 1) * epoch]))
+    assert not np.array_equal(orders[0], orders[1]), 'each epoch has its own order'
+    # Eval: 325 = 5 x 64 + 5 examples; both processes run the same 6 batches (no one waits on
+    # a collective), and together they count every eval example once.
+    assert [l['eval_batches'] for l in layouts] == [-(-meta['eval_examples'] // batch)] * 2
+    assert [l['eval_count'] for l in layouts] == [meta['eval_examples']] * 2
+    np.testing.assert_array_equal(np.sort(layouts[0]['eval_ids'] + layouts[1]['eval_ids']),
+                                  eval_ids, err_msg=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Checkpoints move between process counts, with the data position.
+
+def _copy_without_last(source, tmp_path):
+  """A copy of a finished run whose newest checkpoint is step 20 (step 30 removed)."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(source, workdir)
+  shutil.rmtree(workdir / 'checkpoints' / str(STEPS))
+  data_state = json.loads((workdir / 'checkpoints' / '20' / 'data' / 'metadata').read_text())
+  # The iterator position counts global batches: it does not depend on the process count.
+  assert data_state['grain'] == {'next_index': 20}, data_state
+  return workdir
+
+
+def test_checkpoint_of_two_processes_resumes_in_one(runs, tmp_path):
+  two, _ = runs('jit')
+  workdir = _copy_without_last(two, tmp_path)
+  result = disttrain.train(_config({**BASE, **CASES['jit']}), str(workdir))
+  resumed = {r['step']: r['loss'] for r in result.records if r['split'] == 'train'}
+  assert sorted(resumed) == list(range(21, STEPS + 1))
+  # Same state and same next batches: only the reduction order differs from the 2 x 4 run.
+  want = _losses(two)
+  np.testing.assert_allclose([resumed[s] for s in sorted(resumed)],
+                             [want[s] for s in sorted(resumed)], rtol=1e-4)
+
+
+def test_checkpoint_of_one_process_resumes_in_two(runs, tmp_path):
+  _, one = runs('jit')
+  workdir = _copy_without_last(one, tmp_path)
+  out = _cluster({**BASE, **CASES['jit']}, workdir)
+  assert '[0] resumed from step 20' in out
+  got, want = _losses(workdir), _losses(one)
+  after = range(21, STEPS + 1)
+  np.testing.assert_allclose([got[s] for s in after], [want[s] for s in after], rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Failures: a dead worker stops the job; SIGTERM saves on every process and resumes exactly.
+
+def _job_processes(workdir) -> list[psutil.Process]:
+  """Live processes whose command line names this job's workdir."""
+  found = []
+  for p in psutil.process_iter(['cmdline']):
+    try:
+      if any(str(workdir) in arg for arg in (p.info['cmdline'] or ())):
+        found.append(p)
+    except psutil.Error:
+      continue
+  return found
+
+
+def _workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
+  """process id -> the launcher's child running it."""
+  return {int(a.split('=')[1]): p for p in psutil.Process(proc.pid).children()
+          for a in p.cmdline() if a.startswith('--process_id=')}
+
+
+def _wait_for_step(proc: subprocess.Popen, workdir, step: int, timeout: float = 180) -> None:
+  deadline = time.monotonic() + timeout
+  while _last_logged_step(workdir) < step:
+    assert proc.poll() is None, f'the job ended (code {proc.returncode}) before step {step}'
+    assert time.monotonic() < deadline, f'no step {step} after {timeout}s'
+    time.sleep(0.05)
+
+
+def test_killed_worker_stops_the_job_without_orphans(tmp_path):
+  # A long run: it must still be training when the worker dies. --grace 5 instead of the
+  # default 20 s: the survivor is stuck in a collective with the dead process and can only be
+  # SIGKILLed once the grace has passed (measured with the default: 21 s to exit).
+  proc = _start_cluster({**BASE, 'num_train_steps': 1000, 'checkpoint_every_steps': 0},
+                        tmp_path, grace=5)
+  try:
+    _wait_for_step(proc, tmp_path, 3)
+    workers = _workers(proc)
+    assert sorted(workers) == [0, 1]
+    workers[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    out, _ = proc.communicate(timeout=120)
+    elapsed = time.monotonic() - killed_at
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]
+  assert 'local_cluster: process 1 killed by SIGKILL; stopped the other 1 process(es)' in out
+  assert elapsed < 120
+  time.sleep(0.5)
+  assert not _job_processes(tmp_path), 'orphan processes of the job remain'
+
+
+def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
+  # SIGKILL leaves the launcher no time to stop anyone (a CI timeout, the OOM killer); the
+  # workers, each in its own session, must die with it. Stand-in workers that only sleep.
+  sleeper = tmp_path / 'sleeper.py'
+  sleeper.write_text('import time\ntime.sleep(300)\n')
+  proc = subprocess.Popen(_cluster_cmd(f'--program={sleeper}'), cwd=ROOT, env=_env(),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.monotonic() + 60
+  workers = []
+  while len(workers) < 2:
+    assert time.monotonic() < deadline, 'the workers did not start'
+    time.sleep(0.05)
+    workers = [p for p in _job_processes(sleeper) if p.pid != proc.pid]
+  proc.kill()
+  proc.wait()
+  _, alive = psutil.wait_procs(workers, timeout=10)
+  for p in alive:
+    p.kill()  # do not leave them behind when this test fails
+  assert not alive, f'{len(alive)} worker(s) outlived the launcher'
+
+
+def test_sigterm_saves_on_every_process_and_resumes_exactly(runs, tmp_path):
+  two, _ = runs('jit')  # the uninterrupted 2 x 4 run of the same config
+  overrides = {**BASE, **CASES['jit']}
+  proc = _start_cluster(overrides, tmp_path)
+  try:
+    _wait_for_step(proc, tmp_path, 12)  # after the step-10 checkpoint was started
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == disttrain.Preempted.exit_code, out[-3000:]
+  saved = {int(line.split('at step ')[1].split()[0]) for line in out.splitlines()
+           if 'preempted: saved a checkpoint at step' in line}
+  said = [p for p in (0, 1) if f'[{p}] preempted: saved a checkpoint' in out]
+  assert said == [0, 1] and len(saved) == 1, out[-3000:]  # both processes, one agreed step
+  (at,) = saved
+  assert 12 <= at < STEPS
+  state_dir = tmp_path / 'checkpoints' / str(at) / 'state'
+  assert (state_dir / 'ocdbt.process_0').is_dir() and (state_dir / 'ocdbt.process_1').is_dir()
+
+  out = _cluster(overrides, tmp_path)
+  assert f'[0] resumed from step {at}' in out
+  got, want = _losses(tmp_path), _losses(two)
+  after = range(at + 1, STEPS + 1)
+  assert [got[s] for s in after] == [want[s] for s in after]  # bitwise
+  assert _records(tmp_path, 'eval')[-1] == _records(two, 'eval')[-1]
+
+
+def test_sigterm_to_one_worker_stops_all_with_several_steps_per_dispatch(tmp_path):
+  # As when one host of a pod is preempted: only worker 1 gets SIGTERM, and jax's preemption
+  # service tells the other. Step numbers advance by 2 here; the sync point must still be met
+  # (it is a call count: with the step number passed, this job ignored SIGTERM and trained on).
+  proc = _start_cluster({**BASE, 'num_train_steps': 1000, 'steps_per_dispatch': 2,
+                         'log_every_steps': 2, 'checkpoint_every_steps': 0}, tmp_path)
+  try:
+    _wait_for_step(proc, tmp_path, 6)
+    _workers(proc)[1].send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == disttrain.Preempted.exit_code, out[-3000:]
+  saved = {(line[:3], line.split('at step ')[1].split()[0]) for line in out.splitlines()
+           if 'preempted: saved a checkpoint at step' in line}
+  assert {p for p, _ in saved} == {'[0]', '[1]'} and len({s for _, s in saved}) == 1, saved
+  assert int(saved.pop()[1]) % 2 == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. The roll call names who is missing.
+
+def _free_port_pair() -> int:
+  """A loopback port p with p + 1 also free (as local_cluster.py picks; the roll call is p + 1)."""
+  for _ in range(100):
+    with socket.socket() as s:
+      s.bind(('127.0.0.1', 0))
+      port = s.getsockname()[1]
+    try:
+      with socket.socket() as a, socket.socket() as b:
+        a.bind(('127.0.0.1', port))
+        b.bind(('127.0.0.1', port + 1))
+      return port
+    except OSError:
+      continue
+  raise RuntimeError('no free pair of loopback ports')
+
+
+@pytest.mark.parametrize('process_id,missing', [(0, 'process(es) [1] of 2 did not join'),
+                                                (1, 'the coordinator (process 0 at')])
+def test_process_started_alone_names_the_missing_one(tmp_path, process_id, missing):
+  port = _free_port_pair()
+  proc = subprocess.run(
+      [sys.executable, 'launch/train.py', f'--config={CONFIG}', f'--workdir={tmp_path}',
+       '--fake_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+       f'--process_id={process_id}', '--distributed_init_timeout=3'],
+      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 2, proc.stderr
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1 and 'DistributedError' in errors[0] and missing in errors[0], \
+      proc.stderr
+  assert 'Traceback' not in proc.stderr
+  with socket.socket() as s:  # the roll call's listener was closed
+    s.bind(('127.0.0.1', port + 1))
+
+
+def test_distributed_without_a_cluster_says_so(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, 'launch/train.py', f'--config={CONFIG}', f'--workdir={tmp_path}',
+       '--fake_devices=4', '--distributed', '--num_processes=2', '--process_id=0',
+       '--distributed_init_timeout=3'],
+      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 2, proc.stderr
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1 and 'detected no cluster' in errors[0], proc.stderr
+  assert '--coordinator_address=HOST:PORT' in errors[0] and 'Traceback' not in proc.stderr
