@@ -1,0 +1,265 @@
+"""The sides of every comparison: disttrain's step or loop, and what they are timed against.
+
+StepSide times any step function window by window and refuses a window in which it compiled;
+LoopSide times the whole disttrain.train loop.
+The hand-written jax.jit + optax step and the Keras 3 fit are written plainly on purpose: the code
+a careful user would write by hand for one model on one layout, so a ratio measures what
+disttrain costs or saves, not how the model is written.
+"""
+
+import contextlib
+import dataclasses
+import io
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import disttrain
+
+
+class BenchError(Exception):
+  """A bad flag combination or an invalid measurement; printed as one line."""
+
+
+class RecompileError(BenchError):
+  """A step compiled inside a timed window: the figure would time the compiler."""
+
+
+@dataclasses.dataclass
+class StepSide:
+  """A jitted step, its state and inputs; calling it runs one timed window of `steps` steps."""
+  name: str
+  fn: object  # (state, inputs[i]) -> (state, outputs)
+  state: object
+  inputs: list
+  steps_per_call: int
+  bound: bool  # CPU mesh of > 1 device: wait for call N-1 after dispatching call N
+  traces: list  # [n]: how often fn was traced
+  compiles: list  # [n]: compilations (and compilation-cache reads) in this process
+  steps: int = 0
+
+  def call(self, i: int):
+    """One call on inputs[i]; returns its outputs."""
+    self.state, out = self.fn(self.state, self.inputs[i % len(self.inputs)])
+    return out
+
+  def __call__(self) -> float:
+    """Seconds for `steps` steps, all finished; raises RecompileError if anything compiled."""
+    traces, compiles = self.traces[0], self.compiles[0]
+    previous = out = None
+    start = time.perf_counter()
+    for i in range(self.steps // self.steps_per_call):
+      out = self.call(i)
+      if self.bound and previous is not None:
+        jax.block_until_ready(previous)
+      previous = out
+    jax.block_until_ready((self.state, out))
+    seconds = time.perf_counter() - start
+    if self.traces[0] != traces or self.compiles[0] != compiles:
+      raise RecompileError(f'{self.name} traced {self.traces[0] - traces} and compiled '
+                           f'{self.compiles[0] - compiles} time(s) during a timed window; a '
+                           'step must compile once (check shapes, shardings, weak types)')
+    return seconds
+
+  def first_call(self) -> tuple[float, object]:
+    """Seconds of the first call (trace + compile + one run) and its outputs."""
+    start = time.perf_counter()
+    out = jax.block_until_ready(self.call(0))
+    return time.perf_counter() - start, out
+
+  def state_bytes(self, device: jax.Device) -> int:
+    """Per-device state bytes: the compiled step's argument bytes less its batch shard.
+
+    pmap's step is a Python function around jax.pmap, with no executable to ask; there, the bytes
+    of the state's shards on `device`.
+    """
+    batch = self.inputs[0]
+    if hasattr(self.fn, 'lower'):
+      stats = self.fn.lower(self.state, batch).compile().memory_analysis()
+      batch_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(batch))
+      return int(stats.argument_size_in_bytes - batch_bytes)
+    return int(sum(s.data.nbytes for x in jax.tree.leaves(self.state)
+                   for s in x.addressable_shards if s.device == device))
+
+  def calibrate(self, seconds: float) -> int:
+    """Steps per window so that one window takes about `seconds`."""
+    self.steps = 20 * self.steps_per_call
+    self()
+    return int(np.clip(seconds * self.steps / self(), 10, 20000))
+
+
+def interleave(sides: list, windows: int) -> list[list[float]]:
+  """Seconds per window of each side, in the order a b c, c b a, a b c ... so drift hits all."""
+  secs = [[] for _ in sides]
+  for w in range(windows):
+    order = list(range(len(sides)))
+    for i in (order if w % 2 == 0 else order[::-1]):
+      secs[i].append(sides[i]())
+  return secs
+
+
+class LoopSide:
+  """The whole disttrain.train loop (grain pipeline, metrics, records): one run = one window.
+
+  Each run does 2 x steps steps with a train record every `steps`; the second record's
+  examples/s (the loop's own meter, device work of exactly those steps) is the window.
+  """
+
+  def __init__(self, cfg, model, devices, steps: int):
+    """Runs will use `cfg` with 2 x steps steps, a record every `steps`, in temporary folders."""
+    self.cfg = dataclasses.replace(cfg, num_train_steps=2 * steps, log_every_steps=steps)
+    self.model, self.devices, self.steps = model, devices, steps
+    self.workdirs = tempfile.TemporaryDirectory(prefix='throughput_loop_')
+    self.runs = 0
+
+  def __call__(self) -> float:
+    """Seconds the loop took for the second `steps` steps of a fresh run."""
+    self.runs += 1
+    workdir = f'{self.workdirs.name}/run{self.runs}'  # fresh: train() resumes from checkpoints
+    with contextlib.redirect_stdout(io.StringIO()):
+      result = disttrain.train(self.cfg, workdir, model=self.model, devices=self.devices)
+    if result.trace_count != 1:
+      raise RecompileError(f'the train loop traced its step {result.trace_count} times in one '
+                           'run; it must compile once')
+    record = [r for r in result.records if r['split'] == 'train'][-1]
+    return self.steps * self.cfg.global_batch_size / record['examples_per_sec']
+
+
+def numpy_batches(split, batch_size: int, count: int) -> list[dict]:
+  """`count` consecutive numpy batches of the split (wrapping around), with all-ones masks."""
+  batches = []
+  for i in range(count):
+    rows = (np.arange(batch_size) + i * batch_size) % len(split)
+    batches.append({'image': split.image[rows], 'label': split.label[rows],
+                    'mask': np.ones(batch_size, np.float32)})
+  return batches
+
+
+_KERNEL = nn.initializers.lecun_normal()
+_ZEROS = nn.initializers.zeros_init()
+
+
+class SmallMLP(nn.Module):
+  """The seed-000 model: 784 -> 64 -> 64 -> 10, ReLU; logical axes as disttrain's MnistMLP."""
+  hidden: int = 64
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x_BxF: jnp.ndarray, train: bool) -> jnp.ndarray:
+    del train  # no dropout or BatchNorm
+    x = x_BxF.reshape(x_BxF.shape[0], -1)
+    in_axis = 'pixels'
+    for _ in range(2):
+      x = nn.relu(nn.Dense(self.hidden,
+                           kernel_init=nn.with_logical_partitioning(_KERNEL, (in_axis, 'hidden')),
+                           bias_init=nn.with_logical_partitioning(_ZEROS, ('hidden',)))(x))
+      in_axis = 'hidden_in'
+    return nn.Dense(self.num_classes,
+                    kernel_init=nn.with_logical_partitioning(_KERNEL, ('hidden_in', 'classes')),
+                    bias_init=nn.with_logical_partitioning(_ZEROS, ('classes',)))(x)
+
+
+def train_step_fn(module: nn.Module, tx: optax.GradientTransformation, traces: list):
+  """(state dict, batch) -> (state dict, loss): mean cross-entropy, Adam, dropout per step.
+
+  The dropout key is fold_in(rng, step), as disttrain's jit style, so in that style both steps
+  compute the same numbers (checked before timing).
+  """
+  def train_step(state: dict, batch: dict):
+    traces[0] += 1
+    key = jax.random.fold_in(jax.random.wrap_key_data(state['rng']), state['step'])
+    collections = list(state['mutable'])
+
+    def loss_fn(params):
+      logits_BxC, new_mutable = module.apply(
+          {'params': params, **state['mutable']}, batch['image'], train=True,
+          rngs={'dropout': key}, mutable=collections)
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxC, batch['label']).mean()
+      return loss, new_mutable
+
+    (loss, new_mutable), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
+    updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
+    new_state = dict(state, step=state['step'] + 1, opt_state=opt_state,
+                     params=optax.apply_updates(state['params'], updates),
+                     mutable=dict(new_mutable))
+    return new_state, loss
+  return train_step
+
+
+def jit_step(train_step, state_shardings: dict, batch_sharding: NamedSharding):
+  """The hand-written step jitted on the given layout, state donated."""
+  replicated = NamedSharding(batch_sharding.mesh, P())
+  return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                 out_shardings=(state_shardings, replicated), donate_argnums=0)
+
+
+def flops_per_example(train_step, state: dict, batch: dict) -> float:
+  """XLA's flop count of one step compiled for one device, divided by the batch size."""
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch))
+  cost = jax.jit(train_step).lower(*shapes).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost['flops']) / batch['label'].shape[0]
+
+
+class DotPeak:
+  """Times n x n jnp.dot products on one device: the matmul peak (float32 on CPU, bf16 else)."""
+
+  def __init__(self, device: jax.Device, products: int = 2):
+    """Compiles and warms the product."""
+    cpu = device.platform == 'cpu'
+    n, self.dtype = (2048, jnp.float32) if cpu else (8192, jnp.bfloat16)
+    self.a = jax.device_put(jnp.ones((n, n), self.dtype), device)
+    self.matmul = jax.jit(jnp.dot)
+    self.matmul(self.a, self.a).block_until_ready()
+    self.products, self.flops = products, 2 * n**3 * products
+
+  def __call__(self) -> float:
+    """Seconds for `products` products (one timed window)."""
+    start = time.perf_counter()
+    for _ in range(self.products):
+      out = self.matmul(self.a, self.a)
+    out.block_until_ready()
+    return time.perf_counter() - start
+
+
+class KerasFit:
+  """Keras 3 (JAX backend) `fit` of the seed-000 model: one call = one timed window."""
+
+  def __init__(self, image: np.ndarray, label: np.ndarray, batch_size: int,
+               steps_per_execution: int, steps: int):
+    """Builds and compiles the model; raises ImportError when Keras 3 (JAX backend) is missing."""
+    os.environ.setdefault('KERAS_BACKEND', 'jax')
+    import keras  # pylint: disable=g-import-not-at-top  (optional extra)
+    if keras.backend.backend() != 'jax':
+      raise ImportError(f'Keras runs on {keras.backend.backend()!r}; set KERAS_BACKEND=jax')
+    keras.utils.set_random_seed(0)
+    self.model = keras.Sequential([
+        keras.Input((image.shape[-1],)),
+        keras.layers.Dense(64, activation='relu'),
+        keras.layers.Dense(64, activation='relu'),
+        keras.layers.Dense(10)])
+    self.model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                       steps_per_execution=steps_per_execution, jit_compile=True)
+    rows = np.arange(steps * batch_size) % len(label)  # wrap when a window needs more data
+    self.image, self.label, self.batch_size = image[rows], label[rows], batch_size
+
+  def __call__(self) -> float:
+    """Seconds for one `fit` epoch over the window's batches of in-memory numpy arrays."""
+    start = time.perf_counter()
+    self.model.fit(self.image, self.label, batch_size=self.batch_size, epochs=1, shuffle=False,
+                   verbose=0)
+    return time.perf_counter() - start
+
+
+def median(values) -> float:
+  """statistics.median as a float."""
+  return float(statistics.median(values))

@@ -1,0 +1,291 @@
+"""disttrain's train step against a hand-written jax.jit + optax step, timed in one process.
+
+  python benchmarks/throughput.py --model=mlp --fake_devices=8 --sharding=fsdp --json=out.json
+
+Every figure is a ratio against a baseline measured in the same process, window by window
+(disttrain, baseline, baseline, disttrain, ...): machines are shared and noisy, so absolute
+examples/s drift while the median of paired ratios barely does. Both sides run the same model on
+the same device-resident batches, devices and layout, with the state donated; on a CPU mesh of
+more than one device both wait for step N-1 after dispatching step N (as disttrain's loop does:
+XLA:CPU's all-reduce deadlocks when many multi-device steps are queued). A step that compiles
+during a timed window stops the run (exit 1, one line); bad flags exit 2, one line.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+
+from absl import app, flags, logging
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import baselines
+from baselines import BenchError, RecompileError, StepSide
+import disttrain
+from disttrain import config as config_lib, data, models, optim, sources
+from disttrain import mesh as mesh_lib, state as state_lib, step as step_lib
+from disttrain.config import BATCH_AXES
+from disttrain.loop import check_batch_sizes
+from disttrain.models.linen import LinenModel
+from disttrain.task import Classification
+
+_MODEL = flags.DEFINE_enum('model', 'mlp_small', ['mlp_small', 'mlp', 'transformer'],
+                           'mlp_small: seed 000 (784-64-64-10, batch 256); mlp: seed 004 '
+                           '(mnist_mlp, Dropout + BatchNorm, batch 128); transformer: char_lm.')
+_SHARDING = flags.DEFINE_enum('sharding', 'replicate', ['replicate', 'fsdp', 'tensor'],
+                              'replicate: data parallel; fsdp: mesh.fsdp = all devices; tensor: '
+                              'mesh.tensor = 2, hidden features split.')
+_STEP_MODE = flags.DEFINE_enum('step_mode', 'jit', ['jit', 'shard_map', 'pmap'], 'Step style.')
+_BATCH = flags.DEFINE_integer('global_batch_size', 0, "0 = the model's seed batch size.")
+_FAKE_DEVICES = flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
+_STEPS = flags.DEFINE_integer('steps', 0, 'Steps per timed window; 0 = about 0.3 s worth.')
+_WINDOWS = flags.DEFINE_integer('windows', 7, 'Timed windows per side (at least 5).')
+_STEPS_PER_DISPATCH = flags.DEFINE_integer(
+    'steps_per_dispatch', 1, 'K > 1: disttrain runs K steps per call (Step.train_many); the '
+    'baseline stays one call per step.')
+_WITH_DATA = flags.DEFINE_bool('with_data', False, 'Also time the whole disttrain.train loop '
+                               '(grain pipeline, metrics) against the step on device data.')
+_WITH_KERAS = flags.DEFINE_bool('with_keras', False, 'Also time Keras 3 fit on mlp_small.')
+_JSON = flags.DEFINE_string('json', None, 'Write {"results": [...]} here.')
+_PROFILE = flags.DEFINE_string('profile', None, 'Write a jax.profiler trace of one window of '
+                               'each side here.')
+
+_CHAR_LM_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               'launch', 'configs', 'char_lm.py')
+_SEED = {'mlp_small': dict(batch=256, hidden=64, dropout=0.0),
+         'mlp': dict(batch=128, hidden=512, dropout=0.3)}
+_WINDOW_SEC = 0.3  # auto --steps: long enough that timer and dispatch jitter are below 1%
+_NUM_BATCHES = 4  # distinct device-resident batches each side cycles through
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's parsing, with a bad flag reported in one line (exit 2) instead of absl's FATAL."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(f'{e}; run with --helpfull to list the flags', 2)
+
+
+def main(argv):
+  if len(argv) > 1:
+    _fail(f'unexpected arguments {argv[1:]}; pass settings as flags, e.g. --model=mlp', 2)
+  if _FAKE_DEVICES.value is not None:
+    if _FAKE_DEVICES.value < 1:
+      _fail(f'--fake_devices={_FAKE_DEVICES.value} must be >= 1', 2)
+    jax.config.update('jax_platforms', 'cpu')  # before the backend initialises
+    jax.config.update('jax_num_cpu_devices', _FAKE_DEVICES.value)
+  # A persistent compilation cache in a fresh folder: the first compile of each step is still a
+  # cold one (compile_sec), while re-compiles of the same executable (the memory analysis, each
+  # --with_data window's whole disttrain.train run) become cache reads.
+  cache = tempfile.TemporaryDirectory(prefix='throughput_xla_cache_')  # removed at exit
+  jax.config.update('jax_compilation_cache_dir', cache.name)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+  try:
+    rows = run()
+  except RecompileError as e:
+    _fail(f'RecompileError: {e}', 1)
+  except (BenchError, disttrain.DisttrainError) as e:
+    _fail(f'{type(e).__name__}: {e}', 2)
+  print(table(rows))
+  if _JSON.value:
+    with open(_JSON.value, 'w', encoding='utf-8') as f:
+      json.dump({'results': rows}, f, indent=2)
+
+
+def run() -> list[dict]:
+  """Builds both steps, times them interleaved, adds the comparisons the flags ask for."""
+  k = _STEPS_PER_DISPATCH.value
+  devices = jax.devices()
+  _check_flags(k, len(devices))
+  cfg = _config(len(devices))
+  dataset = sources.load(cfg.data)
+  model = (LinenModel(baselines.SmallMLP(hidden=cfg.model.hidden)) if _MODEL.value == 'mlp_small'
+           else models.build(cfg.model, dataset.num_classes))
+  compiles = [0]  # XLA compilations and persistent-cache hits: either means a step was rebuilt
+
+  def count(event: str, *_, **__) -> None:
+    compiles[0] += event in ('/jax/core/compile/backend_compile_duration',
+                             '/jax/compilation_cache/cache_hits')
+  jax.monitoring.register_event_duration_secs_listener(count)
+  jax.monitoring.register_event_listener(count)
+  disttrain_side, baseline_side, info = _build_sides(cfg, model, dataset, devices, k, compiles)
+  steps = _STEPS.value or baseline_side.calibrate(_WINDOW_SEC)
+  steps = -(-steps // k) * k
+  for side in (disttrain_side, baseline_side):
+    side.steps = steps
+    side()  # warm-up window: caches, allocator, thread pools
+
+  windows = _WINDOWS.value
+  load = [os.getloadavg()[0]]
+  # The dot peak is sampled between the same windows, so fraction_of_peak compares like with like.
+  peak = baselines.DotPeak(devices[0])
+  secs, base_secs, peak_secs = baselines.interleave([disttrain_side, baseline_side, peak], windows)
+  timings = [('step', 'jax_jit', (secs, base_secs))]
+  if _WITH_DATA.value:
+    loop_side = baselines.LoopSide(cfg, model, devices, steps)
+    timings.append(('train_loop', 'step_on_device_data',
+                    baselines.interleave([loop_side, disttrain_side], windows)))
+  if _WITH_KERAS.value:
+    try:
+      keras_fit = baselines.KerasFit(dataset.train.image, dataset.train.label,
+                                     cfg.global_batch_size, k, steps)
+    except ImportError as e:
+      raise BenchError(f'--with_keras needs Keras 3 with the JAX backend ({e}); pip install '
+                       'keras, or drop --with_keras') from e
+    keras_fit()  # warm-up: compiles Keras' train function
+    timings.append(('step', 'keras_fit',
+                    baselines.interleave([disttrain_side, keras_fit], windows)))
+  load.append(os.getloadavg()[0])
+  if _PROFILE.value:
+    with jax.profiler.trace(_PROFILE.value):
+      disttrain_side(), baseline_side()
+  peak_flops = peak.flops / baselines.median(peak_secs)
+  common = dict(model=_MODEL.value, sharding=_SHARDING.value, step_mode=cfg.step_mode,
+                devices=len(devices), global_batch_size=cfg.global_batch_size,
+                steps_per_dispatch=k, windows=windows, steps_per_window=steps,
+                host_load_1m=round(max(load), 2), **info)
+  rows = []
+  for measured, against, (secs, base_secs) in timings:
+    eps = [steps * cfg.global_batch_size / s for s in secs]
+    base_eps = [steps * cfg.global_batch_size / s for s in base_secs]
+    med, base_med = baselines.median(eps), baselines.median(base_eps)
+    rows.append(dict(common, disttrain=measured, baseline=against,
+                     examples_per_sec=round(med, 1), baseline_examples_per_sec=round(base_med, 1),
+                     ratio=round(baselines.median([a / b for a, b in zip(eps, base_eps)]), 4),
+                     ms_per_step=round(1e3 * cfg.global_batch_size / med, 4),
+                     baseline_ms_per_step=round(1e3 * cfg.global_batch_size / base_med, 4),
+                     fraction_of_peak=round(med * info['flops_per_example'] / peak_flops, 4),
+                     peak_flops_per_sec=round(peak_flops), peak_dtype=np.dtype(peak.dtype).name))
+  return rows
+
+
+def _build_sides(cfg, model, dataset, devices, k: int, compiles: list):
+  """disttrain's step (built through its own pieces) and the hand-written one, same start."""
+  mesh = mesh_lib.build(cfg.mesh, devices)
+  check_batch_sizes(cfg, mesh)
+  tx, _ = optim.build(cfg)
+  batch_sharding = data.batch_sharding(mesh)
+  # The real path: eval_shape -> rules -> shardings -> state born sharded -> jitted step.
+  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
+                                cfg, mesh)
+  step = step_lib.build(model, Classification(), tx, cfg, mesh, lay, batch_sharding)
+  base_shardings = {f.name: getattr(lay.shardings, f.name) for f in dataclasses.fields(state)}
+  base_state = jax.device_put({name: getattr(state, name) for name in base_shardings},
+                              base_shardings, may_alias=False)  # same values, its own buffers
+  batches = baselines.numpy_batches(dataset.train, cfg.global_batch_size, k * _NUM_BATCHES)
+  bound = devices[0].platform == 'cpu' and len(devices) > 1
+  if k > 1:  # K consecutive batches stacked: [K, B, ...], batch axis sharded as usual
+    stacked = NamedSharding(mesh, P(None, BATCH_AXES))
+    inputs = [jax.device_put(jax.tree.map(lambda *xs: np.stack(xs), *batches[g * k:(g + 1) * k]),
+                             stacked) for g in range(_NUM_BATCHES)]
+  else:
+    inputs = [jax.device_put(b, batch_sharding) for b in batches]
+  disttrain_side = StepSide('disttrain step', step.train_many if k > 1 else step.train,
+                            step.place(state), inputs, k, bound, step.trace_count, compiles)
+  del state  # donated to the first step
+  base_traces = [0]
+  base_fn = baselines.train_step_fn(model.module, tx, base_traces)
+  baseline_side = StepSide('hand-written step',
+                           baselines.jit_step(base_fn, base_shardings, batch_sharding), base_state,
+                           [jax.device_put(b, batch_sharding) for b in batches], 1, bound,
+                           base_traces, compiles)
+  flops = baselines.flops_per_example(base_fn, base_state, batches[0])  # before it is donated
+  # First calls on the same batch from the same state: compile time, and a check that both
+  # sides compute the same step (dropout masks agree only in the jit style).
+  compile_sec, metrics = disttrain_side.first_call()
+  base_compile_sec, base_loss = baseline_side.first_call()
+  loss = float(np.asarray(metrics['loss']).reshape(-1)[0])
+  if (cfg.step_mode == 'jit' or not cfg.model.dropout) and not np.isclose(
+      loss, float(base_loss), rtol=1e-4):
+    raise BenchError(f'first-step loss: disttrain {loss:.6f}, hand-written {float(base_loss):.6f};'
+                     ' the two steps do not compute the same thing')
+  info = dict(compile_sec=round(compile_sec, 3), baseline_compile_sec=round(base_compile_sec, 3),
+              state_bytes_per_device=disttrain_side.state_bytes(devices[0]),
+              flops_per_example=round(flops, 1))
+  return disttrain_side, baseline_side, info
+
+
+def _check_flags(k: int, num_devices: int) -> None:
+  """Flag combinations the benchmark cannot measure, as one-line errors."""
+  if _MODEL.value == 'transformer' and ('char_lm' not in models.MODELS
+                                        or not os.path.isfile(_CHAR_LM_CONFIG)):
+    raise BenchError(f'--model=transformer needs the char_lm model and {_CHAR_LM_CONFIG}, which '
+                     f'this checkout lacks (models: {tuple(models.MODELS)}); use --model=mlp_small'
+                     ' or --model=mlp')
+  if _WINDOWS.value < 5:
+    raise BenchError(f'--windows={_WINDOWS.value}: medians need at least 5 windows; pass >= 5')
+  if _STEPS.value < 0 or k < 1:
+    raise BenchError(f'--steps={_STEPS.value} --steps_per_dispatch={k}: pass --steps >= 0 '
+                     '(0 = auto) and --steps_per_dispatch >= 1')
+  if k > 1 and _STEP_MODE.value == 'pmap':
+    raise BenchError(f'--steps_per_dispatch={k} needs Step.train_many, which step_mode=pmap lacks;'
+                     ' use --step_mode=jit or shard_map')
+  if _WITH_KERAS.value and (_MODEL.value != 'mlp_small' or num_devices != 1):
+    raise BenchError(f'--with_keras compares Keras fit on one device with --model=mlp_small; got '
+                     f'--model={_MODEL.value} on {num_devices} devices')
+
+
+def _config(num_devices: int):
+  """disttrain's config for the flags: the seed MLPs on synthetic 784-feature data (Adam 1e-3),
+  or launch/configs/char_lm.py's transformer on its text."""
+  if _MODEL.value == 'transformer':
+    spec = importlib.util.spec_from_file_location('char_lm_config', _CHAR_LM_CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cd = module.get_config()
+  else:
+    seed = _SEED[_MODEL.value]
+    cd = config_lib.defaults()
+    cd.global_batch_size = seed['batch']
+    cd.model.hidden, cd.model.dropout = seed['hidden'], seed['dropout']
+    cd.data.name = 'synthetic'  # 784 features like MNIST, in memory, no download
+    cd.logical_rules = (('hidden', 'tensor'),)
+    if _SHARDING.value == 'fsdp':
+      cd.sharding = 'fsdp'  # char_lm's rules already put its width ('embed') on fsdp
+  cd.global_batch_size = _BATCH.value or cd.global_batch_size
+  cd.step_mode = _STEP_MODE.value
+  cd.steps_per_dispatch = _STEPS_PER_DISPATCH.value
+  # Multiples of K, as the config requires; --with_data sets the loop's own.
+  cd.num_train_steps = cd.log_every_steps = cd.steps_per_dispatch
+  cd.eval_every_steps = 0
+  if _SHARDING.value == 'fsdp':
+    cd.mesh.data, cd.mesh.fsdp = 1, -1
+  elif _SHARDING.value == 'tensor':
+    cd.mesh.tensor = min(2, num_devices)
+  return config_lib.from_config_dict(cd)
+
+
+def table(rows: list[dict]) -> str:
+  """The results as an aligned text table, one row per comparison, and how to read it."""
+  head = ('disttrain', 'baseline', 'model', 'layout', 'dev', 'batch', 'K', 'ex/s', 'base ex/s',
+          'ratio', 'ms/step', 'base ms', 'compile s', 'state KiB/dev', 'MFLOP/ex', 'of peak')
+  lines = [head] + [(
+      r['disttrain'], r['baseline'], r['model'], f"{r['sharding']}/{r['step_mode']}",
+      str(r['devices']), str(r['global_batch_size']), str(r['steps_per_dispatch']),
+      f"{r['examples_per_sec']:,.0f}", f"{r['baseline_examples_per_sec']:,.0f}",
+      f"{r['ratio']:.3f}", f"{r['ms_per_step']:.3f}", f"{r['baseline_ms_per_step']:.3f}",
+      f"{r['compile_sec']:.2f}", f"{r['state_bytes_per_device'] / 1024:,.0f}",
+      f"{r['flops_per_example'] / 1e6:.2f}", f"{r['fraction_of_peak']:.3f}") for r in rows]
+  widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+  text = ['  '.join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
+  first = rows[0]
+  text.append(f'ratio = median over {first["windows"]} paired windows of disttrain / baseline '
+              f'examples/s; peak = jnp.dot {first["peak_dtype"]} '
+              f'{first["peak_flops_per_sec"] / 1e9:.0f} GFLOP/s; host load {first["host_load_1m"]} '
+              f'on {os.cpu_count()} CPUs')
+  return '\n'.join(text)
+
+
+def _fail(message: str, code: int):
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+if __name__ == '__main__':
+  logging.set_verbosity(logging.WARNING)
+  app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,100 @@
+"""Smoke of benchmarks/throughput.py: every mode runs and writes the JSON schema (no timings)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / 'benchmarks' / 'throughput.py'
+FIELDS = {'model': str, 'sharding': str, 'step_mode': str, 'devices': int,
+          'global_batch_size': int, 'examples_per_sec': float, 'baseline_examples_per_sec': float,
+          'ratio': float, 'compile_sec': float, 'state_bytes_per_device': int,
+          'flops_per_example': float, 'fraction_of_peak': float}
+HAS_KERAS = importlib.util.find_spec('keras') is not None
+
+
+def _run(tmp_path, *args: str) -> subprocess.CompletedProcess:
+  """One benchmark process (never two at once: 8 fake devices on 2 cores)."""
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # --fake_devices decides
+  return subprocess.run([sys.executable, str(SCRIPT), '--steps=2', '--windows=5', *args],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                        check=False)
+
+
+def _results(tmp_path, *args: str) -> list[dict]:
+  out = tmp_path / 'out.json'
+  proc = _run(tmp_path, f'--json={out}', *args)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads(out.read_text())['results']
+  for row in rows:
+    for name, kind in FIELDS.items():
+      assert isinstance(row[name], (int, float) if kind is float else kind), (name, row)
+    assert row['examples_per_sec'] > 0 and row['baseline_examples_per_sec'] > 0
+    assert row['ratio'] > 0 and row['flops_per_example'] > 0 and row['state_bytes_per_device'] > 0
+    assert row['steps_per_window'] % row['steps_per_dispatch'] == 0
+  assert 'ratio' in proc.stdout  # the table
+  return rows
+
+
+def test_one_device_k_steps_loop_keras_profile(tmp_path):
+  args = ['--model=mlp_small', '--steps_per_dispatch=2', '--with_data',
+          f'--profile={tmp_path / "prof"}']
+  rows = _results(tmp_path, *args, *(['--with_keras'] if HAS_KERAS else []))
+  assert [(r['disttrain'], r['baseline']) for r in rows] == [
+      ('step', 'jax_jit'), ('train_loop', 'step_on_device_data')] + (
+          [('step', 'keras_fit')] if HAS_KERAS else [])
+  assert all(r['devices'] == 1 and r['global_batch_size'] == 256 for r in rows)
+  assert rows[0]['steps_per_dispatch'] == 2
+  assert any(files for _, _, files in os.walk(tmp_path / 'prof'))
+
+
+@pytest.mark.parametrize('args', [
+    ('--fake_devices=8', '--model=mlp', '--step_mode=shard_map'),
+    ('--fake_devices=8', '--model=mlp', '--sharding=fsdp'),
+    ('--fake_devices=2', '--model=mlp_small', '--step_mode=pmap'),
+    ('--fake_devices=2', '--model=mlp', '--sharding=tensor'),
+    ('--fake_devices=2', '--model=transformer', '--sharding=fsdp', '--global_batch_size=4'),
+])
+def test_several_devices(tmp_path, args):
+  (row,) = _results(tmp_path, *args)
+  assert f'--fake_devices={row["devices"]}' in args
+  assert f'--model={row["model"]}' in args
+  if '--model=mlp' in args and '--sharding=fsdp' in args:  # 2 big kernels split 8 ways
+    assert row['state_bytes_per_device'] < 2 * 2**20
+
+
+@pytest.mark.parametrize('args, message', [
+    (('--model=foo',), 'mlp_small|mlp|transformer'),
+    (('--step_mode=pmap', '--steps_per_dispatch=4'), 'train_many'),
+])
+def test_bad_flags_fail_in_one_line(tmp_path, args, message):
+  proc = _run(tmp_path, *args)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+def test_a_recompiling_step_fails_loudly():
+  sys.path.insert(0, str(ROOT / 'benchmarks'))
+  try:
+    baselines = importlib.import_module('baselines')
+  finally:
+    sys.path.remove(str(ROOT / 'benchmarks'))
+  traces, compiles = [0], [0]
+
+  def step(state, x):
+    traces[0] += 1
+    return state + x.sum(), x
+
+  inputs = [np.ones(3, np.float32), np.ones(4, np.float32)]  # two shapes: two compilations
+  side = baselines.StepSide('a step', jax.jit(step), np.float32(0), inputs, 1, False, traces,
+                             compiles, steps=2)
+  side.call(0)  # compiles for the first shape outside a timed window
+  with pytest.raises(baselines.RecompileError, match='traced 1'):
+    side()
