@@ -7,6 +7,7 @@ eval) so that the pipeline's determinism and coverage can be checked example by 
 import dataclasses
 import gzip
 import os
+import sysconfig
 import zlib
 
 import numpy as np
@@ -18,6 +19,9 @@ NUM_CLASSES = 10
 _DIGITS_EVAL = 297  # 1797 digits -> 1500 train
 _MNIST_EVAL = 2000  # the project's convention for the 10k t10k-only set: 8000 / 2000
 _SYNTHETIC_EVAL = 1024
+_TEXT_EVAL = 256  # windows
+_TEXT_VOCAB = 256  # byte-level tokens
+_TEXT_SUFFIXES = ('.py', '.txt', '.md', '.rst')
 _IMAGES_MAGIC = 0x00000803  # unsigned byte, 3 dimensions
 _LABELS_MAGIC = 0x00000801  # unsigned byte, 1 dimension
 
@@ -50,7 +54,10 @@ def load(cfg: DataConfig) -> Dataset:
     return _mnist(cfg)
   if cfg.name == 'synthetic':
     return _synthetic(cfg)
-  raise DataError(f"data.name={cfg.name!r} is unknown; use 'digits', 'mnist' or 'synthetic'")
+  if cfg.name == 'text':
+    return _text(cfg)
+  raise DataError(f"data.name={cfg.name!r} is unknown; use 'digits', 'mnist', 'synthetic' or "
+                  "'text'")
 
 
 def _split_tail(image, label, eval_examples: int, what: str) -> Dataset:
@@ -174,3 +181,45 @@ def _mnist(cfg: DataConfig) -> Dataset:
   ids = np.arange(n + len(test[1]), dtype=np.int32)
   return Dataset(train=Split(train[0], train[1], ids[:n]), eval=Split(test[0], test[1], ids[n:]),
                  num_classes=NUM_CLASSES)
+
+
+def text_files(folder: str) -> list[str]:
+  """The text source's files in reading order: '' = the standard library's top-level *.py."""
+  if not folder:
+    stdlib = sysconfig.get_paths()['stdlib']
+    return sorted(os.path.join(stdlib, n) for n in os.listdir(stdlib) if n.endswith('.py'))
+  if not os.path.isdir(folder):
+    raise DataError(f'data.dir={folder!r} does not exist; pass a folder of text files, or '
+                    "data.dir='' for the Python standard library's source")
+  return sorted(os.path.join(root, n) for root, _, names in os.walk(folder) for n in names
+                if n.endswith(_TEXT_SUFFIXES))
+
+
+def _text(cfg: DataConfig) -> Dataset:
+  """Byte-level language modelling: windows of seq_len + 1 bytes -> (tokens, next tokens)."""
+  chunks, size = [], 0
+  for path in text_files(cfg.dir):
+    with open(path, 'rb') as f:
+      chunks.append(f.read(cfg.text_bytes - size))
+    size += len(chunks[-1])
+    if size >= cfg.text_bytes:
+      break
+  ids = np.frombuffer(b''.join(chunks), np.uint8).astype(np.int32)
+  n = (len(ids) - 1) // cfg.seq_len
+  eval_examples = _eval_examples(cfg, _TEXT_EVAL)
+  if n <= eval_examples:
+    raise DataError(f'data.dir={cfg.dir!r} gives {len(ids)} bytes = {n} windows of data.seq_len='
+                    f'{cfg.seq_len}, not more than data.eval_examples={eval_examples}; use more '
+                    'text (data.text_bytes, data.dir) or shorter windows')
+  # Window k = bytes [k L, (k + 1) L]: the targets are the inputs shifted by one byte.
+  starts = np.arange(n) * cfg.seq_len
+  tokens = ids[starts[:, None] + np.arange(cfg.seq_len + 1)]
+  dataset = _split_tail(tokens[:, :-1], tokens[:, 1:], eval_examples, 'the text')
+  return dataclasses.replace(dataset, num_classes=_TEXT_VOCAB)
+
+
+def unigram_entropy(split: Split) -> float:
+  """Entropy (nats) of the split's target bytes: the loss of the best context-free model."""
+  counts = np.bincount(split.label.ravel(), minlength=_TEXT_VOCAB).astype(np.float64)
+  p = counts[counts > 0] / counts.sum()
+  return float(-(p * np.log(p)).sum())

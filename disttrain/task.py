@@ -1,8 +1,12 @@
 """What is being learned: per-example losses and metrics from model outputs and a batch.
 
+A task is any object with `per_example(outputs, batch) -> {'loss': [B], <metric>: [B], ...}`.
 The step reduces every per-example value as sum(value * mask) over the *global* batch, divided by
 the global number of valid examples: never a mean of per-device means.
 """
+
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +14,58 @@ import optax
 
 
 class Classification:
-  """Softmax cross-entropy on integer labels; accuracy."""
+  """Softmax cross-entropy on integer labels; accuracy.
+
+  Labels are [B] (one class per example) or [B, T, ...] (one per token, e.g. next-character
+  targets): per-token values are averaged over each example's tokens, so with equal-length
+  windows the global mean over examples is also the exact mean over tokens.
+  """
 
   def per_example(self, logits_BxC: jax.Array, batch: dict) -> dict[str, jax.Array]:
-    labels_B = batch['label']
-    loss_B = optax.softmax_cross_entropy_with_integer_labels(logits_BxC.astype(jnp.float32),
-                                                             labels_B)
-    correct_B = (jnp.argmax(logits_BxC, axis=-1) == labels_B).astype(jnp.float32)
-    return {'loss': loss_B, 'accuracy': correct_B}
+    labels = batch['label']
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxC.astype(jnp.float32), labels)
+    correct = (jnp.argmax(logits_BxC, axis=-1) == labels).astype(jnp.float32)
+    return {'loss': _mean_per_example(loss), 'accuracy': _mean_per_example(correct)}
+
+
+def _mean_per_example(values: jax.Array) -> jax.Array:
+  """[B, ...] -> [B]: the mean over everything but the batch axis."""
+  return values.reshape(values.shape[0], -1).mean(axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossWithAux:
+  """A task from `loss_fn(outputs, batch) -> (loss [B], aux)`, like bobbin's compute_loss.
+
+  `aux` is None or a dict of per-example [B] arrays; each is reported as a metric next to 'loss'
+  (global-batch means, like the loss). Per-example rather than batch means, so the step can
+  average over the global batch exactly whatever the layout.
+  """
+  loss_fn: Callable[[Any, dict], tuple[jax.Array, dict | None]]
+
+  def per_example(self, outputs: Any, batch: dict) -> dict[str, jax.Array]:
+    loss_B, aux = self.loss_fn(outputs, batch)
+    return {'loss': loss_B, **(aux or {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class PerDeviceLoss:
+  """Adds 'loss_device_<d>': the mean loss over the d-th of `num_devices` row blocks.
+
+  The global batch is laid out in contiguous row blocks over the batch axes ('data', 'fsdp'),
+  so block d is what device d holds when the batch is split over `num_devices` devices (bobbin's
+  per-device StepInfo.loss). They are functions of the global batch, so they are the same numbers
+  on any layout. step_mode=jit only: shard_map/pmap call the task on one device's rows, where
+  the blocks would be wrong. Exact for batches without padding (train batches).
+  """
+  task: Any
+  num_devices: int
+
+  def per_example(self, outputs: Any, batch: dict) -> dict[str, jax.Array]:
+    values = self.task.per_example(outputs, batch)
+    loss_B = values['loss']
+    block_B = jnp.arange(loss_B.shape[0]) // (loss_B.shape[0] // self.num_devices)
+    for d in range(self.num_devices):
+      # x num_devices: the step divides by the global count, a block holds 1/num_devices of it.
+      values[f'loss_device_{d}'] = jnp.where(block_B == d, loss_B * self.num_devices, 0.0)
+    return values

@@ -1,9 +1,19 @@
-"""The seed-004 MLP: (Dense 512 -> ReLU -> Dropout -> BatchNorm) x 2 -> Dense classes."""
+"""The seeds' MNIST MLPs, side by side in the front ends they were written for.
 
+  MnistMLP   seed 004 part 2, Flax Linen: (Dense 512 -> ReLU -> Dropout -> BatchNorm) x 2 -> Dense
+  NnxMLP     the same model in Flax NNX (same initialisers and logical axis names)
+  jax_mlp_*  seed 004 part 1, raw JAX: a list of (w, b) pairs and a vmapped one-example forward
+  BobbinMLP  seed 001, Linen: Dense 1024 -> sigmoid -> Dropout(0.5) -> Dense
+Seed 000's Keras model is in keras_mlp.py (keras is an optional extra).
+"""
+
+import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax import nnx
 
 _KERNEL = nn.initializers.lecun_normal()
 _ZEROS = nn.initializers.zeros_init()
@@ -34,3 +44,82 @@ class MnistMLP(nn.Module):
     return nn.Dense(self.num_classes,
                     kernel_init=nn.with_logical_partitioning(_KERNEL, ('hidden_in', 'classes')),
                     bias_init=nn.with_logical_partitioning(_ZEROS, ('classes',)))(x)
+
+
+class BobbinMLP(nn.Module):
+  """Seed 001's classifier: flatten -> Dense 1024 -> sigmoid -> Dropout(0.5) -> Dense classes."""
+  num_classes: int = 10
+  hidden: int = 1024
+  dropout: float = 0.5
+
+  @nn.compact
+  def __call__(self, x_BxHxWxC: jnp.ndarray, train: bool) -> jnp.ndarray:
+    x = x_BxHxWxC.reshape(x_BxHxWxC.shape[0], -1)
+    x = nn.sigmoid(nn.Dense(self.hidden,
+                            kernel_init=nn.with_logical_partitioning(_KERNEL, ('pixels', 'hidden')),
+                            bias_init=nn.with_logical_partitioning(_ZEROS, ('hidden',)))(x))
+    x = nn.Dropout(self.dropout, deterministic=not train)(x)
+    return nn.Dense(self.num_classes,
+                    kernel_init=nn.with_logical_partitioning(_KERNEL, ('hidden_in', 'classes')),
+                    bias_init=nn.with_logical_partitioning(_ZEROS, ('classes',)))(x)
+
+
+def _linear(din: int, dout: int, axes: tuple[str, str], rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(din, dout, kernel_init=nnx.with_partitioning(_KERNEL, axes),
+                    bias_init=nnx.with_partitioning(_ZEROS, axes[1:]), rngs=rngs)
+
+
+def _batch_norm(features: int, rngs: nnx.Rngs) -> nnx.BatchNorm:
+  # momentum 0.9 as the Linen model (NNX's default is 0.99).
+  return nnx.BatchNorm(features, momentum=0.9, rngs=rngs,
+                       scale_init=nnx.with_partitioning(_ONES, ('hidden',)),
+                       bias_init=nnx.with_partitioning(_ZEROS, ('hidden',)))
+
+
+class NnxMLP(nnx.Module):
+  """Logical axes: 'hidden' marks the hidden features (the tensor-parallel dimension)."""
+
+  def __init__(self, input_shape: tuple, num_classes: int = 10, hidden: int = 512,
+               dropout: float = 0.3, *, rngs: nnx.Rngs):
+    self.dense_0 = _linear(math.prod(input_shape), hidden, ('pixels', 'hidden'), rngs)
+    self.norm_0 = _batch_norm(hidden, rngs)
+    self.dense_1 = _linear(hidden, hidden, ('hidden_in', 'hidden'), rngs)
+    self.norm_1 = _batch_norm(hidden, rngs)
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
+    self.head = _linear(hidden, num_classes, ('hidden_in', 'classes'), rngs)
+
+  def __call__(self, x_BxHxWxC: jax.Array) -> jax.Array:
+    x = x_BxHxWxC.reshape(x_BxHxWxC.shape[0], -1)
+    x = self.norm_0(self.dropout(nnx.relu(self.dense_0(x))))
+    x = self.norm_1(self.dropout(nnx.relu(self.dense_1(x))))
+    return self.head(x)
+
+
+def jax_mlp_init(rng: jax.Array, x: jax.Array, hidden: int = 512,
+                 num_classes: int = 10) -> list[tuple[jax.Array, jax.Array]]:
+  """[(w [out, in], b [out]), ...]: w ~ N(0, 2 / in) (He), b = 0.
+
+  The seed draws N(0, 0.01^2), which trains only because its pixels are 0..255; with pixels in
+  [0, 1] that network stays at chance for thousands of SGD steps, so the weights are He-scaled.
+  """
+  sizes = [math.prod(x.shape[1:]), hidden, hidden, num_classes]
+  keys = jax.random.split(rng, len(sizes) - 1)
+  return [(jax.random.normal(key, (n, m)) * jnp.sqrt(2.0 / m), jnp.zeros((n,)))
+          for key, m, n in zip(keys, sizes[:-1], sizes[1:])]
+
+
+def _jax_mlp_one(params, x_D: jax.Array) -> jax.Array:
+  for w, b in params[:-1]:
+    x_D = jax.nn.relu(jnp.dot(w, x_D) + b)
+  w, b = params[-1]
+  return jnp.dot(w, x_D) + b
+
+
+def jax_mlp_apply(params, x: jax.Array) -> jax.Array:
+  """Logits [B, classes]: the one-example forward, vmapped over the flattened batch."""
+  return jax.vmap(_jax_mlp_one, in_axes=(None, 0))(params, x.reshape(x.shape[0], -1))
+
+
+# Logical axes per (w, b), matching the Linen MLP's names ('hidden' -> tensor in the configs).
+JAX_MLP_LOGICAL = [(('hidden', 'pixels'), ('hidden',)), (('hidden', 'hidden_in'), ('hidden',)),
+                   (('classes', 'hidden_in'), ('classes',))]
