@@ -8,4 +8,5 @@ from disttrain.errors import (CheckpointError, ConfigError, DataError, Disttrain
 from disttrain.loop import Result, Setup, evaluate, setup, train
 from disttrain.state import TrainState
 from disttrain.step import StepContext
-from disttrain.task import Classification
+from disttrain.models import FunctionalModel, LinenModel, NNXModel
+from disttrain.task import Classification, LossWithAux, PerDeviceLoss

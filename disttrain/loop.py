@@ -120,7 +120,8 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
   config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
   tx = tx or config_tx
   batch_sharding = data.batch_sharding(mesh)
-  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
+  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:],
+                                                      dataset.train.image.dtype),
                                 cfg, mesh)
   step = step_lib.build(model, task, tx, cfg, mesh, lay, batch_sharding, train_step)
   return Setup(cfg, mesh, dataset, model, task, tx, lr_schedule, batch_sharding, state, lay, step)
@@ -190,8 +191,7 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
     result = evaluate(step, step.export(device_state), dataset.eval, cfg.eval_batch,
                       batch_sharding)
     emit({'step': at_step, 'split': 'eval', **result})
-    writer.print(f'eval  step {at_step}: loss {result["loss"]:.4f} accuracy '
-                 f'{result["accuracy"]:.4f} ({result["num_examples"]} examples)')
+    writer.print(f'eval  step {at_step}: {_summary(result)} ({result["num_examples"]} examples)')
     return result
 
   def checked(window: list) -> list:
@@ -261,8 +261,16 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
     window = checked(window)
     result = run_eval(step_no, device_state) if eval_due else None
     if save_due or preempted:
-      ckpt.save(step_no, step.export(device_state), batches.get_state(),
-                _meta(cfg, mesh, step_no), metrics=result)
+      exported = step.export(device_state)
+      # grad_norm is only computed on logged steps: the parameters themselves are checked here,
+      # so a non-finite state is never saved whatever step it appears at.
+      if not bool(step_lib.params_finite(exported.params)):
+        raise NonFiniteError(
+            f'step {step_no}: the parameters are not finite (the losses up to here were); that '
+            f'state was not saved, the last checkpoint is step '
+            f'{(ckpt.steps() or [None])[-1]} in {ckpt.directory}; lower learning_rate')
+      ckpt.save(step_no, exported, batches.get_state(), _meta(cfg, mesh, step_no),
+                metrics=result)
     if preempted:
       ckpt.wait()  # the checkpoint must have committed before the process exits
       raise Preempted(step_no, ckpt.directory)
@@ -271,11 +279,17 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
     result = run_eval(first_step, device_state)
   elapsed = time.perf_counter() - start
   writer.print(f'done: {cfg.num_train_steps - first_step} steps in {elapsed:.1f}s on '
-               f'{mesh.size} devices {mesh_lib.axis_sizes(mesh)}; final eval accuracy '
-               f'{result["accuracy"]:.4f}, loss {result["loss"]:.4f} '
+               f'{mesh.size} devices {mesh_lib.axis_sizes(mesh)}; final eval {_summary(result)} '
                f'({result["num_examples"]} examples); outputs in {workdir}')
   return Result(state=step.export(device_state), records=records,
                 trace_count=step.trace_count[0])
+
+
+def _summary(result: dict) -> str:
+  """'accuracy 0.9650, loss 0.1140': accuracy first when the task has it, then the rest."""
+  names = sorted(k for k in result if k != 'num_examples')
+  names.sort(key=lambda k: k != 'accuracy')
+  return ', '.join(f'{k} {result[k]:.4f}' for k in names)
 
 
 def _meta(cfg: Config, mesh: Mesh, step_no: int) -> dict:

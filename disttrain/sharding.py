@@ -65,6 +65,10 @@ def _rule_spec(path: str, shape, logical: P | None, cfg: Config, mesh: Mesh) -> 
 
 def _add_fsdp(path, shape, spec, fsdp: int, min_size: int, replicated: list) -> tuple:
   """Splits the largest free dimension divisible by `fsdp`; records why when it cannot."""
+  named = [n for e in spec for n in (e if isinstance(e, tuple) else (e,))]
+  if 'fsdp' in named:
+    replicated.append(f'{path} {shape}: already split over fsdp by a rule')
+    return spec
   if math.prod(shape) < min_size:
     replicated.append(f'{path} {shape}: {math.prod(shape)} < fsdp_min_size={min_size}')
     return spec
