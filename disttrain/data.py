@@ -123,8 +123,12 @@ class TrainIterator:
   """Infinite, resumable stream of shuffled global train batches (dicts of jax.Arrays)."""
 
   def __init__(self, split: Split, global_batch_size: int, seed: int, sharding: NamedSharding,
-               prefetch: int = 2):
-    """Builds the grain stream; reading runs ahead in grain's background thread."""
+               prefetch: int = 2, batches_per_element: int = 1):
+    """Builds the grain stream; reading and device transfer run ahead in grain's thread.
+
+    With batches_per_element=K each element is K consecutive global batches stacked on a new
+    leading axis ([K, B, ...], for steps_per_dispatch=K); positions stay counted in batches.
+    """
     if len(split) < global_batch_size:
       raise DataError(f'the train split has {len(split)} examples, fewer than global_batch_size='
                       f'{global_batch_size}; pass --config.global_batch_size=N with N <= '
@@ -133,9 +137,18 @@ class TrainIterator:
     read = _ReadTrainBatch(split, global_batch_size, seed, self._assemble.rows)
     self.batches_per_epoch = read.batches_per_epoch
     self._key = {'seed': seed, 'global_batch_size': global_batch_size, 'num_examples': len(split)}
+    self._k = k = batches_per_element
+
+    def element(e: int) -> Batch:
+      if k == 1:
+        return self._assemble(read(e))
+      parts = [read(e * k + i) for i in range(k)]
+      return self._assemble.stacked({key: np.stack([p[key] for p in parts]) for key in parts[0]})
+
     # Batches, not records, are grain's elements: one gather per batch keeps the reader far
-    # ahead of the step, where a per-record pipeline is 10-100x slower.
-    dataset = grain.MapDataset.range(sys.maxsize).map(read).to_iter_dataset(
+    # ahead of the step, where a per-record pipeline is 10-100x slower. The host-to-device copy
+    # also happens in grain's thread: on the main thread it cost about as much as a small step.
+    dataset = grain.MapDataset.range(sys.maxsize // k).map(element).to_iter_dataset(
         grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch))
     self._it = iter(dataset)
 
@@ -144,17 +157,14 @@ class TrainIterator:
     return self
 
   def __next__(self) -> Batch:
-    """The next global batch."""
-    return self._assemble(next(self._it))
-
-  def next_many(self, k: int) -> Batch:
-    """The next k global batches stacked on a new leading axis (steps_per_dispatch = k)."""
-    local = [next(self._it) for _ in range(k)]
-    return self._assemble.stacked({key: np.stack([b[key] for b in local]) for key in local[0]})
+    """The next global batch (or K of them, stacked)."""
+    return next(self._it)
 
   def get_state(self) -> dict:
     """JSON-serialisable position: the next batch to deliver plus what the order depends on."""
-    return {'version': _STATE_VERSION, **self._key, 'grain': self._it.get_state()}
+    grain_state = dict(self._it.get_state())
+    grain_state['next_index'] *= self._k  # in batches, whatever K this run used
+    return {'version': _STATE_VERSION, **self._key, 'grain': grain_state}
 
   def set_state(self, state: dict) -> None:
     """Resumes at the position recorded by get_state on an iterator with the same settings."""
@@ -166,7 +176,13 @@ class TrainIterator:
       if state.get(name) != value:
         raise DataError(f'data iterator state has {name}={state.get(name)!r} but this run has '
                         f'{value!r}; resume with the same {name} or start a new run')
-    self._it.set_state(state['grain'])
+    grain_state = dict(state['grain'])
+    if grain_state.get('next_index', 0) % self._k:
+      raise DataError(f'data iterator state is at batch {grain_state["next_index"]}, not a '
+                      f'multiple of steps_per_dispatch={self._k}; resume with a steps_per_dispatch '
+                      'that divides it')
+    grain_state['next_index'] = grain_state.get('next_index', 0) // self._k
+    self._it.set_state(grain_state)
 
 
 def eval_batches(split: Split, batch_size: int, sharding: NamedSharding) -> Iterator[Batch]:

@@ -147,7 +147,8 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
                f'step_mode={cfg.step_mode}, sharding={cfg.sharding}, data={cfg.data.name} '
                f'({len(dataset.train)} train / {len(dataset.eval)} eval)')
   batches = data.TrainIterator(dataset.train, cfg.global_batch_size, cfg.seed,
-                               run.batch_sharding, prefetch=cfg.data.prefetch)
+                               run.batch_sharding, prefetch=cfg.data.prefetch,
+                               batches_per_element=cfg.steps_per_dispatch)
   ckpt = checkpoint.Checkpointer(workdir, cfg)
   watch = distributed.PreemptionWatch()
   try:
@@ -234,7 +235,7 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
     if per_call == 1:
       device_state, step_metrics = step.train(device_state, next(batches))
     else:  # K steps in one compiled call; every cadence below is a multiple of K
-      device_state, step_metrics = step.train_many(device_state, batches.next_many(per_call))
+      device_state, step_metrics = step.train_many(device_state, next(batches))
     if bound_in_flight and previous is not None:
       jax.block_until_ready(previous)  # at most two multi-device steps in flight (see above)
     previous = step_metrics
