@@ -250,8 +250,10 @@ def _config(num_devices: int):
   cd.global_batch_size = _BATCH.value or cd.global_batch_size
   cd.step_mode = _STEP_MODE.value
   cd.steps_per_dispatch = _STEPS_PER_DISPATCH.value
-  # Multiples of K, as the config requires; --with_data sets the loop's own.
-  cd.num_train_steps = cd.log_every_steps = cd.steps_per_dispatch
+  # Multiples of K, as the config requires; --with_data sets the loop's own. The step is timed
+  # as the loop runs it: grad_norm is computed on logged steps only (1 in 50 here).
+  cd.log_every_steps = 50 * cd.steps_per_dispatch
+  cd.num_train_steps = 10**6 * cd.steps_per_dispatch
   cd.eval_every_steps = 0
   if _SHARDING.value == 'fsdp':
     cd.mesh.data, cd.mesh.fsdp = 1, -1
