@@ -107,6 +107,22 @@ def _roll_call(address: str, num_processes: int, process_id: int, timeout: float
       '--coordinator_address and --num_processes, or raise --distributed_init_timeout')
 
 
+def free_port_pair() -> int:
+  """A free loopback port p with p + 1 also free (the roll call listens on p + 1)."""
+  for _ in range(100):
+    with socket.socket() as s:
+      s.bind(('127.0.0.1', 0))
+      port = s.getsockname()[1]
+    try:
+      with socket.socket() as a, socket.socket() as b:
+        a.bind(('127.0.0.1', port))
+        b.bind(('127.0.0.1', port + 1))
+      return port
+    except OSError:
+      continue
+  raise RuntimeError('no free pair of loopback ports')
+
+
 class PreemptionWatch:
   """Tells, at a step, whether the job was asked to stop (SIGTERM) and must save there.
 

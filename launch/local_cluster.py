@@ -12,13 +12,14 @@ a preemption checkpoint at one agreed step; exit 75). --timeout ends a hung job.
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 from absl import app, flags
+
+from disttrain.distributed import free_port_pair
 
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', 2, 'Processes to start.')
 _DEVICES = flags.DEFINE_integer('devices_per_process', 4, 'Fake CPU devices per process.')
@@ -30,22 +31,6 @@ _PROGRAM = flags.DEFINE_string(
     'program', TRAIN, 'Script every process runs; it must accept --fake_devices, '
     '--coordinator_address, --num_processes and --process_id (as launch/train.py does).')
 PREEMPTED = 75  # launch/train.py's exit code after a preemption checkpoint
-
-
-def free_port_pair() -> int:
-  """A loopback port p with p + 1 also free (the roll call listens on p + 1)."""
-  for _ in range(100):
-    with socket.socket() as s:
-      s.bind(('127.0.0.1', 0))
-      port = s.getsockname()[1]
-    try:
-      with socket.socket() as a, socket.socket() as b:
-        a.bind(('127.0.0.1', port))
-        b.bind(('127.0.0.1', port + 1))
-      return port
-    except OSError:
-      continue
-  raise RuntimeError('no free pair of loopback ports')
 
 
 def _die_with(parent: int):

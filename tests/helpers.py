@@ -1,5 +1,7 @@
 """Shared test helpers: configs with dotted overrides, small layouts."""
 
+import runpy
+
 import jax
 import numpy as np
 
@@ -15,18 +17,28 @@ LAYOUTS = {
 }
 
 
-def make_config(**overrides) -> config_lib.Config:
-  """The mnist_mlp example config on digits with `a__b=value` meaning field a.b."""
-  cd = config_lib.defaults()
-  cd.logical_rules = (('hidden', 'tensor'),)
-  cd.global_batch_size = 64
+def override(cd, overrides: dict):
+  """Sets fields of a ConfigDict; keys are 'a.b' or 'a__b' (keyword-argument friendly)."""
   for key, value in overrides.items():
     node = cd
     *parents, leaf = key.replace('__', '.').split('.')
     for p in parents:
       node = node[p]
     node[leaf] = value
-  return config_lib.from_config_dict(cd)
+  return cd
+
+
+def config_file(path) -> 'ml_collections.ConfigDict':
+  """get_config() of a launch/configs/*.py file, as launch/train.py loads it."""
+  return runpy.run_path(str(path))['get_config']()
+
+
+def make_config(**overrides) -> config_lib.Config:
+  """The mnist_mlp example config on digits with `a__b=value` meaning field a.b."""
+  cd = config_lib.defaults()
+  cd.logical_rules = (('hidden', 'tensor'),)
+  cd.global_batch_size = 64
+  return config_lib.from_config_dict(override(cd, overrides))
 
 
 def devices(n: int):

@@ -13,7 +13,6 @@ reduction order), so a resumed 2 x 4 run must equal an uninterrupted one exactly
 
 import json
 import os
-import runpy
 import shutil
 import signal
 import socket
@@ -27,6 +26,8 @@ import pytest
 
 import disttrain
 from disttrain import config as config_lib
+from disttrain import distributed
+from tests import helpers
 from tests.conftest import ROOT
 
 CONFIG = 'launch/configs/mnist_mlp.py'
@@ -80,14 +81,8 @@ def _start_cluster(overrides: dict, workdir, grace: float = 20) -> subprocess.Po
 
 def _config(overrides: dict) -> disttrain.Config:
   """The same Config that launch/train.py builds from CONFIG and these overrides."""
-  cd = runpy.run_path(str(ROOT / CONFIG))['get_config']()
-  for key, value in overrides.items():
-    *parents, leaf = key.split('.')
-    node = cd
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return config_lib.from_config_dict(cd)
+  return config_lib.from_config_dict(helpers.override(helpers.config_file(ROOT / CONFIG),
+                                                     overrides))
 
 
 def _records(workdir, split: str) -> list[dict]:
@@ -350,26 +345,10 @@ def test_sigterm_to_one_worker_stops_all_with_several_steps_per_dispatch(tmp_pat
 # ----------------------------------------------------------------------------------------------
 # 5. The roll call names who is missing.
 
-def _free_port_pair() -> int:
-  """A loopback port p with p + 1 also free (as local_cluster.py picks; the roll call is p + 1)."""
-  for _ in range(100):
-    with socket.socket() as s:
-      s.bind(('127.0.0.1', 0))
-      port = s.getsockname()[1]
-    try:
-      with socket.socket() as a, socket.socket() as b:
-        a.bind(('127.0.0.1', port))
-        b.bind(('127.0.0.1', port + 1))
-      return port
-    except OSError:
-      continue
-  raise RuntimeError('no free pair of loopback ports')
-
-
 @pytest.mark.parametrize('process_id,missing', [(0, 'process(es) [1] of 2 did not join'),
                                                 (1, 'the coordinator (process 0 at')])
 def test_process_started_alone_names_the_missing_one(tmp_path, process_id, missing):
-  port = _free_port_pair()
+  port = distributed.free_port_pair()
   proc = subprocess.run(
       [sys.executable, 'launch/train.py', f'--config={CONFIG}', f'--workdir={tmp_path}',
        '--fake_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',

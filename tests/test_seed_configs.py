@@ -15,7 +15,6 @@ Floors (eval accuracy after the config's run, seed 0), with what was measured he
 Update a floor only with a measured reason (a changed split, schedule or model).
 """
 
-import importlib.util
 import os
 
 import jax
@@ -26,6 +25,7 @@ import pytest
 
 import disttrain
 from disttrain.task import LossWithAux, PerDeviceLoss
+from tests import helpers
 from tests.conftest import ROOT
 from tests.helpers import devices
 
@@ -33,19 +33,10 @@ os.environ.setdefault('KERAS_BACKEND', 'jax')  # before the keras guard imports 
 
 
 def _config(name: str, mnist_dir: str, **overrides) -> disttrain.Config:
-  spec = importlib.util.spec_from_file_location(name, ROOT / 'launch' / 'configs' / f'{name}.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cd = module.get_config()
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / f'{name}.py')
   cd.data.name, cd.data.dir = 'mnist', mnist_dir
   cd.log_every_steps, cd.eval_every_steps = 1, 0
-  for key, value in overrides.items():
-    node = cd
-    *parents, leaf = key.split('__')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return disttrain.from_config_dict(cd)
+  return disttrain.from_config_dict(helpers.override(cd, overrides))
 
 
 def _run(cfg, workdir, n_devices: int, task=None) -> tuple[list[dict], dict]:
