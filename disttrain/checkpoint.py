@@ -3,9 +3,9 @@
 Saves are asynchronous; their errors are raised at the next save or at close, never swallowed.
 A save torn by a kill stays an orbax temporary directory, is never listed as a step, and is
 cleaned up when the next run opens the manager. Restores build the abstract state with the
-*current* mesh's shardings and let orbax reshard. A latest checkpoint that fails to restore is
-moved aside to DIR/checkpoints/corrupt/ (kept for inspection, never deleted) and the previous
-complete one is used. Nothing here deletes a complete checkpoint: only keep-N retention does.
+*current* mesh's shardings and let orbax reshard. A latest checkpoint that fails to restore while
+an older one restores is moved aside to DIR/checkpoints/corrupt/ (kept for inspection, never
+deleted) and the older one is used; if none restores, nothing is moved and the error is raised. Nothing here deletes a complete checkpoint: only keep-N retention does.
 """
 
 import os
@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from absl import logging
 from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
@@ -75,7 +76,12 @@ class Checkpointer:
     self._manager.close()
 
   def restore_latest(self, abstract_state: Any) -> tuple[Any, dict, dict, int] | None:
-    """(state, data state, meta, step) of the newest checkpoint that restores; None if none."""
+    """(state, data state, meta, step) of the newest checkpoint that restores; None if none.
+
+    A newer step that fails while an older one restores under the same conditions is unreadable
+    and is moved aside; if no step restores (out of memory, permissions, storage down, ...)
+    nothing is moved and the error is raised, so a relaunch never silently starts over.
+    """
     failures = []
     for step in reversed(self.steps()):
       check_fits(self._manager, step, abstract_state, self.directory)
@@ -84,11 +90,10 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except
-        # Any read error (truncated array file, bad metadata) means this step is unusable.
         failures.append((step, f'{type(e).__name__}: {str(e).splitlines()[0][:200]}'))
-        self._quarantine(step)
         continue
       if failures:
+        self._quarantine([s for s, _ in failures])
         logging.warning('checkpoint step %s in %s could not be restored (%s); fell back to step '
                         '%d', failures[0][0], self.directory, failures[0][1], step)
         print(f'warning: checkpoint step {failures[0][0]} is corrupt ({failures[0][1]}); moved '
@@ -97,16 +102,20 @@ class Checkpointer:
     if failures:
       raise CheckpointError(f'no checkpoint in {self.directory} could be restored (steps '
                             f'{[s for s, _ in failures]}, first error: {failures[0][1]}); they '
-                            'were moved to corrupt/; remove the workdir to start fresh')
+                            'are left in place: fix the cause (memory, permissions, storage) and '
+                            'relaunch, or use another workdir')
     return None
 
-  def _quarantine(self, step: int) -> None:
-    """Moves an unreadable step aside (never deleted) so a later save can reuse its number."""
+  def _quarantine(self, steps: list[int]) -> None:
+    """Moves unreadable steps aside (never deleted) so later saves can reuse their numbers."""
     if jax.process_index() == 0:
       corrupt = os.path.join(self.directory, 'corrupt')
       os.makedirs(corrupt, exist_ok=True)
-      os.rename(os.path.join(self.directory, str(step)),
-                os.path.join(corrupt, f'{step}-{int(time.time())}'))
+      for step in steps:
+        os.rename(os.path.join(self.directory, str(step)),
+                  os.path.join(corrupt, f'{step}-{int(time.time())}'))
+    if jax.process_count() > 1:  # every process must see the moves before listing steps again
+      multihost_utils.sync_global_devices('disttrain_checkpoint_quarantine')
     self._manager.reload()
 
 

@@ -150,9 +150,13 @@ class Config:
     _positive('checkpoint_every_steps', self.checkpoint_every_steps, allow_zero=True)
     _positive('max_to_keep', self.max_to_keep)
     _one_of('best_mode', self.best_mode, ('max', 'min'))
-    if self.best_metric and not self.eval_every_steps:
-      raise ConfigError(f'best_metric={self.best_metric!r} needs periodic evals; set '
-                        'eval_every_steps (a multiple of checkpoint_every_steps)')
+    if self.best_metric and not (self.eval_every_steps and self.checkpoint_every_steps and
+                                 self.checkpoint_every_steps % self.eval_every_steps == 0):
+      raise ConfigError(
+          f'best_metric={self.best_metric!r} ranks checkpoints by the eval at their step, so '
+          f'checkpoint_every_steps={self.checkpoint_every_steps} must be a positive multiple of '
+          f'eval_every_steps={self.eval_every_steps}; set both, e.g. eval_every_steps=100 '
+          'checkpoint_every_steps=100')
     _check_rules(self.param_rules, self.logical_rules)
     self._check_dispatch()
     if self.step_mode == 'pmap' and (self.mesh.fsdp != 1 or self.mesh.tensor != 1

@@ -195,6 +195,10 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
     writer.print(f'eval  step {at_step}: {_summary(result)} ({result["num_examples"]} examples)')
     return result
 
+  def last_saved() -> int | None:
+    ckpt.wait()  # a save still committing is the last good checkpoint too
+    return (ckpt.steps() or [None])[-1]
+
   def checked(window: list) -> list:
     """Fetches [(steps, metrics)] as [(step, metrics)]; a non-finite step stops the run unsaved."""
     flat = []
@@ -205,12 +209,10 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
         flat.extend((at, {k: v[i] for k, v in m.items()}) for i, at in enumerate(steps))
     for at, m in flat:
       if not (np.isfinite(m['loss']) and np.isfinite(m['grad_norm'])):
-        saved = ckpt.steps()
         raise NonFiniteError(
             f'step {at}: loss={float(m["loss"])} grad_norm={float(m["grad_norm"])} is not '
-            f'finite; that state was not saved, the last checkpoint is step '
-            f'{saved[-1] if saved else None} in {ckpt.directory}; lower learning_rate or check '
-            'the data')
+            f'finite; that state was not saved, the last checkpoint is step {last_saved()} in '
+            f'{ckpt.directory}; lower learning_rate or check the data')
     return [([at], m) for at, m in flat]
 
   def write_train_record(window: list) -> None:
@@ -268,8 +270,8 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
       if not bool(step_lib.params_finite(exported.params)):
         raise NonFiniteError(
             f'step {step_no}: the parameters are not finite (the losses up to here were); that '
-            f'state was not saved, the last checkpoint is step '
-            f'{(ckpt.steps() or [None])[-1]} in {ckpt.directory}; lower learning_rate')
+            f'state was not saved, the last checkpoint is step {last_saved()} in '
+            f'{ckpt.directory}; lower learning_rate')
       ckpt.save(step_no, exported, batches.get_state(), _meta(cfg, mesh, step_no),
                 metrics=result)
     if preempted:

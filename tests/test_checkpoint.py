@@ -246,3 +246,38 @@ def test_data_order_after_resume_equals_uninterrupted(tmp_path):
   assert sorted(actual) == list(range(14, 31))  # 1500 examples / 64 = 23 steps an epoch: crosses
   assert all(actual[s] == expected[s] for s in actual)
   assert len(set(expected.values())) == 30  # every step saw a different batch
+
+
+def test_no_restorable_checkpoint_moves_nothing(saved_on_eight, tmp_path):
+  source, _, _, common = saved_on_eight
+  workdir = _copy_run(source, tmp_path)
+  ckpt_dir = workdir / 'checkpoints'
+  for path in glob.glob(str(ckpt_dir / '10' / 'state' / '**' / 'd' / '*'), recursive=True):
+    with open(path, 'r+b') as f:
+      f.truncate(max(os.path.getsize(path) // 3, 1))
+  cfg = make_config(mesh__data=8, num_train_steps=12, **common)
+  abstract, _ = _layout(cfg, 8)
+  # Nothing restores (as under an out-of-memory error): nothing may be moved, or a relaunch
+  # would silently start from step 0.
+  with pytest.raises(CheckpointError, match='left in place'):
+    checkpoint.Checkpointer(str(workdir), cfg).restore_latest(abstract)
+  assert (ckpt_dir / '10').is_dir() and not (ckpt_dir / 'corrupt').exists()
+
+
+def test_best_checkpoint_is_kept_beside_the_latest(tmp_path):
+  # best_mode='max' on the eval loss keeps the *worst* loss: the first checkpoint, since the loss
+  # falls, which makes the kept set deterministic.
+  cfg = make_config(mesh__data=8, num_train_steps=20, eval_every_steps=5,
+                    checkpoint_every_steps=5, max_to_keep=1, best_metric='loss', best_mode='max',
+                    model__hidden=32, log_every_steps=5)
+  result = disttrain.train(cfg, str(tmp_path), devices=devices(8))
+  losses = {r['step']: r['loss'] for r in result.records if r['split'] == 'eval'}
+  assert max(losses, key=losses.get) == 5
+  kept = sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit())
+  assert kept == [5, 20]
+
+
+def test_best_metric_needs_checkpoints_at_eval_steps():
+  with pytest.raises(disttrain.ConfigError, match='must be a positive multiple of '
+                                                  'eval_every_steps=300'):
+    make_config(best_metric='accuracy', eval_every_steps=300, checkpoint_every_steps=100)
