@@ -67,29 +67,27 @@ class _Assembler:
       lo = int(np.searchsorted(self.rows, start))
       self.pieces.append((device, lo, lo + stop - start))
 
-  def stacked(self, local: dict[str, np.ndarray]) -> Batch:
-    """[K, B, ...] global arrays from [K, local rows, ...] numpy: K batches for one dispatch."""
-    sharding = NamedSharding(self.sharding.mesh, P(None, *self.sharding.spec))
-    shapes = {k: (v.shape[0], self.batch_size) + v.shape[2:] for k, v in local.items()}
-    if self.contiguous:
-      return jax.make_array_from_process_local_data(sharding, local, shapes)
-    return {k: jax.make_array_from_single_device_arrays(
-        shapes[k], sharding, [jax.device_put(v[:, lo:hi], device) for device, lo, hi in self.pieces])
-            for k, v in local.items()}
+  def __call__(self, local: dict[str, np.ndarray], piecewise: bool = False,
+               batch_axis: int = 0) -> Batch:
+    """Global arrays whose `batch_axis` is the global batch (1 for [K, B, ...] stacked batches).
 
-  def __call__(self, local: dict[str, np.ndarray], piecewise: bool = False) -> Batch:
-    """Global arrays of leading dim batch_size; piecewise forces the per-device path."""
+    piecewise forces the per-device path.
+    """
     for key, value in local.items():
-      if value.shape[0] != self.rows.size:
-        raise DataError(f'batch field {key!r} has {value.shape[0]} local rows, expected '
+      if value.shape[batch_axis] != self.rows.size:
+        raise DataError(f'batch field {key!r} has {value.shape[batch_axis]} local rows, expected '
                         f'{self.rows.size}; the pipeline read rows for another sharding')
-    shapes = {k: (self.batch_size,) + v.shape[1:] for k, v in local.items()}
+    sharding = self.sharding if batch_axis == 0 else NamedSharding(
+        self.sharding.mesh, P(*(None,) * batch_axis, *self.sharding.spec))
+    shapes = {k: v.shape[:batch_axis] + (self.batch_size,) + v.shape[batch_axis + 1:]
+              for k, v in local.items()}
     if self.contiguous and not piecewise:
       # One call for the whole dict: on a single process this is a single batched device_put.
-      return jax.make_array_from_process_local_data(self.sharding, local, shapes)
+      return jax.make_array_from_process_local_data(sharding, local, shapes)
+    rows = lambda lo, hi: (slice(None),) * batch_axis + (slice(lo, hi),)
     return {k: jax.make_array_from_single_device_arrays(
-        shapes[k], self.sharding,
-        [jax.device_put(v[lo:hi], device) for device, lo, hi in self.pieces])
+        shapes[k], sharding,
+        [jax.device_put(v[rows(lo, hi)], device) for device, lo, hi in self.pieces])
             for k, v in local.items()}
 
 
@@ -143,7 +141,8 @@ class TrainIterator:
       if k == 1:
         return self._assemble(read(e))
       parts = [read(e * k + i) for i in range(k)]
-      return self._assemble.stacked({key: np.stack([p[key] for p in parts]) for key in parts[0]})
+      return self._assemble({key: np.stack([p[key] for p in parts]) for key in parts[0]},
+                            batch_axis=1)
 
     # Batches, not records, are grain's elements: one gather per batch keeps the reader far
     # ahead of the step, where a per-record pipeline is 10-100x slower. The host-to-device copy

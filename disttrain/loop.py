@@ -232,12 +232,11 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
   meter = metrics.Meter(first_step, cfg.num_train_steps)
   window, due, previous = [], None, None
   per_call = cfg.steps_per_dispatch
+  # K > 1: K steps in one compiled call; every cadence below is a multiple of K.
+  run_steps = step.train if per_call == 1 else step.train_many
   start = time.perf_counter()
   for step_no in range(first_step + per_call, cfg.num_train_steps + 1, per_call):
-    if per_call == 1:
-      device_state, step_metrics = step.train(device_state, next(batches))
-    else:  # K steps in one compiled call; every cadence below is a multiple of K
-      device_state, step_metrics = step.train_many(device_state, next(batches))
+    device_state, step_metrics = run_steps(device_state, next(batches))
     if bound_in_flight and previous is not None:
       jax.block_until_ready(previous)  # at most two multi-device steps in flight (see above)
     previous = step_metrics

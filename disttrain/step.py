@@ -143,12 +143,9 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
   if cfg.step_mode == 'pmap':
     return _pmap_step(model, task, tx, mesh, lay, traces, evaluate, _logged_steps(cfg))
 
+  context = StepContext(model=model, task=task, tx=tx)
   if cfg.step_mode == 'jit':
-    def grads_fn(state: TrainState, batch: dict):
-      count = jnp.sum(batch['mask'])
-      grads, sums, new_mutable = _grads(model, task, state.params, state.mutable, batch,
-                                        _dropout_key(state), count)
-      return grads, sums, count, new_mutable
+    grads_fn = context.loss_and_grads
   else:  # shard_map
     local_model = _with_batch_axes(model, BATCH_AXES, state_mutable=lay.shardings.mutable)
     batch_ways = mesh.shape['data'] * mesh.shape['fsdp']
@@ -176,7 +173,6 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
     if cfg.step_mode != 'jit':
       raise ConfigError(f'a custom train_step is written for the global batch and runs with '
                         f'step_mode=jit, not {cfg.step_mode}; pass --config.step_mode=jit')
-    context = StepContext(model=model, task=task, tx=tx)
     one_step = lambda state, batch: _with_defaults(*train_step(context, state, batch), batch)
 
   def train_fn(state: TrainState, batch: dict):

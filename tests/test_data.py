@@ -135,6 +135,14 @@ def test_per_device_assembly_matches_process_local():
   for key, value in local.items():
     np.testing.assert_array_equal(np.asarray(pieces[key]), value)
     assert pieces[key].sharding.is_equivalent_to(whole[key].sharding, value.ndim)
+  # K stacked batches ([K, B, ...], the batch on axis 1) take the same two paths.
+  stacked = {k: np.stack([v, v + 1]) for k, v in local.items()}
+  whole, pieces = assemble(stacked, batch_axis=1), assemble(stacked, piecewise=True, batch_axis=1)
+  for key, value in stacked.items():
+    np.testing.assert_array_equal(np.asarray(pieces[key]), value)
+    np.testing.assert_array_equal(np.asarray(whole[key]), value)
+    assert whole[key].sharding.spec[0] is None  # K is not split; the batch axis is
+    assert pieces[key].sharding.is_equivalent_to(whole[key].sharding, value.ndim)
 
 
 def test_errors_are_one_line():
