@@ -93,6 +93,15 @@ def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
            for i, p in enumerate(procs)]
   for t in pumps:
     t.start()
+  # When one process dies, JAX's coordination service soon aborts the others too: the first to
+  # exit is the cause, so exit times are recorded as they happen, not found by polling later.
+  exited: dict[int, float] = {}
+
+  def wait_for(index: int, proc: subprocess.Popen) -> None:
+    proc.wait()
+    exited[index] = time.monotonic()
+  for i, p in enumerate(procs):
+    threading.Thread(target=wait_for, args=(i, p), daemon=True).start()
 
   def forward_sigterm(*_):
     for p in procs:
@@ -102,8 +111,10 @@ def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
   deadline = time.monotonic() + timeout
   try:
     while True:
-      codes = [p.poll() for p in procs]
-      failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, PREEMPTED)]
+      done = dict(exited)
+      codes = [procs[i].returncode if i in done else None for i in range(num_processes)]
+      failed = sorted(((i, c) for i, c in enumerate(codes) if c not in (None, 0, PREEMPTED)),
+                      key=lambda failure: done[failure[0]])
       # Also after SIGTERM: a process that died without its checkpoint leaves the others
       # waiting in a collective (or the roll call) until a timeout, not saving.
       if failed:
@@ -121,7 +132,8 @@ def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
           print('local_cluster: preempted; every process saved its checkpoint (exit 75), '
                 'relaunch to resume', file=sys.stderr, flush=True)
           return PREEMPTED
-        index, code = next((i, c) for i, c in enumerate(codes) if c != 0)
+        index, code = min(((i, c) for i, c in enumerate(codes) if c != 0),
+                          key=lambda failure: done[failure[0]])
         print(f'local_cluster: process {index} {_describe(code)}', file=sys.stderr, flush=True)
         return code if code > 0 else 128 - code
       if time.monotonic() > deadline:
