@@ -14,6 +14,7 @@ import os
 import statistics
 import tempfile
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,25 +36,35 @@ class RecompileError(BenchError):
 
 @dataclasses.dataclass
 class StepSide:
-  """A jitted step, its state and inputs; calling it runs one timed window of `steps` steps."""
+  """A jitted step, its state and inputs; calling it runs one timed window of `steps` steps.
+
+  With `logged_fn`, every `log_every`-th call (counted across windows) runs it instead of `fn`,
+  as disttrain's loop runs its full-metrics step on the steps that end a train record.
+  """
   name: str
   fn: object  # (state, inputs[i]) -> (state, outputs)
   state: object
   inputs: list
   steps_per_call: int
   bound: bool  # CPU mesh of > 1 device: wait for call N-1 after dispatching call N
-  traces: list  # [n]: how often fn was traced
+  traces: Callable[[], int]  # how often the side's functions were traced so far
   compiles: list  # [n]: compilations (and compilation-cache reads) in this process
   steps: int = 0
+  logged_fn: object = None
+  log_every: int = 0  # calls
+  calls: int = 0
 
   def call(self, i: int):
     """One call on inputs[i]; returns its outputs."""
-    self.state, out = self.fn(self.state, self.inputs[i % len(self.inputs)])
+    self.calls += 1
+    logged = self.logged_fn is not None and self.calls % self.log_every == 0
+    self.state, out = (self.logged_fn if logged else self.fn)(self.state,
+                                                              self.inputs[i % len(self.inputs)])
     return out
 
   def __call__(self) -> float:
     """Seconds for `steps` steps, all finished; raises RecompileError if anything compiled."""
-    traces, compiles = self.traces[0], self.compiles[0]
+    traces, compiles = self.traces(), self.compiles[0]
     previous = out = None
     start = time.perf_counter()
     for i in range(self.steps // self.steps_per_call):
@@ -63,17 +74,22 @@ class StepSide:
       previous = out
     jax.block_until_ready((self.state, out))
     seconds = time.perf_counter() - start
-    if self.traces[0] != traces or self.compiles[0] != compiles:
-      raise RecompileError(f'{self.name} traced {self.traces[0] - traces} and compiled '
+    if self.traces() != traces or self.compiles[0] != compiles:
+      raise RecompileError(f'{self.name} traced {self.traces() - traces} and compiled '
                            f'{self.compiles[0] - compiles} time(s) during a timed window; a '
                            'step must compile once (check shapes, shardings, weak types)')
     return seconds
 
   def first_call(self) -> tuple[float, object]:
-    """Seconds of the first call (trace + compile + one run) and its outputs."""
+    """Seconds of the first call of each function (trace + compile + one run), and the outputs
+    of the first (the logged function's, if there is one)."""
     start = time.perf_counter()
-    out = jax.block_until_ready(self.call(0))
-    return time.perf_counter() - start, out
+    fns = [self.fn] if self.logged_fn is None else [self.logged_fn, self.fn]
+    outs = []
+    for fn in fns:
+      self.state, out = fn(self.state, self.inputs[0])
+      outs.append(jax.block_until_ready(out))
+    return time.perf_counter() - start, outs[0]
 
   def state_bytes(self, device: jax.Device) -> int:
     """Per-device state bytes: the compiled step's argument bytes less its batch shard.

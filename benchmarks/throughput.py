@@ -185,15 +185,18 @@ def _build_sides(cfg, model, dataset, devices, k: int, compiles: list):
                              stacked) for g in range(_NUM_BATCHES)]
   else:
     inputs = [jax.device_put(b, batch_sharding) for b in batches]
-  disttrain_side = StepSide('disttrain step', step.train_many if k > 1 else step.train,
-                            step.place(state), inputs, k, bound, step.trace_count, compiles)
+  # As the loop runs it: the quiet variant, and the full-metrics one on every logged step.
+  disttrain_side = StepSide('disttrain step', step.for_call(False, k), step.place(state), inputs,
+                            k, bound, lambda: sum(step.traces.values()), compiles,
+                            logged_fn=step.for_call(True, k),
+                            log_every=cfg.log_every_steps // k)
   del state  # donated to the first step
   base_traces = [0]
   base_fn = baselines.train_step_fn(model.module, tx, base_traces)
   baseline_side = StepSide('hand-written step',
                            baselines.jit_step(base_fn, base_shardings, batch_sharding), base_state,
                            [jax.device_put(b, batch_sharding) for b in batches], 1, bound,
-                           base_traces, compiles)
+                           lambda: base_traces[0], compiles)
   flops = baselines.flops_per_example(base_fn, base_state, batches[0])  # before it is donated
   # First calls on the same batch from the same state: compile time, and a check that both
   # sides compute the same step (dropout masks agree only in the jit style).
@@ -251,7 +254,7 @@ def _config(num_devices: int):
   cd.step_mode = _STEP_MODE.value
   cd.steps_per_dispatch = _STEPS_PER_DISPATCH.value
   # Multiples of K, as the config requires; --with_data sets the loop's own. The step is timed
-  # as the loop runs it: grad_norm is computed on logged steps only (1 in 50 here).
+  # as the loop runs it: the full-metrics variant (grad_norm, ...) on logged steps only, 1 in 50.
   cd.log_every_steps = 50 * cd.steps_per_dispatch
   cd.num_train_steps = 10**6 * cd.steps_per_dispatch
   cd.eval_every_steps = 0

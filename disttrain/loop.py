@@ -26,7 +26,7 @@ class Result:
   """What a run leaves behind in memory (the files are in the workdir)."""
   state: state_lib.TrainState
   records: list[dict]  # the metrics.jsonl records, also on processes that do not write
-  trace_count: int  # times the train step was traced; 1 = compiled once
+  trace_count: int  # most traces of any train-step variant; 1 = each compiled once
 
 
 def check_batch_sizes(cfg: Config, mesh: Mesh) -> None:
@@ -65,13 +65,22 @@ def evaluate(step: step_lib.Step, state: state_lib.TrainState, split: sources.Sp
 
 
 def _train_record(step: int, window: list[dict], lr: float, examples_per_sec: float) -> dict:
-  """Loss etc. averaged over the global batches since the last record, weighted by count."""
+  """A train record over the steps since the last one.
+
+  Metrics every step reports ('loss', and with the default step the task's metrics) are averaged
+  over those global batches, weighted by count; the others (grad_norm) are the last step's.
+  """
   counts = np.array([float(m['count']) for m in window])
   record = {'step': step, 'split': 'train'}
-  for key in window[0]:
-    if key not in ('count', 'grad_norm'):
+  every_step = set(window[0]).intersection(*window[1:])
+  for key, value in window[-1].items():
+    if key == 'count':
+      continue
+    if key in every_step:
       record[key] = float(np.sum([float(m[key]) for m in window] * counts) / counts.sum())
-  record['grad_norm'] = float(window[-1]['grad_norm'])
+    else:
+      record[key] = float(value)
+  record.setdefault('grad_norm', 0.0)  # a custom step without one: the field is always there
   record.update(learning_rate=lr, examples_per_sec=examples_per_sec)
   return record
 
@@ -203,16 +212,26 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
     """Fetches [(steps, metrics)] as [(step, metrics)]; a non-finite step stops the run unsaved."""
     flat = []
     for steps, m in jax.device_get(window):
-      if len(steps) == 1 and np.ndim(m['loss']) == 0:
+      if len(steps) == 1:
         flat.append((steps[0], m))
-      else:  # one dispatch of K steps: metrics have a leading [K] axis
-        flat.extend((at, {k: v[i] for k, v in m.items()}) for i, at in enumerate(steps))
+        continue
+      # One dispatch of K steps: per-step metrics have a leading [K] axis, the rest (scalars)
+      # belong to its last step.
+      per_step = [k for k, v in m.items() if np.ndim(v) == 1]
+      for i, at in enumerate(steps):
+        entry = {k: m[k][i] for k in per_step}
+        if at == steps[-1]:
+          entry.update((k, v) for k, v in m.items() if k not in per_step)
+        flat.append((at, entry))
+    for _, m in flat:
+      m.setdefault('count', cfg.global_batch_size)  # quiet steps: full batches
     for at, m in flat:
-      if not (np.isfinite(m['loss']) and np.isfinite(m['grad_norm'])):
+      checked_values = {k: float(m[k]) for k in ('loss', 'grad_norm') if k in m}
+      if not all(np.isfinite(v) for v in checked_values.values()):
+        values = ' '.join(f'{k}={v}' for k, v in checked_values.items())
         raise NonFiniteError(
-            f'step {at}: loss={float(m["loss"])} grad_norm={float(m["grad_norm"])} is not '
-            f'finite; that state was not saved, the last checkpoint is step {last_saved()} in '
-            f'{ckpt.directory}; lower learning_rate or check the data')
+            f'step {at}: {values} is not finite; that state was not saved, the last checkpoint '
+            f'is step {last_saved()} in {ckpt.directory}; lower learning_rate or check the data')
     return [([at], m) for at, m in flat]
 
   def write_train_record(window: list) -> None:
@@ -233,9 +252,12 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
   window, due, previous = [], None, None
   per_call = cfg.steps_per_dispatch
   # K > 1: K steps in one compiled call; every cadence below is a multiple of K.
-  run_steps = step.train if per_call == 1 else step.train_many
   start = time.perf_counter()
   for step_no in range(first_step + per_call, cfg.num_train_steps + 1, per_call):
+    last = step_no == cfg.num_train_steps
+    logged = step_no % cfg.log_every_steps == 0 or last
+    # The steps between records run the quiet variant (loss and count only; no grad_norm).
+    run_steps = step.for_call(logged, per_call)
     device_state, step_metrics = run_steps(device_state, next(batches))
     if bound_in_flight and previous is not None:
       jax.block_until_ready(previous)  # at most two multi-device steps in flight (see above)
@@ -246,8 +268,7 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
       write_train_record(due)
       due = None
     window.append((list(range(step_no - per_call + 1, step_no + 1)), step_metrics))
-    last = step_no == cfg.num_train_steps
-    if step_no % cfg.log_every_steps == 0 or last:
+    if logged:
       due, window = window, []
     eval_due = last or (cfg.eval_every_steps and step_no % cfg.eval_every_steps == 0)
     save_due = last or (cfg.checkpoint_every_steps
@@ -284,7 +305,7 @@ def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_
                f'{mesh.size} devices {mesh_lib.axis_sizes(mesh)}; final eval {_summary(result)} '
                f'({result["num_examples"]} examples); outputs in {workdir}')
   return Result(state=step.export(device_state), records=records,
-                trace_count=step.trace_count[0])
+                trace_count=step.trace_count)
 
 
 def _summary(result: dict) -> str:

@@ -55,3 +55,32 @@ def test_iterator_positions_are_in_batches_whatever_k():
   three = data.TrainIterator(split, 64, 0, sharding, batches_per_element=3)
   with pytest.raises(Exception, match='not a multiple of steps_per_dispatch=3'):
     three.set_state(state)
+
+
+@pytest.mark.parametrize('step_mode', ['jit', 'pmap'])
+def test_quiet_steps_train_exactly_like_full_ones(step_mode, tmp_path):
+  """log_every_steps=1 runs only the full-metrics step; 5 runs the quiet one on 4 of 5 steps.
+
+  The quiet step divides by the static batch size instead of the summed mask (equal here: train
+  batches are full), and skips grad_norm and accuracy: the training itself must not change.
+  """
+  common = dict(mesh__data=8, step_mode=step_mode, num_train_steps=20, eval_every_steps=20,
+                model__hidden=32, model__dropout=0.0)
+  every = disttrain.train(make_config(log_every_steps=1, **common), str(tmp_path / 'every'),
+                          devices=devices(8))
+  fifth = disttrain.train(make_config(log_every_steps=5, **common), str(tmp_path / 'fifth'),
+                          devices=devices(8))
+  assert every.trace_count == fifth.trace_count == 1
+  per_step = {r['step']: r for r in every.records if r['split'] == 'train'}
+  records = [r for r in fifth.records if r['split'] == 'train']
+  assert [r['step'] for r in records] == [5, 10, 15, 20]
+  for r in records:
+    window = [per_step[s]['loss'] for s in range(r['step'] - 4, r['step'] + 1)]
+    # Loss: the mean of the same five per-step losses (float64 mean vs float64 mean of float32s).
+    np.testing.assert_allclose(r['loss'], np.mean(window), rtol=1e-6)
+    # accuracy and grad_norm: the logged step's own, computed by the same full-metrics step.
+    assert r['accuracy'] == per_step[r['step']]['accuracy']
+    assert r['grad_norm'] == per_step[r['step']]['grad_norm'] > 0
+  for a, b in zip(jax.tree.leaves(to_numpy(fifth.state.params)),
+                  jax.tree.leaves(to_numpy(every.state.params))):
+    np.testing.assert_array_equal(a, b)  # the same arithmetic, step for step
