@@ -43,7 +43,7 @@ _STEP_MODE = flags.DEFINE_enum('step_mode', 'jit', ['jit', 'shard_map', 'pmap'],
 _BATCH = flags.DEFINE_integer('global_batch_size', 0, "0 = the model's seed batch size.")
 _FAKE_DEVICES = flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
 _STEPS = flags.DEFINE_integer('steps', 0, 'Steps per timed window; 0 = about 0.3 s worth.')
-_WINDOWS = flags.DEFINE_integer('windows', 7, 'Timed windows per side (at least 5).')
+_WINDOWS = flags.DEFINE_integer('windows', 25, 'Timed windows per side (at least 5).')
 _STEPS_PER_DISPATCH = flags.DEFINE_integer(
     'steps_per_dispatch', 1, 'K > 1: disttrain runs K steps per call (Step.train_many); the '
     'baseline stays one call per step.')
@@ -58,7 +58,7 @@ _CHAR_LM_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
                                'launch', 'configs', 'char_lm.py')
 _SEED = {'mlp_small': dict(batch=256, hidden=64, dropout=0.0),
          'mlp': dict(batch=128, hidden=512, dropout=0.3)}
-_WINDOW_SEC = 0.3  # auto --steps: long enough that timer and dispatch jitter are below 1%
+_WINDOW_SEC = 0.1  # auto --steps: many short paired windows average out the host's bursts
 _NUM_BATCHES = 4  # distinct device-resident batches each side cycles through
 
 

@@ -113,23 +113,25 @@ class StepContext:
 class Step:
   """Compiled train/eval steps for one style, plus conversions to the style's state form.
 
-  Two variants of the train step, each compiled once:
-  - `train` returns every metric (the task's, 'count', 'grad_norm'); it normalises by the global
-    count of valid rows, a sum of the mask over the batch. The loop runs it on the steps that end
-    a train record; it is also the one to call on batches with padding.
-  - `train_quiet` returns only 'loss', and normalises by the static global batch size: it is for
-    full batches (every mask 1), which is what the loop's train iterator yields. The loop runs it
-    on the steps between records. Measured on the seed-000 MLP on CPU, against `train`: no global
-    norm (~7 % of the step, ~4 % even as a lax.cond), no mask all-reduce before the backward pass
-    (~7 % on 8 devices), no accuracy reductions (~2 %).
+  Variants of the train step, each compiled on first use:
+  - `train` returns every metric (the task's, 'count', 'grad_norm') and normalises by the global
+    count of valid rows, a sum of the mask over the batch: the one to call on any batch,
+    padded or not.
+  - The loop's variants are for full batches (every mask 1), which is what its train iterator
+    yields: they normalise by the static global batch size, so no cross-device sum of the mask
+    has to finish before the backward pass (measured ~7 % of the seed-000 MLP's step on 8 CPU
+    devices). `train_logged` returns every metric and runs on the steps that end a train record;
+    `train_quiet` returns only 'loss' and runs on the steps in between: no global norm (~7 % of
+    that step on CPU, ~4 % even as a lax.cond) and no accuracy reductions (~2 %).
   """
   train: Callable[[Any, dict], tuple[Any, Metrics]]  # (device state, batch) -> (state, metrics)
+  train_logged: Callable[[Any, dict], tuple[Any, Metrics]]  # full batches; every metric
   train_quiet: Callable[[Any, dict], tuple[Any, Metrics]]  # full batches; metrics: 'loss' only
   evaluate: Callable[[TrainState, dict], Metrics]  # (state, batch) -> sums incl. 'count'
   grads: Callable[[Any, dict], Any]  # (device state, batch) -> global-batch gradients
-  # (state, K stacked batches [K, B, ...]) -> (state, metrics): K steps in one compiled call, as
-  # Keras' steps_per_execution. Metrics: 'loss' as [K]; train_many's other metrics are scalars of
-  # its last step (which ends a record). None in pmap style.
+  # (state, K stacked full batches [K, B, ...]) -> (state, metrics): K steps in one compiled
+  # call, as Keras' steps_per_execution. Metrics: 'loss' as [K]; train_many's other metrics are
+  # scalars of its last step (which ends a record). None in pmap style.
   train_many: Callable[[Any, dict], tuple[Any, Metrics]] | None
   train_many_quiet: Callable[[Any, dict], tuple[Any, Metrics]] | None
   place: Callable[[TrainState], Any]  # canonical state -> the style's device state
@@ -142,9 +144,9 @@ class Step:
     return max(self.traces.values(), default=0)
 
   def for_call(self, logged: bool, steps_per_call: int) -> Callable:
-    """The variant for one call: all metrics if the call ends a train record."""
+    """The loop's variant for one call (full batches): all metrics if it ends a train record."""
     if steps_per_call == 1:
-      return self.train if logged else self.train_quiet
+      return self.train_logged if logged else self.train_quiet
     return self.train_many if logged else self.train_many_quiet
 
 
@@ -175,8 +177,9 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
   context = StepContext(model=model, task=task, tx=tx)
   full_count = jnp.float32(cfg.global_batch_size)
   if cfg.step_mode == 'jit':
-    def grads_fn(state: TrainState, batch: dict, all_metrics: bool = True):
-      count = jnp.sum(batch['mask']) if all_metrics else full_count
+    def grads_fn(state: TrainState, batch: dict, all_metrics: bool = True,
+                 full_batch: bool = False):
+      count = full_count if full_batch else jnp.sum(batch['mask'])
       grads, sums, new_mutable = _grads(model, task, state.params, state.mutable, batch,
                                         _dropout_key(state), count, all_metrics=all_metrics)
       return grads, sums, count, new_mutable
@@ -184,30 +187,32 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
     local_model = _with_batch_axes(model, BATCH_AXES, state_mutable=lay.shardings.mutable)
     batch_ways = mesh.shape['data'] * mesh.shape['fsdp']
 
-    def local_grads(params, mutable, batch, key, all_metrics):
-      count = jax.lax.psum(jnp.sum(batch['mask']), BATCH_AXES) if all_metrics else full_count
+    def local_grads(params, mutable, batch, key, all_metrics, full_batch):
+      count = full_count if full_batch else jax.lax.psum(jnp.sum(batch['mask']), BATCH_AXES)
       key = jax.random.fold_in(key, jax.lax.axis_index(BATCH_AXES))
       grads, sums, new_mutable = _grads(local_model, task, params, mutable, batch, key, count,
                                         1.0 / batch_ways, all_metrics)
       # Each device holds d(its loss x mask sum / global count); their sum is the global gradient.
       return jax.lax.psum(grads, BATCH_AXES), jax.lax.psum(sums, BATCH_AXES), count, new_mutable
 
-    def grads_fn(state: TrainState, batch: dict, all_metrics: bool = True):
+    def grads_fn(state: TrainState, batch: dict, all_metrics: bool = True,
+                 full_batch: bool = False):
       # Parameters enter replicated (gathered from fsdp shards by XLA); check_vma=False because
       # the psums above are written out explicitly rather than implied by varying-axis types.
-      sharded = jax.shard_map(functools.partial(local_grads, all_metrics=all_metrics), mesh=mesh,
+      sharded = jax.shard_map(functools.partial(local_grads, all_metrics=all_metrics,
+                                                full_batch=full_batch), mesh=mesh,
                               in_specs=(P(), P(), P(BATCH_AXES), P()),
                               out_specs=(P(), P(), P(), P()), check_vma=False)
       return sharded(state.params, state.mutable, batch, _dropout_key(state))
 
-  def one_step(state, batch, all_metrics=True):
-    return _update(tx, state, *grads_fn(state, batch, all_metrics), all_metrics)
+  def one_step(state, batch, all_metrics=True, full_batch=False):
+    return _update(tx, state, *grads_fn(state, batch, all_metrics, full_batch), all_metrics)
 
   if train_step is not None:
     if cfg.step_mode != 'jit':
       raise ConfigError(f'a custom train_step is written for the global batch and runs with '
                         f'step_mode=jit, not {cfg.step_mode}; pass --config.step_mode=jit')
-    one_step = lambda state, batch, all_metrics=True: _with_defaults(
+    one_step = lambda state, batch, all_metrics=True, full_batch=False: _with_defaults(
         *train_step(context, state, batch), batch)
 
   def compiled(name: str, fn: Callable, many: bool) -> Callable:
@@ -218,12 +223,12 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
                    out_shardings=(lay.shardings, replicated), donate_argnums=0)
 
   def many(state, batches, all_metrics):
-    quiet = lambda s, b: one_step(s, b, all_metrics=False)
+    quiet = lambda s, b: one_step(s, b, all_metrics=False, full_batch=True)
     if not all_metrics:
       return jax.lax.scan(quiet, state, batches)
     # K-1 quiet steps, then the step that ends the record with every metric.
     state, first = jax.lax.scan(quiet, state, jax.tree.map(lambda x: x[:-1], batches))
-    state, last = one_step(state, jax.tree.map(lambda x: x[-1], batches))
+    state, last = one_step(state, jax.tree.map(lambda x: x[-1], batches), full_batch=True)
     metrics = dict(last)
     for key in first:
       metrics[key] = jnp.concatenate([first[key], last[key][None]])
@@ -237,8 +242,11 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
                   in_shardings=(lay.shardings, batch_sharding), out_shardings=lay.shardings.params)
   return Step(
       train=train,
+      train_logged=train if custom else compiled(
+          'train_logged', functools.partial(one_step, full_batch=True), many=False),
       train_quiet=train if custom else compiled(
-          'train_quiet', functools.partial(one_step, all_metrics=False), many=False),
+          'train_quiet', functools.partial(one_step, all_metrics=False, full_batch=True),
+          many=False),
       evaluate=evaluate, grads=grads, train_many=train_many,
       train_many_quiet=train_many if custom else compiled(
           'train_many_quiet', functools.partial(many, all_metrics=False), many=True),
@@ -280,16 +288,17 @@ def _pmap_step(model, task, tx, mesh: Mesh, lay: Layout, traces: collections.Cou
   split = lambda b: jax.tree.map(lambda x: x.reshape((n, -1) + x.shape[1:]), b)
   first = lambda tree: jax.tree.map(lambda x: x[0], tree)
 
-  def local_grads(state: TrainState, batch: dict, all_metrics: bool = True):
-    count = jax.lax.psum(jnp.sum(batch['mask']), 'batch') if all_metrics else full_count
+  def local_grads(state: TrainState, batch: dict, all_metrics: bool = True,
+                  full_batch: bool = False):
+    count = full_count if full_batch else jax.lax.psum(jnp.sum(batch['mask']), 'batch')
     key = jax.random.fold_in(_dropout_key(state), jax.lax.axis_index('batch'))
     grads, sums, new_mutable = _grads(local_model, task, state.params, state.mutable, batch, key,
                                       count, 1.0 / n, all_metrics)
     return jax.lax.psum(grads, 'batch'), jax.lax.psum(sums, 'batch'), count, new_mutable
 
-  def variant(name: str, all_metrics: bool) -> Callable:
+  def variant(name: str, all_metrics: bool, full_batch: bool) -> Callable:
     def local_step(state: TrainState, batch: dict):
-      return _update(tx, state, *local_grads(state, batch, all_metrics), all_metrics)
+      return _update(tx, state, *local_grads(state, batch, all_metrics, full_batch), all_metrics)
     pmapped = jax.pmap(local_step, axis_name='batch', devices=devices)
 
     def step(state, batch):
@@ -305,6 +314,8 @@ def _pmap_step(model, task, tx, mesh: Mesh, lay: Layout, traces: collections.Cou
   place = jax.jit(lambda s: jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), s),
                   out_shardings=stacked)
   export = jax.jit(first, out_shardings=lay.shardings)
-  return Step(train=variant('train', True), train_quiet=variant('train_quiet', False),
+  return Step(train=variant('train', True, False),
+              train_logged=variant('train_logged', True, True),
+              train_quiet=variant('train_quiet', False, True),
               evaluate=evaluate, grads=grads, train_many=None, train_many_quiet=None,
               place=place, export=export, traces=traces)
