@@ -125,19 +125,20 @@ def interleave(sides: list, windows: int) -> list[list[float]]:
 class LoopSide:
   """The whole disttrain.train loop (grain pipeline, metrics, records): one run = one window.
 
-  Each run does 2 x steps steps with a train record every `steps`; the second record's
-  examples/s (the loop's own meter, device work of exactly those steps) is the window.
+  Each run does 2 x run_steps steps with a train record every run_steps; the second record's
+  examples/s (the loop's own meter, device work of exactly those steps) is the window, reported
+  as the seconds `steps` steps take at that rate (so it pairs with `steps`-step windows).
   """
 
-  def __init__(self, cfg, model, devices, steps: int):
-    """Runs will use `cfg` with 2 x steps steps, a record every `steps`, in temporary folders."""
-    self.cfg = dataclasses.replace(cfg, num_train_steps=2 * steps, log_every_steps=steps)
+  def __init__(self, cfg, model, devices, steps: int, run_steps: int):
+    """Runs will use `cfg` with 2 x run_steps steps, a record every run_steps, in temp folders."""
+    self.cfg = dataclasses.replace(cfg, num_train_steps=2 * run_steps, log_every_steps=run_steps)
     self.model, self.devices, self.steps = model, devices, steps
     self.workdirs = tempfile.TemporaryDirectory(prefix='throughput_loop_')
     self.runs = 0
 
   def __call__(self) -> float:
-    """Seconds the loop took for the second `steps` steps of a fresh run."""
+    """Seconds `steps` steps take at the rate of the second half of a fresh run."""
     self.runs += 1
     workdir = f'{self.workdirs.name}/run{self.runs}'  # fresh: train() resumes from checkpoints
     with contextlib.redirect_stdout(io.StringIO()):
