@@ -275,8 +275,8 @@ def _pmap_step(model, task, tx, mesh: Mesh, lay: Layout, traces: collections.Cou
   """Legacy pmap data parallelism over every device of the mesh (fsdp = tensor = 1).
 
   pmap is jit(shard_map) in this JAX, so each step is one jitted call around the pmapped
-  function: split the global batch into [n, B/n, ...] and take device 0's copy of the (psummed,
-  identical) metrics inside it, instead of three dispatches per step.
+  function that splits the global batch into [n, B/n, ...] inside it (one dispatch per step
+  instead of three: split, pmap, metrics).
   """
   devices = list(mesh.devices.flat)
   n = len(devices)
@@ -299,12 +299,13 @@ def _pmap_step(model, task, tx, mesh: Mesh, lay: Layout, traces: collections.Cou
   def variant(name: str, all_metrics: bool, full_batch: bool) -> Callable:
     def local_step(state: TrainState, batch: dict):
       return _update(tx, state, *local_grads(state, batch, all_metrics, full_batch), all_metrics)
-    pmapped = jax.pmap(local_step, axis_name='batch', devices=devices)
+    # Metrics are psums, equal on every device: unmapped outputs (out_axes None), so no
+    # device-0 slice and no broadcast of it back to every device.
+    pmapped = jax.pmap(local_step, axis_name='batch', devices=devices, out_axes=(0, None))
 
     def step(state, batch):
       traces[name] += 1
-      new_state, metrics = pmapped(state, split(batch))
-      return new_state, first(metrics)
+      return pmapped(state, split(batch))
     return jax.jit(step, in_shardings=(stacked, batch_sharding),
                    out_shardings=(stacked, NamedSharding(mesh, P())), donate_argnums=0)
 

@@ -93,8 +93,8 @@ def test_a_recompiling_step_fails_loudly():
     return state + x.sum(), x
 
   inputs = [np.ones(3, np.float32), np.ones(4, np.float32)]  # two shapes: two compilations
-  side = baselines.StepSide('a step', jax.jit(step), np.float32(0), inputs, 1, False, traces,
-                             compiles, steps=2)
+  side = baselines.StepSide('a step', jax.jit(step), np.float32(0), inputs, 1, False,
+                             lambda: traces[0], compiles, steps=2)
   side.call(0)  # compiles for the first shape outside a timed window
   with pytest.raises(baselines.RecompileError, match='traced 1'):
     side()
