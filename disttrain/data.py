@@ -83,8 +83,10 @@ class _Assembler:
               for k, v in local.items()}
     if jax.process_count() == 1 and not piecewise:
       # This process holds the whole batch: one batched device_put, the cheapest host-to-device
-      # path (measured ~20 % less host time per batch than make_array_from_process_local_data).
-      return jax.device_put(local, sharding)
+      # path. may_alias: the arrays are fresh gathers nobody writes again, so the runtime may
+      # use them in place (measured on CPU: 0.3 ms instead of 9.9 ms for a [8, 256, 784] float32
+      # stack, 36 instead of 48 us for one 256-row batch).
+      return jax.device_put(local, sharding, may_alias=True)
     if self.contiguous and not piecewise:
       # One call for the whole dict.
       return jax.make_array_from_process_local_data(sharding, local, shapes)
@@ -112,13 +114,20 @@ class _ReadTrainBatch:
       self._perm = (epoch, perm)
     return perm
 
-  def __call__(self, k: int) -> dict[str, np.ndarray]:
-    """This process's rows of global batch k, gathered with one fancy index per field."""
+  def __call__(self, first: int, count: int = 1) -> dict[str, np.ndarray]:
+    """This process's rows of global batches first .. first+count-1, with one fancy index per
+    field: [rows, ...] for count 1, else stacked [count, rows, ...] (no extra copy)."""
+    index = np.concatenate([self._index(k) for k in range(first, first + count)])
+    batch = {'image': self.split.image[index], 'label': self.split.label[index],
+             'id': self.split.id[index], 'mask': np.ones(index.size, np.float32)}
+    if count == 1:
+      return batch
+    return {key: v.reshape((count, self.rows.size) + v.shape[1:]) for key, v in batch.items()}
+
+  def _index(self, k: int) -> np.ndarray:
+    """Example indices of this process's rows of global batch k."""
     epoch, step = divmod(int(k), self.batches_per_epoch)
-    start = step * self.batch_size
-    index = self.permutation(epoch)[start + self.rows]
-    return {'image': self.split.image[index], 'label': self.split.label[index],
-            'id': self.split.id[index], 'mask': np.ones(index.size, np.float32)}
+    return self.permutation(epoch)[step * self.batch_size + self.rows]
 
 
 class TrainIterator:
@@ -144,9 +153,7 @@ class TrainIterator:
     def element(e: int) -> Batch:
       if k == 1:
         return self._assemble(read(e))
-      parts = [read(e * k + i) for i in range(k)]
-      return self._assemble({key: np.stack([p[key] for p in parts]) for key in parts[0]},
-                            batch_axis=1)
+      return self._assemble(read(e * k, k), batch_axis=1)
 
     # Batches, not records, are grain's elements: one gather per batch keeps the reader far
     # ahead of the step, where a per-record pipeline is 10-100x slower. The host-to-device copy
