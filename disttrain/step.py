@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -172,10 +173,10 @@ def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh
                      out_shardings=replicated)
   if cfg.step_mode == 'pmap':
     return _pmap_step(model, task, tx, mesh, lay, traces, evaluate, batch_sharding,
-                      jnp.float32(cfg.global_batch_size))
+                      np.float32(cfg.global_batch_size))
 
   context = StepContext(model=model, task=task, tx=tx)
-  full_count = jnp.float32(cfg.global_batch_size)
+  full_count = np.float32(cfg.global_batch_size)  # a literal in the compiled step
   if cfg.step_mode == 'jit':
     def grads_fn(state: TrainState, batch: dict, all_metrics: bool = True,
                  full_batch: bool = False):
@@ -271,7 +272,7 @@ def _with_batch_axes(model, axes, state_mutable):
 
 
 def _pmap_step(model, task, tx, mesh: Mesh, lay: Layout, traces: collections.Counter, evaluate,
-               batch_sharding: NamedSharding, full_count: jax.Array) -> Step:
+               batch_sharding: NamedSharding, full_count: np.float32) -> Step:
   """Legacy pmap data parallelism over every device of the mesh (fsdp = tensor = 1).
 
   pmap is jit(shard_map) in this JAX, so each step is one jitted call around the pmapped
