@@ -20,11 +20,13 @@ from disttrain.config import Config
 @flax.struct.dataclass
 class TrainState:
   """Everything that changes during training; a pytree, so it can be sharded and checkpointed."""
-  step: jax.Array  # int32 scalar: number of updates applied
-  params: Any
+  # Field order is the order of the compiled step's arguments: the big optimizer state and the
+  # parameters first, as in a hand-written step's (sorted) dict state.
   opt_state: Any
+  params: Any
   mutable: Any  # non-parameter collections, e.g. {'batch_stats': ...}
   rng: jax.Array  # uint32 key data; dropout keys are fold_in(rng, step)
+  step: jax.Array  # int32 scalar: number of updates applied
 
 
 @dataclasses.dataclass(frozen=True)
