@@ -121,7 +121,7 @@ class Checkpointer:
 
 def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
                where: str) -> None:
-  """One-line error naming the first parameter whose shape or presence differs."""
+  """One-line error naming the first parameter (then other leaf) whose shape or presence differs."""
   try:
     saved = manager.item_metadata(step)['state'].tree
   except Exception:  # pylint: disable=broad-except
@@ -130,7 +130,8 @@ def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
               for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
   found = {sharding_lib.path_str(p): tuple(x.shape)
            for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
-  for path, shape in expected.items():
+  # Parameters first: a model mismatch is named by its parameter, not by the optimizer's copy.
+  for path, shape in sorted(expected.items(), key=lambda item: not item[0].startswith('params')):
     if path not in found:
       raise CheckpointError(f'checkpoint {where}/{step} has no {path} (config expects shape '
                             f'{shape}); it was saved for another model: use a matching config '
