@@ -2,10 +2,21 @@
 
 import os
 import pathlib
+import tempfile
 
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# Tests build many identical steps (same model, config and devices), in this process and in the
+# launcher, cluster and benchmark subprocesses they start. One persistent compilation cache for
+# the session, set in the environment so that every subprocess shares it, turns the repeats into
+# cache reads (measured: test_jax_mlp + test_equivalence 105 s -> 76 s in-process alone). A cached
+# executable is the one a fresh compile builds, so bitwise comparisons between runs hold; trace
+# counts, which tests assert, are unaffected (tracing still happens).
+_XLA_CACHE = tempfile.TemporaryDirectory(prefix='disttrain_tests_xla_cache_')
+os.environ['JAX_COMPILATION_CACHE_DIR'] = _XLA_CACHE.name
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
