@@ -12,7 +12,9 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # the session, set in the environment so that every subprocess shares it, turns the repeats into
 # cache reads (measured: test_jax_mlp + test_equivalence 105 s -> 76 s in-process alone). A cached
 # executable is the one a fresh compile builds, so bitwise comparisons between runs hold; trace
-# counts, which tests assert, are unaffected (tracing still happens).
+# counts, which tests assert, are unaffected (tracing still happens). Two workers may write one
+# entry at once (jax writes entries in place, unlocked); an entry read half-written is a warning
+# and a fresh compile in jax's _cache_read, never a failure.
 _XLA_CACHE = tempfile.TemporaryDirectory(prefix='disttrain_tests_xla_cache_')
 os.environ['JAX_COMPILATION_CACHE_DIR'] = _XLA_CACHE.name
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
