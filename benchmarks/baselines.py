@@ -24,6 +24,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import disttrain
+from disttrain.records import MASK
 
 
 class BenchError(Exception):
@@ -91,20 +92,6 @@ class StepSide:
       outs.append(jax.block_until_ready(out))
     return time.perf_counter() - start, outs[0]
 
-  def state_bytes(self, device: jax.Device) -> int:
-    """Per-device state bytes: the compiled step's argument bytes less its batch shard.
-
-    pmap's step is a Python function around jax.pmap, with no executable to ask; there, the bytes
-    of the state's shards on `device`.
-    """
-    batch = self.inputs[0]
-    if hasattr(self.fn, 'lower'):
-      stats = self.fn.lower(self.state, batch).compile().memory_analysis()
-      batch_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(batch))
-      return int(stats.argument_size_in_bytes - batch_bytes)
-    return int(sum(s.data.nbytes for x in jax.tree.leaves(self.state)
-                   for s in x.addressable_shards if s.device == device))
-
   def calibrate(self, seconds: float) -> int:
     """Steps per window so that one window takes about `seconds`."""
     self.steps = 20 * self.steps_per_call
@@ -150,13 +137,12 @@ class LoopSide:
     return self.steps * self.cfg.global_batch_size / record['examples_per_sec']
 
 
-def numpy_batches(split, batch_size: int, count: int) -> list[dict]:
-  """`count` consecutive numpy batches of the split (wrapping around), with all-ones masks."""
+def numpy_batches(records, batch_size: int, count: int) -> list[dict]:
+  """`count` consecutive numpy batches of the records (wrapping around), with all-ones masks."""
   batches = []
   for i in range(count):
-    rows = (np.arange(batch_size) + i * batch_size) % len(split)
-    batches.append({'image': split.image[rows], 'label': split.label[rows],
-                    'mask': np.ones(batch_size, np.float32)})
+    rows = (np.arange(batch_size) + i * batch_size) % len(records)
+    batches.append({**records.read(rows), MASK: np.ones(batch_size, np.float32)})
   return batches
 
 
@@ -184,7 +170,8 @@ class SmallMLP(nn.Module):
                     bias_init=nn.with_logical_partitioning(_ZEROS, ('classes',)))(x)
 
 
-def train_step_fn(module: nn.Module, tx: optax.GradientTransformation, traces: list):
+def train_step_fn(module: nn.Module, tx: optax.GradientTransformation, traces: list,
+                  input_key: str = 'image', label_key: str = 'label'):
   """(state dict, batch) -> (state dict, loss): mean cross-entropy, Adam, dropout per step.
 
   The dropout key is fold_in(rng, step), as disttrain's jit style, so in that style both steps
@@ -197,9 +184,10 @@ def train_step_fn(module: nn.Module, tx: optax.GradientTransformation, traces: l
 
     def loss_fn(params):
       logits_BxC, new_mutable = module.apply(
-          {'params': params, **state['mutable']}, batch['image'], train=True,
+          {'params': params, **state['mutable']}, batch[input_key], train=True,
           rngs={'dropout': key}, mutable=collections)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxC, batch['label']).mean()
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxC.astype(jnp.float32),
+                                                              batch[label_key]).mean()
       return loss, new_mutable
 
     (loss, new_mutable), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
@@ -223,7 +211,7 @@ def flops_per_example(train_step, state: dict, batch: dict) -> float:
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch))
   cost = jax.jit(train_step).lower(*shapes).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost['flops']) / batch['label'].shape[0]
+  return float(cost['flops']) / batch[MASK].shape[0]
 
 
 class DotPeak:

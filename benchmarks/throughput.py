@@ -26,12 +26,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import baselines
 from baselines import BenchError, RecompileError, StepSide
 import disttrain
-from disttrain import config as config_lib, data, models, optim, sources
-from disttrain import mesh as mesh_lib, state as state_lib, step as step_lib
-from disttrain.config import BATCH_AXES
-from disttrain.loop import check_batch_sizes
+from disttrain import config as config_lib, data, models
 from disttrain.models.linen import LinenModel
-from disttrain.task import Classification
+from disttrain.step import Variant
 
 _MODEL = flags.DEFINE_enum('model', 'mlp_small', ['mlp_small', 'mlp', 'transformer'],
                            'mlp_small: seed 000 (784-64-64-10, batch 256); mlp: seed 004 '
@@ -103,9 +100,9 @@ def run() -> list[dict]:
   devices = jax.devices()
   _check_flags(k, len(devices))
   cfg = _config(len(devices))
-  dataset = sources.load(cfg.data)
   model = (LinenModel(baselines.SmallMLP(hidden=cfg.model.hidden)) if _MODEL.value == 'mlp_small'
-           else models.build(cfg.model, dataset.num_classes))
+           else models.build(cfg.model))
+  run_ = disttrain.setup(cfg, model=model, devices=devices)
   compiles = [0]  # XLA compilations and persistent-cache hits: either means a step was rebuilt
 
   def count(event: str, *_, **__) -> None:
@@ -113,7 +110,7 @@ def run() -> list[dict]:
                              '/jax/compilation_cache/cache_hits')
   jax.monitoring.register_event_duration_secs_listener(count)
   jax.monitoring.register_event_listener(count)
-  disttrain_side, baseline_side, info = _build_sides(cfg, model, dataset, devices, k, compiles)
+  disttrain_side, baseline_side, info = _build_sides(run_, devices, k, compiles)
   steps = _STEPS.value or baseline_side.calibrate(_WINDOW_SEC)
   steps = -(-steps // k) * k
   for side in (disttrain_side, baseline_side):
@@ -134,8 +131,9 @@ def run() -> list[dict]:
                     baselines.interleave([loop_side, disttrain_side], windows)))
   if _WITH_KERAS.value:
     try:
-      keras_fit = baselines.KerasFit(dataset.train.image, dataset.train.label,
-                                     cfg.global_batch_size, k, steps)
+      arrays = run_.train_data.read(np.arange(len(run_.train_data)))
+      keras_fit = baselines.KerasFit(arrays['image'], arrays['label'], cfg.global_batch_size, k,
+                                     steps)
     except ImportError as e:
       raise BenchError(f'--with_keras needs Keras 3 with the JAX backend ({e}); pip install '
                        'keras, or drop --with_keras') from e
@@ -166,35 +164,33 @@ def run() -> list[dict]:
   return rows
 
 
-def _build_sides(cfg, model, dataset, devices, k: int, compiles: list):
-  """disttrain's step (built through its own pieces) and the hand-written one, same start."""
-  mesh = mesh_lib.build(cfg.mesh, devices)
-  check_batch_sizes(cfg, mesh)
-  tx, _ = optim.build(cfg)
-  batch_sharding = data.batch_sharding(mesh)
-  # The real path: eval_shape -> rules -> shardings -> state born sharded -> jitted step.
-  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
-                                cfg, mesh)
-  step = step_lib.build(model, Classification(), tx, cfg, mesh, lay, batch_sharding)
+def _build_sides(run_: disttrain.Setup, devices, k: int, compiles: list):
+  """disttrain's step (built by disttrain.setup, as train() builds it) and the hand-written one,
+  from the same state."""
+  cfg, state, lay, step = run_.cfg, run_.state, run_.layout, run_.steps
+  batch_sharding = run_.batch_sharding
   base_shardings = {f.name: getattr(lay.shardings, f.name) for f in dataclasses.fields(state)}
   base_state = jax.device_put({name: getattr(state, name) for name in base_shardings},
                               base_shardings, may_alias=False)  # same values, its own buffers
-  batches = baselines.numpy_batches(dataset.train, cfg.global_batch_size, k * _NUM_BATCHES)
+  batches = baselines.numpy_batches(run_.train_data, cfg.global_batch_size, k * _NUM_BATCHES)
   bound = devices[0].platform == 'cpu' and len(devices) > 1
   if k > 1:  # K consecutive batches stacked: [K, B, ...], batch axis sharded as usual
-    stacked = NamedSharding(mesh, P(None, BATCH_AXES))
+    stacked = data.stacked_sharding(batch_sharding, k)
     inputs = [jax.device_put(jax.tree.map(lambda *xs: np.stack(xs), *batches[g * k:(g + 1) * k]),
                              stacked) for g in range(_NUM_BATCHES)]
   else:
     inputs = [jax.device_put(b, batch_sharding) for b in batches]
   # As the loop runs it: the quiet variant, and the full-metrics one on every logged step.
-  disttrain_side = StepSide('disttrain step', step.for_call(False, k), step.place(state), inputs,
-                            k, bound, lambda: sum(step.traces.values()), compiles,
-                            logged_fn=step.for_call(True, k),
+  quiet, logged = (Variant(metrics=m, steps=k, full_batch=True) for m in (False, True))
+  disttrain_side = StepSide('disttrain step', lambda s, b: step.train(s, b, quiet),
+                            step.place(state), inputs, k, bound,
+                            lambda: sum(step.traces.values()), compiles,
+                            logged_fn=lambda s, b: step.train(s, b, logged),
                             log_every=cfg.log_every_steps // k)
-  del state  # donated to the first step
+  run_.state = state = None  # donated to the first step
   base_traces = [0]
-  base_fn = baselines.train_step_fn(model.module, tx, base_traces)
+  base_fn = baselines.train_step_fn(run_.model.module, run_.tx, base_traces,
+                                    run_.model.input_key, run_.task.label_key)
   baseline_side = StepSide('hand-written step',
                            baselines.jit_step(base_fn, base_shardings, batch_sharding), base_state,
                            [jax.device_put(b, batch_sharding) for b in batches], 1, bound,
@@ -210,7 +206,7 @@ def _build_sides(cfg, model, dataset, devices, k: int, compiles: list):
     raise BenchError(f'first-step loss: disttrain {loss:.6f}, hand-written {float(base_loss):.6f};'
                      ' the two steps do not compute the same thing')
   info = dict(compile_sec=round(compile_sec, 3), baseline_compile_sec=round(base_compile_sec, 3),
-              state_bytes_per_device=disttrain_side.state_bytes(devices[0]),
+              state_bytes_per_device=step.compiled[quiet.name].state_bytes,
               flops_per_example=round(flops, 1))
   return disttrain_side, baseline_side, info
 

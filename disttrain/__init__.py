@@ -1,11 +1,13 @@
 """disttrain: one sharding-aware JAX training loop for one device, one host or a pod."""
 
-__version__ = '0.1.0'
+__version__ = '0.2.0'
 
+from disttrain.callbacks import STOP, Callback, CsvLogger, EarlyStopping, Stop
 from disttrain.config import Config, DataConfig, MeshConfig, ModelConfig, defaults, from_config_dict
 from disttrain.errors import (CheckpointError, ConfigError, DataError, DisttrainError,
-                              NonFiniteError, Preempted, ShardingError)
+                              Interrupted, NonFiniteError, Preempted, ShardingError)
 from disttrain.loop import Result, Setup, evaluate, setup, train
+from disttrain.records import Data
 from disttrain.state import TrainState
 from disttrain.step import StepContext
 from disttrain.models import FunctionalModel, LinenModel, NNXModel

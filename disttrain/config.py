@@ -6,7 +6,9 @@ ConfigDict rejects unknown fields); `from_config_dict` turns the result back int
 `Config`.
 """
 
+import copy
 import dataclasses
+import sys
 import typing
 from typing import Any
 
@@ -18,7 +20,10 @@ MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')  # the global batch is split over these axes
 SHARDINGS = ('replicate', 'fsdp')
 STEP_MODES = ('jit', 'shard_map', 'pmap')
-DATA_NAMES = ('digits', 'mnist', 'synthetic', 'text')
+FILE_SOURCES = ('array_record', 'tokens')  # data.name values that read data.train_files
+TOKEN_DTYPES = ('uint16', 'uint32')
+REMAT = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
+         'everything_saveable')
 OPTIMIZERS = ('adam', 'adamw', 'sgd')
 LR_SCHEDULES = ('constant', 'cosine', 'linear')
 
@@ -52,51 +57,133 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
-  """Which dataset, where it lives, and how it is split."""
-  name: str = 'digits'
-  dir: str = ''  # mnist: folder with train-*/t10k-* IDX files (gzipped or not); text: see below
-  # Examples held out for eval when the source has no separate eval split (digits; mnist with
-  # only the t10k pair: first N - eval_examples train, last eval_examples eval). -1 = default.
-  eval_examples: int = -1
-  synthetic_examples: int = 8192  # synthetic only
-  synthetic_features: int = 784  # synthetic only
-  prefetch: int = 2  # global batches assembled ahead of the step
-  # text: byte-level windows of the Python standard library's own *.py files (or of the *.py,
-  # *.txt, *.md, *.rst files under data.dir), read in sorted order up to text_bytes bytes.
-  seq_len: int = 128  # text only: tokens per example (targets are the next tokens)
-  text_bytes: int = 2**21  # text only: bytes of text read
+class SyntheticConfig:
+  """data.name='synthetic': Gaussian features labelled by a fixed linear teacher (benchmarks)."""
+  examples: int = 8192
+  features: int = 784
 
   def __post_init__(self):
-    _one_of('data.name', self.name, DATA_NAMES)
+    _positive('data.synthetic.examples', self.examples)
+    _positive('data.synthetic.features', self.features)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextConfig:
+  """data.name='text': byte windows of the standard library's *.py files (or of data.dir)."""
+  bytes: int = 2**21  # bytes of text read, in sorted file order
+
+  def __post_init__(self):
+    _positive('data.text.bytes', self.bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokensConfig:
+  """data.name='tokens': flat token files (nanoGPT's .bin: raw token ids, no header)."""
+  dtype: str = 'uint16'  # uint16 (vocabularies up to 65,536) or uint32
+
+  def __post_init__(self):
+    _one_of('data.tokens.dtype', self.dtype, TOKEN_DTYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Which data, where it lives, how it is split and read. Per-source fields sit in groups."""
+  name: str = 'digits'  # a builder in disttrain.sources.SOURCES
+  dir: str = ''  # mnist: folder with train-*/t10k-* IDX files (gzipped or not); text: a folder
+  # array_record / tokens: file globs, comma-separated; eval_files '' = hold out eval_examples.
+  train_files: str = ''
+  eval_files: str = ''
+  # Examples held out for eval when the source has no separate eval split (the last N in file
+  # order; digits, mnist with only the t10k pair, synthetic, text, files without eval_files).
+  # -1 = the source's default.
+  eval_examples: int = -1
+  seq_len: int = 128  # text and tokens: tokens per example (targets are the next tokens)
+  workers: int = 0  # worker processes that read and transform train batches; 0 = a thread
+  prefetch: int = 2  # global batches read ahead of the step
+  synthetic: SyntheticConfig = SyntheticConfig()
+  text: TextConfig = TextConfig()
+  tokens: TokensConfig = TokensConfig()
+
+  def __post_init__(self):
+    # data.name is checked against disttrain.sources.SOURCES when the data is built.
     if self.name == 'mnist' and not self.dir:
       raise ConfigError("data.name='mnist' needs data.dir; pass --config.data.dir=PATH/TO/MNIST")
+    if self.name in FILE_SOURCES and not self.train_files:
+      raise ConfigError(f'data.name={self.name!r} needs data.train_files; pass '
+                        '--config.data.train_files=GLOB (comma-separate several)')
     if self.eval_examples != -1:
       _positive('data.eval_examples', self.eval_examples)
-    _positive('data.synthetic_examples', self.synthetic_examples)
-    _positive('data.synthetic_features', self.synthetic_features)
-    _positive('data.prefetch', self.prefetch, allow_zero=True)
     _positive('data.seq_len', self.seq_len)
-    _positive('data.text_bytes', self.text_bytes)
+    _positive('data.workers', self.workers, allow_zero=True)
+    _positive('data.prefetch', self.prefetch, allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Which model and its hyper-parameters."""
-  name: str = 'mnist_mlp'
-  hidden: int = 512
+  name: str = 'mnist_mlp'  # a builder in disttrain.models.MODELS
+  hidden: int = 512  # MLP width / transformer width
   dropout: float = 0.3  # rate; 0 disables dropout
-  num_layers: int = 2  # transformer blocks (char_lm)
-  num_heads: int = 4  # attention heads (char_lm); must divide model.hidden
+  num_layers: int = 2  # transformer blocks
+  num_heads: int = 4  # attention heads; must divide model.hidden
+  mlp_dim: int = 0  # transformer MLP width; 0 = 4 x hidden
+  num_classes: int = 10  # classifiers' outputs
+  vocab_size: int = 256  # language models' vocabulary (256 = bytes)
+  input_key: str = ''  # batch field the model reads; '' = the model's default (image, tokens)
+  target_key: str = ''  # batch field the task learns; '' = the model's default (label, targets)
+  remat: str = 'none'  # transformer blocks: none, full, or a jax.checkpoint_policies name
+  tied_embeddings: bool = True  # gpt: the unembedding is the token embedding's transpose
+  norm: str = 'layernorm'  # gpt: layernorm or rmsnorm
 
   def __post_init__(self):
-    # model.name is checked against disttrain.models.MODELS when the model is built.
     _positive('model.hidden', self.hidden)
     _positive('model.num_layers', self.num_layers)
     _positive('model.num_heads', self.num_heads)
+    _positive('model.mlp_dim', self.mlp_dim, allow_zero=True)
+    _positive('model.num_classes', self.num_classes)
+    _positive('model.vocab_size', self.vocab_size)
+    _one_of('model.remat', self.remat, REMAT)
+    _one_of('model.norm', self.norm, ('layernorm', 'rmsnorm'))
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f'model.dropout={self.dropout} must be in [0, 1); pass a rate in [0, 1) '
                         '(0 disables dropout)')
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+  """Mixed precision: float32 master parameters, forward and backward in compute_dtype."""
+  compute_dtype: str = 'float32'  # float32 or bfloat16
+  param_dtype: str = 'float32'  # parameters and optimizer state (the master copy)
+
+  def __post_init__(self):
+    _one_of('precision.compute_dtype', self.compute_dtype, ('float32', 'bfloat16'))
+    _one_of('precision.param_dtype', self.param_dtype, ('float32',))
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyStopConfig:
+  """Stop when an eval metric stopped improving (disttrain.EarlyStopping)."""
+  metric: str = ''  # e.g. 'eval/accuracy' or 'val/loss'; '' = off
+  mode: str = 'max'  # max or min
+  patience: int = 3  # evals without an improvement of more than min_delta before stopping
+  min_delta: float = 0.0
+
+  def __post_init__(self):
+    _one_of('early_stop.mode', self.mode, ('max', 'min'))
+    _positive('early_stop.patience', self.patience)
+    _positive('early_stop.min_delta', self.min_delta, allow_zero=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+  """A jax.profiler trace of a few steps into DIR/plugins/profile (TensorBoard's layout)."""
+  start_step: int = 0  # first traced step; 0 = off
+  num_steps: int = 0  # steps traced; 0 = off
+  all_processes: bool = False  # trace every process, not only process 0
+
+  def __post_init__(self):
+    _positive('profile.start_step', self.start_step, allow_zero=True)
+    _positive('profile.num_steps', self.num_steps, allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,13 +219,24 @@ class Config:
   best_metric: str = ''  # eval metric whose best checkpoint is also kept, e.g. 'accuracy'
   best_mode: str = 'max'  # 'max' or 'min' for best_metric
   restore_from: str = ''  # warm start: params + mutable from another run's checkpoint
+  precision: PrecisionConfig = PrecisionConfig()
+  grad_accum_steps: int = 1  # micro-batches per step (lax.scan in the step), one update per step
+  # Per-device bytes a train step may need (XLA's memory analysis, checked before the first
+  # step); 0 = the device's own limit where it reports one (accelerators), else unchecked.
+  memory_limit_bytes: int = 0
+  peak_flops_per_device: float = 0.0  # for MFU; 0 = from the accelerator table (none on CPU)
+  early_stop: EarlyStopConfig = EarlyStopConfig()
+  profile: ProfileConfig = ProfileConfig()
+  # Seconds without a finished step before every process dumps its stacks and the job stops;
+  # -1 = 600 for multi-process runs and off for one process, 0 = off.
+  watchdog_seconds: int = -1
 
   def __post_init__(self):
     _positive('seed', self.seed, allow_zero=True)
     _positive('global_batch_size', self.global_batch_size)
     _positive('eval_batch_size', self.eval_batch_size, allow_zero=True)
     _positive('num_train_steps', self.num_train_steps)
-    _positive('learning_rate', self.learning_rate)
+    _positive('learning_rate', self.learning_rate, allow_zero=True)  # 0: frozen (evals, tests)
     _one_of('optimizer', self.optimizer, OPTIMIZERS)
     _one_of('lr_schedule', self.lr_schedule, LR_SCHEDULES)
     _positive('warmup_steps', self.warmup_steps, allow_zero=True)
@@ -159,6 +257,15 @@ class Config:
           'checkpoint_every_steps=100')
     _check_rules(self.param_rules, self.logical_rules)
     self._check_dispatch()
+    _positive('grad_accum_steps', self.grad_accum_steps)
+    _positive('memory_limit_bytes', self.memory_limit_bytes, allow_zero=True)
+    _positive('peak_flops_per_device', self.peak_flops_per_device, allow_zero=True)
+    if self.watchdog_seconds < -1:
+      raise ConfigError(f'watchdog_seconds={self.watchdog_seconds} must be -1 (auto), 0 (off) or '
+                        'a number of seconds; pass one of them')
+    if bool(self.profile.start_step) != bool(self.profile.num_steps):
+      raise ConfigError(f'profile.start_step={self.profile.start_step} profile.num_steps='
+                        f'{self.profile.num_steps}: set both (> 0) to trace, or both 0 for no trace')
     if self.step_mode == 'pmap' and (self.mesh.fsdp != 1 or self.mesh.tensor != 1
                                      or self.sharding != 'replicate'):
       raise ConfigError(
@@ -215,21 +322,49 @@ def _check_axes(where: str, spec) -> None:
             'or None')
 
 
+# Renamed fields, old path -> new path. The old names stay settable in config files and overrides
+# (-1 = not set) and print one deprecation line; they are not part of the resolved Config.
+DEPRECATED = {'data.synthetic_examples': 'data.synthetic.examples',
+              'data.synthetic_features': 'data.synthetic.features',
+              'data.text_bytes': 'data.text.bytes'}
+
+
 def defaults(config: Config | None = None) -> ml_collections.ConfigDict:
   """A locked ConfigDict of every field, for config files and command-line overrides."""
   def to_plain(value):
     if dataclasses.is_dataclass(value):
       return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     return value
-  cd = ml_collections.ConfigDict(to_plain(config or Config()))
+  tree = to_plain(config or Config())
+  for old in DEPRECATED:
+    group, name = old.split('.')
+    tree[group][name] = -1
+  cd = ml_collections.ConfigDict(tree)
   cd.lock()  # unknown fields in config files and --config.<field> overrides are errors
   return cd
 
 
 def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
   """Builds and validates a Config; unknown fields or wrong types raise ConfigError."""
-  tree = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
+  tree = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else copy.deepcopy(dict(cd))
+  _apply_deprecated(tree)
   return _build(Config, tree, '')
+
+
+def _apply_deprecated(tree: dict) -> None:
+  """Moves values given under deprecated names to their new fields (one warning line each)."""
+  for old, new in DEPRECATED.items():
+    group, name = old.split('.')
+    value = tree.get(group, {}).pop(name, -1)
+    if value == -1:
+      continue
+    print(f'warning: config field {old} is deprecated; use {new} (set to {value!r})',
+          file=sys.stderr, flush=True)
+    node = tree
+    *parents, leaf = new.split('.')
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[leaf] = value
 
 
 def _build(cls, tree: dict, prefix: str):

@@ -1,9 +1,12 @@
-"""Input pipeline: in-memory splits -> grain stream of per-process rows -> global jax.Arrays.
+"""Input pipeline: records of any source -> grain stream of per-process rows -> global jax.Arrays.
 
 The train stream is a pure function of (seed, global batch index): batch k belongs to epoch
-k // batches_per_epoch, whose permutation depends on (seed, epoch) only. Each process gathers just
+k // batches_per_epoch, whose permutation depends on (seed, epoch) only. Each process reads just
 the rows of the global batch that its addressable devices hold, so the global batches are the same
-on 1 device, 8 devices or a pod; only who reads which rows changes.
+on 1 device, 8 devices or a pod; only who reads which rows changes. Batches, not records, are
+grain's elements; with data.workers=N they are read (and transformed) in N worker processes and
+put on the devices in this process, in the same order, so the worker count is not part of the
+data order. The iterator state is the number of batches delivered.
 """
 
 import sys
@@ -16,10 +19,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from disttrain.config import BATCH_AXES
 from disttrain.errors import DataError
-from disttrain.sources import Split
+from disttrain.formats import array_record_source, decode, encode, write_array_record, write_tokens
+from disttrain.records import ID, MASK, RESERVED, Data, Records
 
 Batch = dict[str, jax.Array]
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
@@ -77,8 +81,7 @@ class _Assembler:
       if value.shape[batch_axis] != self.rows.size:
         raise DataError(f'batch field {key!r} has {value.shape[batch_axis]} local rows, expected '
                         f'{self.rows.size}; the pipeline read rows for another sharding')
-    sharding = self.sharding if batch_axis == 0 else NamedSharding(
-        self.sharding.mesh, P(*(None,) * batch_axis, *self.sharding.spec))
+    sharding = self.sharding if batch_axis == 0 else stacked_sharding(self.sharding, 2)
     shapes = {k: v.shape[:batch_axis] + (self.batch_size,) + v.shape[batch_axis + 1:]
               for k, v in local.items()}
     if jax.process_count() == 1 and not piecewise:
@@ -97,70 +100,99 @@ class _Assembler:
             for k, v in local.items()}
 
 
-class _ReadTrainBatch:
-  """Global batch index -> numpy arrays of this process's rows; runs in grain's reader thread."""
+class _ReadTrainBatches:
+  """Element e -> this process's rows of global batches e K .. e K + K - 1, as numpy arrays.
 
-  def __init__(self, split: Split, batch_size: int, seed: int, rows: np.ndarray):
-    """Keeps the split and this process's row offsets within a global batch."""
-    self.split, self.batch_size, self.seed, self.rows = split, batch_size, seed, rows
-    self.batches_per_epoch = len(split) // batch_size
+  Runs in grain's reader thread or in a worker process (it is pickled there with its records).
+  """
+
+  def __init__(self, records: Records, batch_size: int, seed: int, rows: np.ndarray, k: int):
+    """Keeps the records and this process's row offsets within a global batch."""
+    self.records, self.batch_size, self.seed, self.rows, self.k = records, batch_size, seed, rows, k
+    self.batches_per_epoch = len(records) // batch_size
     self._perm = (-1, None)  # (epoch, permutation); one tuple so a reader never sees a mix
 
   def permutation(self, epoch: int) -> np.ndarray:
     """The epoch's example order, a function of (seed, epoch) only."""
     cached_epoch, perm = self._perm
     if cached_epoch != epoch:
-      perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.split))
+      perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.records))
       self._perm = (epoch, perm)
     return perm
 
-  def __call__(self, first: int, count: int = 1) -> dict[str, np.ndarray]:
-    """This process's rows of global batches first .. first+count-1, with one fancy index per
-    field: [rows, ...] for count 1, else stacked [count, rows, ...] (no extra copy)."""
-    index = np.concatenate([self._index(k) for k in range(first, first + count)])
-    batch = {'image': self.split.image[index], 'label': self.split.label[index],
-             'id': self.split.id[index], 'mask': np.ones(index.size, np.float32)}
-    if count == 1:
+  def __call__(self, element: int) -> dict[str, np.ndarray]:
+    """[rows, ...] per field for K = 1, else [K, rows, ...]: one read for all K batches."""
+    batches = range(int(element) * self.k, (int(element) + 1) * self.k)
+    epochs = np.repeat([b // self.batches_per_epoch for b in batches], self.rows.size)
+    index = np.concatenate([self._index(b) for b in batches])
+    batch = self.records.read(index, epochs)
+    batch[MASK] = np.ones(index.size, np.float32)
+    batch[ID] = index.astype(np.int32)
+    if self.k == 1:
       return batch
-    return {key: v.reshape((count, self.rows.size) + v.shape[1:]) for key, v in batch.items()}
+    return {key: v.reshape((self.k, self.rows.size) + v.shape[1:]) for key, v in batch.items()}
 
-  def _index(self, k: int) -> np.ndarray:
-    """Example indices of this process's rows of global batch k."""
-    epoch, step = divmod(int(k), self.batches_per_epoch)
+  def _index(self, b: int) -> np.ndarray:
+    """Example indices of this process's rows of global batch b."""
+    epoch, step = divmod(b, self.batches_per_epoch)
     return self.permutation(epoch)[step * self.batch_size + self.rows]
+
+
+def _worker_init(worker_index: int, worker_count: int) -> None:
+  """Each worker dies with this process, even when it is SIGKILLed (Linux PR_SET_PDEATHSIG)."""
+  del worker_index, worker_count
+  if sys.platform.startswith('linux'):
+    import ctypes  # pylint: disable=g-import-not-at-top
+    import signal  # pylint: disable=g-import-not-at-top
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
 class TrainIterator:
   """Infinite, resumable stream of shuffled global train batches (dicts of jax.Arrays)."""
 
-  def __init__(self, split: Split, global_batch_size: int, seed: int, sharding: NamedSharding,
-               prefetch: int = 2, batches_per_element: int = 1):
-    """Builds the grain stream; reading and device transfer run ahead in grain's thread.
+  def __init__(self, records: Records, global_batch_size: int, seed: int,
+               sharding: NamedSharding, prefetch: int = 2, batches_per_element: int = 1,
+               workers: int = 0):
+    """Checks the sizes; the stream starts on the first next() (after any set_state).
 
     With batches_per_element=K each element is K consecutive global batches stacked on a new
     leading axis ([K, B, ...], for steps_per_dispatch=K); positions stay counted in batches.
+    With workers=N, reading and transforms run in N processes (grain mp_prefetch).
     """
-    if len(split) < global_batch_size:
-      raise DataError(f'the train split has {len(split)} examples, fewer than global_batch_size='
+    if len(records) < global_batch_size:
+      raise DataError(f'the train data has {len(records)} examples, fewer than global_batch_size='
                       f'{global_batch_size}; pass --config.global_batch_size=N with N <= '
-                      f'{len(split)} or use more data')
+                      f'{len(records)} or use more data')
     self._assemble = _Assembler(sharding, global_batch_size)
-    read = _ReadTrainBatch(split, global_batch_size, seed, self._assemble.rows)
-    self.batches_per_epoch = read.batches_per_epoch
-    self._key = {'seed': seed, 'global_batch_size': global_batch_size, 'num_examples': len(split)}
-    self._k = k = batches_per_element
+    self._read = _ReadTrainBatches(records, global_batch_size, seed, self._assemble.rows,
+                                   batches_per_element)
+    self.batches_per_epoch = self._read.batches_per_epoch
+    self._key = {'seed': seed, 'global_batch_size': global_batch_size,
+                 'num_examples': len(records)}
+    self._k, self._prefetch, self._workers = batches_per_element, prefetch, workers
+    self._next = 0  # batches delivered so far: the whole iterator state
+    self._it = None
 
-    def element(e: int) -> Batch:
-      if k == 1:
-        return self._assemble(read(e))
-      return self._assemble(read(e * k, k), batch_axis=1)
-
-    # Batches, not records, are grain's elements: one gather per batch keeps the reader far
-    # ahead of the step, where a per-record pipeline is 10-100x slower. The host-to-device copy
-    # also happens in grain's thread: on the main thread it cost about as much as a small step.
-    dataset = grain.MapDataset.range(sys.maxsize // k).map(element).to_iter_dataset(
-        grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch))
-    self._it = iter(dataset)
+  def _start(self) -> None:
+    """The grain stream from element self._next // K on."""
+    k = self._k
+    elements = grain.MapDataset.range(self._next // k, sys.maxsize // k).map(self._read)
+    batch_axis = 0 if k == 1 else 1
+    assemble = lambda local: self._assemble(local, batch_axis=batch_axis)
+    if self._workers:
+      # Workers return numpy; the host-to-device copy happens here, in grain's prefetch thread.
+      stream = elements.to_iter_dataset().mp_prefetch(
+          grain.MultiprocessingOptions(num_workers=self._workers,
+                                       per_worker_buffer_size=max(self._prefetch, 1)),
+          worker_init_fn=_worker_init).map(assemble)
+      if self._prefetch:
+        stream = grain.experimental.ThreadPrefetchIterDataset(stream, self._prefetch)
+    else:
+      # The host-to-device copy also happens in grain's thread: on the main thread it cost about
+      # as much as a small step.
+      stream = elements.map(assemble).to_iter_dataset(
+          grain.ReadOptions(num_threads=1, prefetch_buffer_size=self._prefetch))
+    self._it = iter(stream)
 
   def __iter__(self) -> 'TrainIterator':
     """The iterator itself."""
@@ -168,46 +200,94 @@ class TrainIterator:
 
   def __next__(self) -> Batch:
     """The next global batch (or K of them, stacked)."""
-    return next(self._it)
+    if self._it is None:
+      self._start()
+    batch = next(self._it)
+    self._next += self._k
+    return batch
+
+  def close(self) -> None:
+    """Stops the reader thread or worker processes (a later next() starts them again)."""
+    it, self._it = self._it, None
+    if it is not None and hasattr(it, 'close'):
+      it.close()
 
   def get_state(self) -> dict:
     """JSON-serialisable position: the next batch to deliver plus what the order depends on."""
-    grain_state = dict(self._it.get_state())
-    grain_state['next_index'] *= self._k  # in batches, whatever K this run used
-    return {'version': _STATE_VERSION, **self._key, 'grain': grain_state}
+    return {'version': _STATE_VERSION, **self._key, 'next_batch': self._next}
 
   def set_state(self, state: dict) -> None:
     """Resumes at the position recorded by get_state on an iterator with the same settings."""
-    if (not isinstance(state, dict) or state.get('version') != _STATE_VERSION
-        or 'grain' not in state):
+    if not isinstance(state, dict) or state.get('version') not in (1, _STATE_VERSION) or not (
+        'next_batch' in state or 'next_index' in state.get('grain', {})):
       raise DataError(f'data iterator state {state!r} is not from TrainIterator.get_state '
                       f'version {_STATE_VERSION}; restore a checkpoint written by this version')
     for name, value in self._key.items():
       if state.get(name) != value:
         raise DataError(f'data iterator state has {name}={state.get(name)!r} but this run has '
                         f'{value!r}; resume with the same {name} or start a new run')
-    grain_state = dict(state['grain'])
-    if grain_state.get('next_index', 0) % self._k:
-      raise DataError(f'data iterator state is at batch {grain_state["next_index"]}, not a '
-                      f'multiple of steps_per_dispatch={self._k}; resume with a steps_per_dispatch '
-                      'that divides it')
-    grain_state['next_index'] = grain_state.get('next_index', 0) // self._k
-    self._it.set_state(grain_state)
+    # Version 1 kept grain's own position, which also counted batches.
+    position = state['next_batch'] if 'next_batch' in state else state['grain']['next_index']
+    if position % self._k:
+      raise DataError(f'data iterator state is at batch {position}, not a multiple of '
+                      f'steps_per_dispatch={self._k}; resume with a steps_per_dispatch that '
+                      'divides it')
+    self.close()
+    self._next = position
 
 
-def eval_batches(split: Split, batch_size: int, sharding: NamedSharding) -> Iterator[Batch]:
-  """Every example exactly once in file order; the last batch is padded with mask 0."""
+class _ReadEvalBatch:
+  """Eval batch b -> this process's rows, the last batch padded (zeros, mask 0, id -1)."""
+
+  def __init__(self, records: Records, batch_size: int, rows: np.ndarray):
+    self.records, self.batch_size, self.rows = records, batch_size, rows
+
+  def __call__(self, b: int) -> dict[str, np.ndarray]:
+    index = int(b) * self.batch_size + self.rows
+    real = index < len(self.records)
+    if real.all():
+      batch = self.records.read(index)
+    else:  # padding rows are zeros of every field, whatever the fields are
+      part = self.records.read(index[real])
+      batch = {k: np.zeros((index.size,) + s.shape, s.dtype) for k, s in self.records.spec.items()}
+      for key, value in part.items():
+        batch[key][real] = value
+    batch[MASK] = real.astype(np.float32)
+    batch[ID] = np.where(real, index, -1).astype(np.int32)
+    return batch
+
+
+def stacked_sharding(sharding: NamedSharding, k: int) -> NamedSharding:
+  """The sharding of K stacked batches [K, B, ...] (K > 1): the batch axis split as usual."""
+  if k == 1:
+    return sharding
+  return NamedSharding(sharding.mesh, P(None, *sharding.spec))
+
+
+def check_eval_size(records: Records, batch_size: int, sharding: NamedSharding) -> None:
+  """An eval source must fill at least one device's rows of an eval batch."""
+  shards = sharding.num_devices // _replicas(sharding)
+  if len(records) < batch_size // shards:
+    raise DataError(f'the {records.name} data has {len(records)} examples, fewer than the '
+                    f'{batch_size // shards} rows each device holds of an eval batch of '
+                    f'{batch_size} over {shards} devices; use a smaller eval_batch_size or more '
+                    'eval examples')
+
+
+def eval_batches(records: Records, batch_size: int, sharding: NamedSharding) -> Iterator[Batch]:
+  """Every example exactly once in source order; the last batch is padded with mask 0."""
   assemble = _Assembler(sharding, batch_size)
-  n = len(split)
-  for start in range(0, n, batch_size):
-    index = start + assemble.rows
-    real = index < n
-    # Padding rows read example 0 and are then zeroed, so the gather stays a single fancy index.
-    safe = np.where(real, index, 0)
-    local = {'image': split.image[safe], 'label': split.label[safe], 'id': split.id[safe],
-             'mask': real.astype(np.float32)}
-    if not real.all():
-      local['image'][~real] = 0
-      local['label'][~real] = 0
-      local['id'][~real] = -1
-    yield assemble(local)
+  count = -(-len(records) // batch_size)
+  read = _ReadEvalBatch(records, batch_size, assemble.rows)
+  # Read ahead in grain's thread, as for training; eval sets are usually small, so no workers.
+  stream = grain.MapDataset.range(count).map(read).map(assemble).to_iter_dataset(
+      grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
+  yield from stream
+
+
+def element_spec(records: Records) -> dict[str, jax.ShapeDtypeStruct]:
+  """A one-example batch's shapes and dtypes, reserved fields included: what init traces with."""
+  spec = {k: jax.ShapeDtypeStruct((1,) + s.shape, s.dtype) for k, s in records.spec.items()}
+  spec[MASK] = jax.ShapeDtypeStruct((1,), np.float32)
+  spec[ID] = jax.ShapeDtypeStruct((1,), np.int32)
+  return spec

@@ -1,12 +1,15 @@
 """Process-level facts and decisions that every process must take at the same step."""
 
+import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from disttrain.errors import DisttrainError
@@ -123,24 +126,43 @@ def free_port_pair() -> int:
   raise RuntimeError('no free pair of loopback ports')
 
 
-class PreemptionWatch:
-  """Tells, at a step, whether the job was asked to stop (SIGTERM) and must save there.
+class StopSignals:
+  """SIGTERM (preemption) and SIGINT (Ctrl-C) as a stop at one step that every process agrees on.
 
   With several processes, jax.distributed's preemption service catches SIGTERM (measured: also
   in CPU processes) and `reached_preemption_sync_point` makes every process agree on one call:
   the fastest process's last call + 1, matched by equality. So the id passed must advance by
   exactly one per call; step numbers advance by steps_per_dispatch and would never match, so
-  the watch counts its own calls. A single process catches SIGTERM itself (main thread only)
-  and stops at the next step.
+  this counts its own calls. A Ctrl-C is turned into that same SIGTERM path (the process sends
+  itself SIGTERM), remembered as an interrupt. A single process catches both signals itself
+  (main thread only) and stops at the next step. After the first Ctrl-C, a second one gets the
+  default action: the process ends at once, without a traceback.
   """
 
   def __init__(self):
-    self._requested = threading.Event()
-    self._previous = None
+    self._terminated = threading.Event()
+    self._interrupted = threading.Event()
+    self._previous = {}
     self._calls = 0
     self._multi = jax.process_count() > 1
-    if not self._multi and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, lambda *_: self._requested.set())
+    if threading.current_thread() is threading.main_thread():
+      if not self._multi:
+        self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM,
+                                                       lambda *_: self._terminated.set())
+      self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
+
+  def _on_interrupt(self, *_) -> None:
+    self._interrupted.set()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the second Ctrl-C ends the process at once
+    print('interrupted: saving a checkpoint at the next step, then stopping (Ctrl-C again to '
+          'exit at once, without one)', file=sys.stderr, flush=True)
+    if self._multi:
+      os.kill(os.getpid(), signal.SIGTERM)  # jax's preemption service tells every process
+
+  @property
+  def interrupted(self) -> bool:
+    """A Ctrl-C reached this process."""
+    return self._interrupted.is_set()
 
   def reached(self, step: int) -> bool:
     """True at the (dispatched) step where every process must save and stop.
@@ -151,9 +173,16 @@ class PreemptionWatch:
     self._calls += 1
     if self._multi:
       return multihost_utils.reached_preemption_sync_point(self._calls)
-    return self._requested.is_set()
+    return self._terminated.is_set() or self._interrupted.is_set()
 
   def close(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    self._previous = {}
+
+
+def any_process(flag: bool) -> bool:
+  """True on every process if `flag` is True on any (a collective: call it on all of them)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))

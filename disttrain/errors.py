@@ -33,3 +33,13 @@ class Preempted(Exception):
     super().__init__(f'preempted: saved a checkpoint at step {step} in {path}; relaunch with the '
                      'same --workdir to resume')
     self.step = step
+
+
+class Interrupted(Preempted):
+  """Ctrl-C (SIGINT): a checkpoint was saved at `step` and has committed; relaunch to resume."""
+  exit_code = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+
+  def __init__(self, step: int, path: str):
+    Exception.__init__(self, f'interrupted: saved a checkpoint at step {step} in {path}; '
+                             'relaunch with the same --workdir to resume')
+    self.step = step

@@ -1,24 +1,24 @@
-"""The training loop: one function, read top to bottom."""
+"""The training loop: `train` builds the run, `_loop` is the list of what happens each step."""
 
+import contextlib
 import dataclasses
-import platform
-import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 import disttrain
-from disttrain import checkpoint, data, distributed, metrics, models, optim, sources
+from disttrain import actions, callbacks as callbacks_lib, checkpoint, data, distributed, metrics
 from disttrain import mesh as mesh_lib
-from disttrain import sharding as sharding_lib
+from disttrain import run as run_lib
 from disttrain import state as state_lib
-from disttrain import step as step_lib
-from disttrain.config import BATCH_AXES, Config
-from disttrain.errors import ConfigError, NonFiniteError, Preempted
-from disttrain.task import Classification
+from disttrain import timing, watchdog
+from disttrain.config import Config
+from disttrain.run import Setup, setup
+
+__all__ = ['Result', 'Setup', 'evaluate', 'setup', 'train']
+evaluate = actions.evaluate
 
 
 @dataclasses.dataclass
@@ -27,16 +27,9 @@ class Result:
   state: state_lib.TrainState
   records: list[dict]  # the metrics.jsonl records, also on processes that do not write
   trace_count: int  # most traces of any train-step variant; 1 = each compiled once
-
-
-def check_batch_sizes(cfg: Config, mesh: Mesh) -> None:
-  """Both batch sizes must split evenly over the batch axes."""
-  ways = mesh.shape['data'] * mesh.shape['fsdp']
-  for name, size in (('global_batch_size', cfg.global_batch_size),
-                     ('eval_batch_size', cfg.eval_batch)):
-    if size % ways:
-      raise ConfigError(f'{name}={size} is not divisible by the {ways} devices on mesh axes '
-                        f'{BATCH_AXES}; use a multiple of {ways}')
+  step: int = 0  # the step the run ended at
+  stopped_by: str = ''  # '' when it ran to num_train_steps, else who stopped it and why
+  time: dict = dataclasses.field(default_factory=dict)  # seconds and fractions per phase
 
 
 def _must_bound_in_flight(mesh: Mesh) -> bool:
@@ -45,139 +38,76 @@ def _must_bound_in_flight(mesh: Mesh) -> bool:
   return mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1
 
 
-def evaluate(step: step_lib.Step, state: state_lib.TrainState, split: sources.Split,
-             batch_size: int, batch_sharding) -> dict[str, float]:
-  """Loss and accuracy over every eval example exactly once (the last batch padded and masked)."""
-  totals: dict[str, float] = {}
-  pending = None
-  for batch in data.eval_batches(split, batch_size, batch_sharding):
-    sums = step.evaluate(state, batch)
-    if pending is not None:  # fetch one batch late: the device stays busy, <= 2 in flight
-      for k, v in jax.device_get(pending).items():
-        totals[k] = totals.get(k, 0.0) + float(v)
-    pending = sums
-  for k, v in jax.device_get(pending).items():
-    totals[k] = totals.get(k, 0.0) + float(v)
-  count = totals.pop('count')
-  out = {k: v / count for k, v in totals.items()}
-  out['num_examples'] = int(count)
-  return out
-
-
-def _train_record(step: int, window: list[dict], lr: float, examples_per_sec: float) -> dict:
-  """A train record over the steps since the last one.
-
-  Metrics every step reports ('loss', and with the default step the task's metrics) are averaged
-  over those global batches, weighted by count; the others (grad_norm) are the last step's.
-  """
-  counts = np.array([float(m['count']) for m in window])
-  record = {'step': step, 'split': 'train'}
-  every_step = set(window[0]).intersection(*window[1:])
-  for key, value in window[-1].items():
-    if key == 'count':
-      continue
-    if key in every_step:
-      record[key] = float(np.sum([float(m[key]) for m in window] * counts) / counts.sum())
-    else:
-      record[key] = float(value)
-  record.setdefault('grad_norm', 0.0)  # a custom step without one: the field is always there
-  record.update(learning_rate=lr, examples_per_sec=examples_per_sec)
-  return record
-
-
-def run_info(cfg: Config, mesh: Mesh, lay: state_lib.Layout) -> dict:
-  """The contents of run.json."""
-  return {
-      'config': cfg.to_dict(),
-      'mesh': mesh_lib.axis_sizes(mesh),
-      'num_devices': mesh.size,
-      'num_processes': jax.process_count(),
-      'step_mode': cfg.step_mode,
-      'param_specs': sharding_lib.spec_lists(lay.param_specs),
-      'fsdp_replicated': lay.replicated,
-      'versions': {'disttrain': disttrain.__version__, 'jax': jax.__version__,
-                   'python': platform.python_version()},
-      'platform': mesh.devices.flat[0].platform,
-  }
-
-
-@dataclasses.dataclass
-class Setup:
-  """Everything a run is built from, before any step: also what tests and benchmarks drive."""
-  cfg: Config
-  mesh: Mesh
-  dataset: sources.Dataset
-  model: Any
-  task: Any
-  tx: Any
-  lr_schedule: Any  # logged as learning_rate
-  batch_sharding: Any
-  state: state_lib.TrainState  # fresh, created sharded
-  layout: state_lib.Layout
-  step: step_lib.Step
-
-
-def setup(cfg: Config, model: Any = None, task: Any = None,
-          devices: Sequence[jax.Device] | None = None, tx: Any = None,
-          train_step: Any = None) -> Setup:
-  """Mesh, data, model, optimizer, sharded state and compiled-on-first-call steps for `cfg`."""
-  mesh = mesh_lib.build(cfg.mesh, devices)
-  check_batch_sizes(cfg, mesh)
-  dataset = sources.load(cfg.data)
-  model = model or models.build(cfg.model, dataset.num_classes)
-  task = task or Classification()
-  config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
-  tx = tx or config_tx
-  batch_sharding = data.batch_sharding(mesh)
-  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:],
-                                                      dataset.train.image.dtype),
-                                cfg, mesh)
-  step = step_lib.build(model, task, tx, cfg, mesh, lay, batch_sharding, train_step)
-  return Setup(cfg, mesh, dataset, model, task, tx, lr_schedule, batch_sharding, state, lay, step)
-
-
 def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
           devices: Sequence[jax.Device] | None = None, tx: Any = None,
-          train_step: Any = None) -> Result:
+          train_step: Callable | None = None, *, eval_step: Callable | None = None,
+          train_data: Any = None, eval_data: Any = None, callbacks: Sequence[Any] = ()) -> Result:
   """Trains `model` (default: the one cfg.model names) per `cfg`, writing outputs to `workdir`.
 
-  Levels of disclosure: the config alone; your own `model` (any front end in disttrain.models)
-  and `task` (per-example loss and metrics); your own optax `tx` and/or `train_step(ctx, state,
-  batch) -> (state, metrics)` (see step.StepContext). Sharding, data, checkpoints and logging
-  stay the same. Resumes from the newest complete checkpoint in `workdir` if there is one.
-  `devices` defaults to every device of every process. Raises NonFiniteError on a NaN/Inf loss
-  or gradient norm and Preempted after saving on SIGTERM.
+  Levels of disclosure: the config alone; your own data (`train_data`, `eval_data`: any source of
+  feature dicts, see disttrain.records), `model` (any front end in disttrain.models) and `task`
+  (per-example loss and metrics); your own optax `tx`, `train_step(ctx, state, batch) -> (state,
+  metrics)` and `eval_step(ctx, state, batch) -> masked sums` (see step.StepContext); callbacks
+  (see disttrain.callbacks). Sharding, data, checkpoints and logging stay the same. Resumes from
+  the newest complete checkpoint in `workdir` if there is one. `devices` defaults to every device
+  of every process. Raises NonFiniteError on a NaN/Inf loss or gradient norm, Preempted after
+  saving on SIGTERM and Interrupted after saving on Ctrl-C.
   """
-  run = setup(cfg, model, task, devices, tx, train_step)
-  mesh, dataset = run.mesh, run.dataset
+  phases = timing.Phases()
+  with phases('setup'):
+    run = setup(cfg, model, task, devices, tx, train_step, eval_step, train_data, eval_data)
+    throughput = run_lib.throughput(run)
   writer = metrics.Writer(workdir, enabled=jax.process_index() == 0)
-  writer.write_run(run_info(cfg, mesh, run.layout))
-  writer.print(f'disttrain: {mesh.size} devices, mesh {mesh_lib.axis_sizes(mesh)}, '
+  info = run_lib.run_info(run)
+  writer.write_run(info)
+  evals = ', '.join(f'{len(r)} {name}' for name, r in run.eval_data.items()) or 'no eval'
+  writer.print(f'disttrain: {run.mesh.size} devices, mesh {mesh_lib.axis_sizes(run.mesh)}, '
                f'step_mode={cfg.step_mode}, sharding={cfg.sharding}, data={cfg.data.name} '
-               f'({len(dataset.train)} train / {len(dataset.eval)} eval)')
-  batches = data.TrainIterator(dataset.train, cfg.global_batch_size, cfg.seed,
-                               run.batch_sharding, prefetch=cfg.data.prefetch,
-                               batches_per_element=cfg.steps_per_dispatch)
-  ckpt = checkpoint.Checkpointer(workdir, cfg)
-  watch = distributed.PreemptionWatch()
-  try:
-    state = _restore_or_init(ckpt, cfg, run.state, run.layout, batches, writer)
+               f'({len(run.train_data)} train / {evals})')
+  hooks = callbacks_lib.Callbacks([*callbacks, *callbacks_lib.from_config(cfg.early_stop)])
+  with contextlib.ExitStack() as stack:  # closed in reverse: saves commit before the writer goes
+    stack.callback(writer.close)
+    ckpt = checkpoint.Checkpointer(workdir, cfg)
+    stack.callback(ckpt.close)  # waits for async saves to commit (and raises their errors)
+    batches = data.TrainIterator(run.train_data, cfg.global_batch_size, cfg.seed,
+                                 run.batch_sharding, prefetch=cfg.data.prefetch,
+                                 batches_per_element=cfg.steps_per_dispatch,
+                                 workers=cfg.data.workers)
+    stack.callback(batches.close)
+    signals = distributed.StopSignals()
+    stack.callback(signals.close)
+    with phases('setup'):
+      state = _restore_or_init(ckpt, run, batches, hooks, writer)
     run.state = None  # donated to the first step: never touch it again
-    return _loop(cfg, workdir, mesh, run.step, state, batches, dataset, run.batch_sharding,
-                 run.lr_schedule, ckpt, watch, writer)
-  finally:
-    watch.close()
-    ckpt.close()  # waits for async saves to commit (and raises their errors)
-    writer.close()
+    first_step = int(jax.device_get(state.step))
+    device_state = run.steps.place(state)
+    del state
+    with phases('compile'):
+      info['compiled'], info['memory_limit_bytes'] = run_lib.preflight(
+          run, device_state, run_lib.loop_variants(cfg, first_step), writer.print)
+    info['compiled'] = {k: v.to_json() for k, v in info['compiled'].items()}
+    writer.write_run(info)
+    guard = watchdog.Watchdog(watchdog.default_seconds(cfg.watchdog_seconds), phases, workdir)
+    stack.callback(guard.close)
+    acts = _Actions.build(run, workdir, ckpt, batches, signals, hooks, writer, phases, throughput)
+    result = _loop(run, first_step, device_state, batches, acts, phases)
+    info['time'] = result.time
+    info['stopped_by'] = result.stopped_by
+    writer.write_run(info)
+  hooks.call('on_end', result)
+  return result
 
 
-def _restore_or_init(ckpt, cfg: Config, state, lay, batches, writer):
-  """The newest checkpoint of this workdir, else a warm start from restore_from, else `state`."""
-  abstract = checkpoint.abstract_like(lay.shardings, state)
+def _restore_or_init(ckpt, run: Setup, batches, hooks, writer):
+  """The newest checkpoint of this workdir, else a warm start from restore_from, else the fresh
+  state; the data position and the callbacks' state come back with a checkpoint."""
+  cfg, state = run.cfg, run.state
+  abstract = checkpoint.abstract_like(run.layout.shardings, state)
   restored = ckpt.restore_latest(abstract)
   if restored is not None:
-    state, data_state, _, at = restored
+    state, data_state, meta, at = restored
     batches.set_state(data_state)  # the data order continues exactly where it stopped
+    hooks.restore(meta.get('callbacks', {}))
     writer.print(f'resumed from step {at}: {ckpt.directory}/{at}')
     return state
   if cfg.restore_from:
@@ -188,134 +118,102 @@ def _restore_or_init(ckpt, cfg: Config, state, lay, batches, writer):
   return state
 
 
-def _loop(cfg, workdir, mesh, step, state, batches, dataset, batch_sharding, lr_schedule, ckpt,
-          watch, writer) -> Result:
-  """Train steps, records, evals, checkpoints; returns the final state and the records."""
-  records: list[dict] = []
+@dataclasses.dataclass
+class _Actions:
+  """The periodic actions of one run (disttrain/actions.py), in the order the loop calls them."""
+  out: actions.Output
+  records: actions.TrainRecords
+  evaluator: actions.Evaluator
+  stopper: actions.Stopper
+  saver: actions.Saver
+  profiler: actions.Profiler
 
-  def emit(record: dict) -> None:
-    records.append(record)
-    writer.write(record)
+  @classmethod
+  def build(cls, run: Setup, workdir, ckpt, batches, signals, hooks, writer, phases,
+            throughput) -> '_Actions':
+    cfg = run.cfg
+    out = actions.Output(writer, [], hooks)
+    saver = actions.Saver(cfg, ckpt, run.steps, batches, hooks, phases,
+                          lambda at: _meta(cfg, run.mesh, at, hooks))
+    return cls(out=out,
+               records=actions.TrainRecords(cfg, out, phases, run.lr_schedule, throughput,
+                                            saver.last_saved),
+               evaluator=actions.Evaluator(cfg, run.steps, run.eval_data, run.batch_sharding, out,
+                                           phases),
+               stopper=actions.Stopper(signals, hooks), saver=saver,
+               profiler=actions.Profiler(cfg, workdir, writer, phases))
 
-  def run_eval(at_step: int, device_state) -> dict:
-    result = evaluate(step, step.export(device_state), dataset.eval, cfg.eval_batch,
-                      batch_sharding)
-    emit({'step': at_step, 'split': 'eval', **result})
-    writer.print(f'eval  step {at_step}: {_summary(result)} ({result["num_examples"]} examples)')
-    return result
 
-  def last_saved() -> int | None:
-    ckpt.wait()  # a save still committing is the last good checkpoint too
-    return (ckpt.steps() or [None])[-1]
-
-  def checked(window: list) -> list:
-    """Fetches [(steps, metrics)] as [(step, metrics)]; a non-finite step stops the run unsaved."""
-    flat = []
-    for steps, m in jax.device_get(window):
-      if len(steps) == 1:
-        flat.append((steps[0], m))
-        continue
-      # One dispatch of K steps: per-step metrics have a leading [K] axis, the rest (scalars)
-      # belong to its last step.
-      per_step = [k for k, v in m.items() if np.ndim(v) == 1]
-      for i, at in enumerate(steps):
-        entry = {k: m[k][i] for k in per_step}
-        if at == steps[-1]:
-          entry.update((k, v) for k, v in m.items() if k not in per_step)
-        flat.append((at, entry))
-    for _, m in flat:
-      m.setdefault('count', cfg.global_batch_size)  # quiet steps: full batches
-    for at, m in flat:
-      checked_values = {k: float(m[k]) for k in ('loss', 'grad_norm') if k in m}
-      if not all(np.isfinite(v) for v in checked_values.values()):
-        values = ' '.join(f'{k}={v}' for k, v in checked_values.items())
-        raise NonFiniteError(
-            f'step {at}: {values} is not finite; that state was not saved, the last checkpoint '
-            f'is step {last_saved()} in {ckpt.directory}; lower learning_rate or check the data')
-    return [([at], m) for at, m in flat]
-
-  def write_train_record(window: list) -> None:
-    window = checked(window)
-    at = window[-1][0][0]
-    examples_per_sec, eta = meter.tick(at, len(window) * cfg.global_batch_size)
-    record = _train_record(at, [m for _, m in window], float(lr_schedule(at - 1)),
-                           examples_per_sec)
-    emit(record)
-    writer.print(f'train step {at}/{cfg.num_train_steps}: loss {record["loss"]:.4f} '
-                 f'{examples_per_sec:,.0f} examples/s, ETA {metrics.format_eta(eta)}')
-
-  bound_in_flight = _must_bound_in_flight(mesh)
-  first_step = int(state.step)
-  device_state = step.place(state)
-  del state  # donated to the first step: never touch it again
-  meter = metrics.Meter(first_step, cfg.num_train_steps)
-  window, due, previous = [], None, None
-  per_call = cfg.steps_per_dispatch
-  # K > 1: K steps in one compiled call; every cadence below is a multiple of K.
-  start = time.perf_counter()
-  for step_no in range(first_step + per_call, cfg.num_train_steps + 1, per_call):
+def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
+          phases: timing.Phases) -> Result:
+  """Train steps with their records, evals, checkpoints, stops and profile; the final Result."""
+  cfg, steps, writer = run.cfg, run.steps, acts.out.writer
+  bound_in_flight = _must_bound_in_flight(run.mesh)
+  acts.records.start(first_step)
+  phases.finished(first_step)
+  step_no, previous, stop = first_step, None, None
+  k = cfg.steps_per_dispatch  # every cadence is a multiple of K: K steps per compiled call
+  for step_no in range(first_step + k, cfg.num_train_steps + 1, k):
     last = step_no == cfg.num_train_steps
-    logged = step_no % cfg.log_every_steps == 0 or last
-    # The steps between records run the quiet variant (loss and count only; no grad_norm).
-    run_steps = step.for_call(logged, per_call)
-    device_state, step_metrics = run_steps(device_state, next(batches))
-    if bound_in_flight and previous is not None:
-      jax.block_until_ready(previous)  # at most two multi-device steps in flight (see above)
+    acts.profiler.maybe_start(step_no)
+    with phases('data'):
+      batch = next(batches)
+    with phases('step'):
+      device_state, step_metrics = steps.train(device_state, batch, acts.records.variant(step_no))
+      if bound_in_flight and previous is not None:
+        jax.block_until_ready(previous)  # at most two multi-device steps in flight (see above)
     previous = step_metrics
-    # The record due at the previous step is fetched only now, with this step queued, so
-    # logging never leaves the device idle.
-    if due is not None:
-      write_train_record(due)
-      due = None
-    window.append((list(range(step_no - per_call + 1, step_no + 1)), step_metrics))
-    if logged:
-      due, window = window, []
+    emitted = len(acts.out.records)
+    with phases('records'):
+      acts.records.maybe_write(step_no, step_metrics)  # the previous step's record, fetched now
+    acts.profiler.maybe_stop(step_no, device_state)
     eval_due = last or (cfg.eval_every_steps and step_no % cfg.eval_every_steps == 0)
-    save_due = last or (cfg.checkpoint_every_steps
-                        and step_no % cfg.checkpoint_every_steps == 0)
-    preempted = watch.reached(step_no)
-    if not (eval_due or save_due or preempted):
-      continue
-    # Order matters: every step up to this one is checked finite before anything is saved, and
-    # records stay in step order.
-    if due is not None:
-      write_train_record(due)
-      due = None
-    window = checked(window)
-    result = run_eval(step_no, device_state) if eval_due else None
-    if save_due or preempted:
-      exported = step.export(device_state)
-      # grad_norm is only computed on logged steps: the parameters themselves are checked here,
-      # so a non-finite state is never saved whatever step it appears at.
-      if not bool(step_lib.params_finite(exported.params)):
-        raise NonFiniteError(
-            f'step {step_no}: the parameters are not finite (the losses up to here were); that '
-            f'state was not saved, the last checkpoint is step {last_saved()} in '
-            f'{ckpt.directory}; lower learning_rate')
-      ckpt.save(step_no, exported, batches.get_state(), _meta(cfg, mesh, step_no),
-                metrics=result)
-    if preempted:
-      ckpt.wait()  # the checkpoint must have committed before the process exits
-      raise Preempted(step_no, ckpt.directory)
+    save_due = last or (cfg.checkpoint_every_steps and step_no % cfg.checkpoint_every_steps == 0)
+    if eval_due or save_due:
+      with phases('records'):
+        acts.records.flush()  # every step up to here is checked finite before anything is saved
+    evals = acts.evaluator.maybe_eval(step_no, device_state, force=last)
+    # Records and evals are emitted at the same steps on every process: a matched agreement.
+    stop = acts.stopper.maybe_stop(step_no, hooks_ran=len(acts.out.records) > emitted)
+    if stop is not None:
+      with phases('records'):
+        acts.records.flush()
+      if stop.kind == 'callback':  # a callback ends training here: a final eval as at the end
+        evals = acts.evaluator.maybe_eval(step_no, device_state, force=True) or evals
+    acts.saver.maybe_save(step_no, device_state, force=last or stop is not None,
+                          evals=acts.evaluator.checkpoint_metrics() if evals or stop else None)
+    phases.finished(step_no)
+    if stop is not None:
+      break
+  acts.profiler.maybe_stop(step_no, device_state, force=True)
+  if stop is not None and stop.error(step_no, acts.saver.ckpt.directory) is not None:
+    with phases('checkpoint'):
+      acts.saver.ckpt.wait()  # the checkpoint must have committed before the process exits
+    raise stop.error(step_no, acts.saver.ckpt.directory)
   if first_step >= cfg.num_train_steps:
     writer.print(f'already at step {first_step} of {cfg.num_train_steps}: nothing to train')
-    result = run_eval(first_step, device_state)
-  elapsed = time.perf_counter() - start
-  writer.print(f'done: {cfg.num_train_steps - first_step} steps in {elapsed:.1f}s on '
-               f'{mesh.size} devices {mesh_lib.axis_sizes(mesh)}; final eval {_summary(result)} '
-               f'({result["num_examples"]} examples); outputs in {workdir}')
-  return Result(state=step.export(device_state), records=records,
-                trace_count=step.trace_count)
+    acts.evaluator.maybe_eval(first_step, device_state, force=True)
+  with phases('checkpoint'):
+    acts.saver.ckpt.wait()  # the last save commits inside the measured time
+  stopped_by = ''
+  if stop is not None:
+    stopped_by = f'{stop.who}: {stop.why}' if stop.why else stop.who
+    writer.print(f'stopped at step {step_no} of {cfg.num_train_steps}: {stopped_by} (a checkpoint '
+                 f'was saved: raise num_train_steps and relaunch to continue)')
+  time = phases.breakdown()
+  last_evals = acts.evaluator.last
+  final = last_evals.get('eval') or next(iter(last_evals.values()), None)
+  result_line = (f'final eval {actions.summary(final)} ({final["num_examples"]} examples)'
+                 if final else 'no eval data')
+  writer.print(f'done: {step_no - first_step} steps in {time["wall_seconds"]:.1f}s on '
+               f'{run.mesh.size} devices {mesh_lib.axis_sizes(run.mesh)}; time: '
+               f'{timing.summary(time)}; {result_line}; outputs in {writer.workdir}')
+  return Result(state=steps.export(device_state), records=acts.out.records,
+                trace_count=steps.trace_count, step=step_no, stopped_by=stopped_by, time=time)
 
 
-def _summary(result: dict) -> str:
-  """'accuracy 0.9650, loss 0.1140': accuracy first when the task has it, then the rest."""
-  names = sorted(k for k in result if k != 'num_examples')
-  names.sort(key=lambda k: k != 'accuracy')
-  return ', '.join(f'{k} {result[k]:.4f}' for k in names)
-
-
-def _meta(cfg: Config, mesh: Mesh, step_no: int) -> dict:
-  """Run metadata stored with each checkpoint."""
+def _meta(cfg: Config, mesh: Mesh, step_no: int, hooks) -> dict:
+  """Run metadata stored with each checkpoint (the callbacks' state among it)."""
   return {'step': step_no, 'config': cfg.to_dict(), 'mesh': mesh_lib.axis_sizes(mesh),
-          'num_processes': jax.process_count(), 'disttrain_version': disttrain.__version__}
+          'num_processes': jax.process_count(), 'disttrain_version': disttrain.__version__,
+          'callbacks': hooks.states()}

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from disttrain.config import MESH_AXES, MeshConfig
+from disttrain.config import BATCH_AXES, MESH_AXES, Config, MeshConfig
 from disttrain.errors import ConfigError
 
 
@@ -38,3 +38,18 @@ def build(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
 def axis_sizes(mesh: Mesh) -> dict[str, int]:
   """{axis: size}, as written to run.json."""
   return {name: int(size) for name, size in mesh.shape.items()}
+
+
+def check_batch_sizes(cfg: Config, mesh: Mesh) -> None:
+  """Both batch sizes split evenly over the batch axes; micro-batches over them too."""
+  ways = mesh.shape['data'] * mesh.shape['fsdp']
+  for name, size in (('global_batch_size', cfg.global_batch_size),
+                     ('eval_batch_size', cfg.eval_batch)):
+    if size % ways:
+      raise ConfigError(f'{name}={size} is not divisible by the {ways} devices on mesh axes '
+                        f'{BATCH_AXES}; use a multiple of {ways}')
+  m = cfg.grad_accum_steps
+  if cfg.global_batch_size % (ways * m):
+    raise ConfigError(f'global_batch_size={cfg.global_batch_size} does not split into '
+                      f'grad_accum_steps={m} micro-batches over {ways} devices on mesh axes '
+                      f'{BATCH_AXES}; use a multiple of {ways * m}')

@@ -7,7 +7,6 @@ public interfaces (README, "Outputs"): add fields freely, rename or remove only 
 import json
 import math
 import os
-import time
 
 from tensorboardX import SummaryWriter
 
@@ -57,21 +56,46 @@ class Writer:
       self._tb.close()
 
 
-class Meter:
-  """Examples/s and ETA between consecutive train records."""
+# Dense bf16 peak FLOP/s per device (vendor figures), matched against jax's device_kind.
+PEAK_FLOPS = {
+    'TPU v4': 275e12,
+    'TPU v5 lite': 197e12,  # v5e
+    'TPU v5e': 197e12,
+    'TPU v5p': 459e12,
+    'TPU v5': 459e12,
+    'TPU v6 lite': 918e12,  # Trillium
+    'TPU v6e': 918e12,
+    'H200': 989e12,
+    'H100': 989e12,  # SXM; the PCIe card is ~756e12: set peak_flops_per_device
+    'A100': 312e12,
+    'L4': 121e12,
+    'A10G': 125e12,
+}
 
-  def __init__(self, start_step: int, total_steps: int):
-    self.total_steps = total_steps
-    self._step, self._time = start_step, time.perf_counter()
 
-  def tick(self, step: int, examples: int) -> tuple[float, float]:
-    """(examples per second since the last tick, seconds left at that pace)."""
-    now = time.perf_counter()
-    elapsed = max(now - self._time, 1e-9)
-    steps_per_sec = (step - self._step) / elapsed
-    self._step, self._time = step, now
-    eta = (self.total_steps - step) / steps_per_sec if steps_per_sec > 0 else math.inf
-    return examples / elapsed, eta
+def peak_flops(device_kind: str) -> float | None:
+  """The table's peak for a device kind ('NVIDIA H100 80GB HBM3' -> 989e12), else None."""
+  for name, flops in sorted(PEAK_FLOPS.items(), key=lambda item: -len(item[0])):
+    if name.lower() in device_kind.lower():
+      return flops
+  return None
+
+
+class Throughput:
+  """Tokens/s and model FLOPs utilisation, for models that count tokens and FLOPs."""
+
+  def __init__(self, tokens_per_example: int | None, flops_per_example: float | None,
+               peak_flops_total: float | None):
+    self.tokens_per_example = tokens_per_example
+    self.flops_per_example, self.peak = flops_per_example, peak_flops_total
+
+  def fields(self, examples_per_sec: float) -> dict:
+    out = {}
+    if self.tokens_per_example:
+      out['tokens_per_sec'] = examples_per_sec * self.tokens_per_example
+    if self.flops_per_example and self.peak:
+      out['mfu'] = examples_per_sec * self.flops_per_example / self.peak
+    return out
 
 
 def format_eta(seconds: float) -> str:

@@ -1,10 +1,12 @@
-"""Loads a real (or synthetic) data set into memory as numpy arrays, split into train and eval.
+"""The built-in data sets as sources of feature dicts, and the registry that `data.name` names.
 
-Every split carries a global example id (the row in the source file order, unique across train and
-eval) so that the pipeline's determinism and coverage can be checked example by example.
+Every builder takes the whole Config and returns the keyword arguments of `disttrain.train`:
+`{'train_data': source, 'eval_data': source or None}` -- exactly what a config file's own
+`get_data(config)` returns. The in-memory sets are dicts of numpy arrays
+({'image': float32 [N, ...], 'label': int32 [N]}, or {'tokens', 'targets': int32 [N, L]});
+array_record and tokens stream from files (disttrain.formats).
 """
 
-import dataclasses
 import gzip
 import os
 import sysconfig
@@ -12,89 +14,65 @@ import zlib
 
 import numpy as np
 
-from disttrain.config import DataConfig
+from disttrain import formats, records
+from disttrain.config import Config
 from disttrain.errors import DataError
 
-NUM_CLASSES = 10
 _DIGITS_EVAL = 297  # 1797 digits -> 1500 train
 _MNIST_EVAL = 2000  # the project's convention for the 10k t10k-only set: 8000 / 2000
 _SYNTHETIC_EVAL = 1024
 _TEXT_EVAL = 256  # windows
+_SYNTHETIC_CLASSES = 10
 _TEXT_VOCAB = 256  # byte-level tokens
 _TEXT_SUFFIXES = ('.py', '.txt', '.md', '.rst')
 _IMAGES_MAGIC = 0x00000803  # unsigned byte, 3 dimensions
 _LABELS_MAGIC = 0x00000801  # unsigned byte, 1 dimension
+_MNIST_CLASSES = 10
 
 
-@dataclasses.dataclass(frozen=True)
-class Split:
-  """One split: images (float32), labels (int32) and global example ids (int32)."""
-  image: np.ndarray
-  label: np.ndarray
-  id: np.ndarray
-
-  def __len__(self) -> int:
-    """Number of examples."""
-    return int(self.label.shape[0])
+def build(cfg: Config) -> dict:
+  """{'train_data', 'eval_data'} of the data set cfg.data.name names."""
+  if cfg.data.name not in SOURCES:
+    raise DataError(f'data.name={cfg.data.name!r} is not one of {tuple(SOURCES)}; pick one of '
+                    'them, or give the data from a config file (get_data) or from Python')
+  return SOURCES[cfg.data.name](cfg)
 
 
-@dataclasses.dataclass(frozen=True)
-class Dataset:
-  """A train and an eval split and the number of classes."""
-  train: Split
-  eval: Split
-  num_classes: int
+def _eval_examples(cfg: Config, default: int) -> int:
+  """cfg.data.eval_examples, or the source's default when it is -1."""
+  return default if cfg.data.eval_examples == -1 else cfg.data.eval_examples
 
 
-def load(cfg: DataConfig) -> Dataset:
-  """Loads the data set named by cfg.name."""
-  if cfg.name == 'digits':
-    return _digits(cfg)
-  if cfg.name == 'mnist':
-    return _mnist(cfg)
-  if cfg.name == 'synthetic':
-    return _synthetic(cfg)
-  if cfg.name == 'text':
-    return _text(cfg)
-  raise DataError(f"data.name={cfg.name!r} is unknown; use 'digits', 'mnist', 'synthetic' or "
-                  "'text'")
-
-
-def _split_tail(image, label, eval_examples: int, what: str) -> Dataset:
-  """Splits arrays in file order: the first N - eval_examples train, the last eval_examples eval."""
-  n = len(label)
+def _split_tail(arrays: dict, eval_examples: int, what: str) -> dict:
+  """First N - eval_examples rows train, the last eval_examples eval (file order)."""
+  n = len(next(iter(arrays.values())))
   if eval_examples >= n:
     raise DataError(f'data.eval_examples={eval_examples} leaves no training data in {what} '
                     f'({n} examples); pass --config.data.eval_examples=N with N < {n}')
-  ids = np.arange(n, dtype=np.int32)
   cut = n - eval_examples
-  return Dataset(train=Split(image[:cut], label[:cut], ids[:cut]),
-                 eval=Split(image[cut:], label[cut:], ids[cut:]), num_classes=NUM_CLASSES)
+  return {'train_data': {k: v[:cut] for k, v in arrays.items()},
+          'eval_data': {k: v[cut:] for k, v in arrays.items()} if eval_examples else None}
 
 
-def _eval_examples(cfg: DataConfig, default: int) -> int:
-  """cfg.eval_examples, or the source's default when it is -1."""
-  return default if cfg.eval_examples == -1 else cfg.eval_examples
-
-
-def _digits(cfg: DataConfig) -> Dataset:
+def _digits(cfg: Config) -> dict:
   """The 1797 real 8x8 scikit-learn digits, scaled from 0..16 to [0, 1]."""
   from sklearn import datasets  # pylint: disable=g-import-not-at-top  (slow import, digits only)
   raw = datasets.load_digits()
-  image = (raw.images.astype(np.float32) / 16.0)[..., None]
-  label = raw.target.astype(np.int32)
-  return _split_tail(image, label, _eval_examples(cfg, _DIGITS_EVAL), 'digits')
+  arrays = {'image': (raw.images.astype(np.float32) / 16.0)[..., None],
+            'label': raw.target.astype(np.int32)}
+  return _split_tail(arrays, _eval_examples(cfg, _DIGITS_EVAL), 'digits')
 
 
-def _synthetic(cfg: DataConfig) -> Dataset:
+def _synthetic(cfg: Config) -> dict:
   """Gaussian features labelled by a fixed random linear teacher, so the task is learnable."""
   # A fixed seed independent of the run seed: the data set is the same for every run.
   rng = np.random.default_rng(0)
-  n, f = cfg.synthetic_examples, cfg.synthetic_features
+  n, f = cfg.data.synthetic.examples, cfg.data.synthetic.features
   image = rng.standard_normal((n, f), dtype=np.float32)
-  teacher = rng.standard_normal((f, NUM_CLASSES), dtype=np.float32) / np.sqrt(f)
+  teacher = rng.standard_normal((f, _SYNTHETIC_CLASSES), dtype=np.float32) / np.sqrt(f)
   label = np.argmax(image @ teacher, axis=1).astype(np.int32)
-  return _split_tail(image, label, _eval_examples(cfg, _SYNTHETIC_EVAL), 'synthetic')
+  return _split_tail({'image': image, 'label': label}, _eval_examples(cfg, _SYNTHETIC_EVAL),
+                     'synthetic')
 
 
 def _find(folder: str, prefix: str, kind: str) -> str | None:
@@ -149,8 +127,8 @@ def _read_pair(folder: str, prefix: str) -> tuple[np.ndarray, np.ndarray] | None
   if len(images) != len(labels):
     raise DataError(f'{images_path} has {len(images)} images but {labels_path} has {len(labels)} '
                     'labels; the pair does not match, replace them with a matching pair')
-  if labels.size and labels.max() >= NUM_CLASSES:
-    raise DataError(f'{labels_path} has label {int(labels.max())} outside 0..{NUM_CLASSES - 1}; '
+  if labels.size and labels.max() >= _MNIST_CLASSES:
+    raise DataError(f'{labels_path} has label {int(labels.max())} outside 0..{_MNIST_CLASSES - 1}; '
                     'it is not an MNIST label file, replace it')
   # float32 in [0, 1] with a trailing channel axis, as the models expect.
   image = images.astype(np.float32)
@@ -158,9 +136,9 @@ def _read_pair(folder: str, prefix: str) -> tuple[np.ndarray, np.ndarray] | None
   return image[..., None], labels.astype(np.int32)
 
 
-def _mnist(cfg: DataConfig) -> Dataset:
+def _mnist(cfg: Config) -> dict:
   """MNIST IDX files: train/t10k pairs, or the t10k pair alone split by eval_examples."""
-  folder = cfg.dir
+  folder = cfg.data.dir
   if not os.path.isdir(folder):
     problem = 'is not a directory' if os.path.exists(folder) else 'does not exist'
     raise DataError(f'data.dir={folder!r} {problem}; pass --config.data.dir=PATH to a folder '
@@ -172,15 +150,13 @@ def _mnist(cfg: DataConfig) -> Dataset:
                     'and t10k-labels-idx1-ubyte[.gz] (and optionally the train-* pair) there')
   if train is None or test is None:
     image, label = train or test
-    return _split_tail(image, label, _eval_examples(cfg, _MNIST_EVAL), f'data.dir={folder!r}')
+    return _split_tail({'image': image, 'label': label}, _eval_examples(cfg, _MNIST_EVAL),
+                       f'data.dir={folder!r}')
   if train[0].shape[1:] != test[0].shape[1:]:
     raise DataError(f'data.dir={folder!r}: train images are {train[0].shape[1:3]} but t10k images '
                     f'are {test[0].shape[1:3]}; use matching MNIST files')
-  # Both pairs: the real train/test split; ids continue from the train rows into the t10k rows.
-  n = len(train[1])
-  ids = np.arange(n + len(test[1]), dtype=np.int32)
-  return Dataset(train=Split(train[0], train[1], ids[:n]), eval=Split(test[0], test[1], ids[n:]),
-                 num_classes=NUM_CLASSES)
+  return {'train_data': {'image': train[0], 'label': train[1]},
+          'eval_data': {'image': test[0], 'label': test[1]}}
 
 
 def text_files(folder: str) -> list[str]:
@@ -195,31 +171,77 @@ def text_files(folder: str) -> list[str]:
                 if n.endswith(_TEXT_SUFFIXES))
 
 
-def _text(cfg: DataConfig) -> Dataset:
-  """Byte-level language modelling: windows of seq_len + 1 bytes -> (tokens, next tokens)."""
+def text_bytes(folder: str, limit: int) -> np.ndarray:
+  """The first `limit` bytes of the text files (text_files order) as uint8 token ids."""
   chunks, size = [], 0
-  for path in text_files(cfg.dir):
+  for path in text_files(folder):
     with open(path, 'rb') as f:
-      chunks.append(f.read(cfg.text_bytes - size))
+      chunks.append(f.read(limit - size))
     size += len(chunks[-1])
-    if size >= cfg.text_bytes:
+    if size >= limit:
       break
-  ids = np.frombuffer(b''.join(chunks), np.uint8).astype(np.int32)
-  n = (len(ids) - 1) // cfg.seq_len
+  return np.frombuffer(b''.join(chunks), np.uint8)
+
+
+def _text(cfg: Config) -> dict:
+  """Byte-level language modelling: windows of seq_len + 1 bytes -> {'tokens', 'targets'}."""
+  ids = text_bytes(cfg.data.dir, cfg.data.text.bytes).astype(np.int32)
+  seq_len = cfg.data.seq_len
+  n = (len(ids) - 1) // seq_len
   eval_examples = _eval_examples(cfg, _TEXT_EVAL)
   if n <= eval_examples:
-    raise DataError(f'data.dir={cfg.dir!r} gives {len(ids)} bytes = {n} windows of data.seq_len='
-                    f'{cfg.seq_len}, not more than data.eval_examples={eval_examples}; use more '
-                    'text (data.text_bytes, data.dir) or shorter windows')
+    raise DataError(f'data.dir={cfg.data.dir!r} gives {len(ids)} bytes = {n} windows of '
+                    f'data.seq_len={seq_len}, not more than data.eval_examples={eval_examples}; '
+                    'use more text (data.text.bytes, data.dir) or shorter windows')
   # Window k = bytes [k L, (k + 1) L]: the targets are the inputs shifted by one byte.
-  starts = np.arange(n) * cfg.seq_len
-  tokens = ids[starts[:, None] + np.arange(cfg.seq_len + 1)]
-  dataset = _split_tail(tokens[:, :-1], tokens[:, 1:], eval_examples, 'the text')
-  return dataclasses.replace(dataset, num_classes=_TEXT_VOCAB)
+  starts = np.arange(n) * seq_len
+  windows = ids[starts[:, None] + np.arange(seq_len + 1)]
+  return _split_tail({'tokens': windows[:, :-1], 'targets': windows[:, 1:]}, eval_examples,
+                     'the text')
 
 
-def unigram_entropy(split: Split) -> float:
-  """Entropy (nats) of the split's target bytes: the loss of the best context-free model."""
-  counts = np.bincount(split.label.ravel(), minlength=_TEXT_VOCAB).astype(np.float64)
+def _files_split(cfg: Config, open_files) -> dict:
+  """Train from data.train_files; eval from data.eval_files, or the last eval_examples of train."""
+  train = open_files(cfg.data.train_files, 'data.train_files')
+  if cfg.data.eval_files:
+    return {'train_data': train, 'eval_data': open_files(cfg.data.eval_files, 'data.eval_files')}
+  held_out = _eval_examples(cfg, 0)
+  if held_out >= len(train):
+    raise DataError(f'data.eval_examples={held_out} leaves no training data in '
+                    f'data.train_files ({len(train)} examples); pass a smaller number or '
+                    'data.eval_files')
+  cut = len(train) - held_out
+  return {'train_data': records.Slice(train, 0, cut) if held_out else train,
+          'eval_data': records.Slice(train, cut, len(train)) if held_out else None}
+
+
+def _array_record(cfg: Config) -> dict:
+  """ArrayRecord shards of encoded feature dicts (disttrain.formats.write_array_record)."""
+  return _files_split(cfg, lambda patterns, field: formats.array_record_source(
+      formats.resolve_files(patterns, field)))
+
+
+def _tokens(cfg: Config) -> dict:
+  """Flat token files, windows of data.seq_len + 1 tokens; ids checked < model.vocab_size."""
+  return _files_split(cfg, lambda patterns, field: formats.TokenWindows(
+      formats.resolve_files(patterns, field), cfg.data.seq_len, cfg.data.tokens.dtype,
+      vocab_size=cfg.model.vocab_size))
+
+
+# data.name -> builder(config) -> {'train_data', 'eval_data'}. A plain dict: a config names its
+# data on the command line; anything else comes from a config file's get_data or from Python.
+SOURCES = {
+    'digits': _digits,  # scikit-learn's 1,797 real 8x8 digits (in memory)
+    'mnist': _mnist,  # IDX files in data.dir (in memory)
+    'synthetic': _synthetic,  # Gaussian features, linear teacher (benchmarks)
+    'text': _text,  # byte windows of text files (in memory)
+    'array_record': _array_record,  # ArrayRecord shards in data.train_files / eval_files
+    'tokens': _tokens,  # flat token files in data.train_files / eval_files
+}
+
+
+def unigram_entropy(targets: np.ndarray, vocab_size: int = _TEXT_VOCAB) -> float:
+  """Entropy (nats) of the target ids: the loss of the best context-free model."""
+  counts = np.bincount(np.asarray(targets).ravel(), minlength=vocab_size).astype(np.float64)
   p = counts[counts > 0] / counts.sum()
   return float(-(p * np.log(p)).sum())

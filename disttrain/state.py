@@ -37,10 +37,15 @@ class Layout:
   replicated: list[str]  # what fsdp left whole, and why
 
 
-def _init_fn(model, tx: optax.GradientTransformation, sample_batch: dict, seed: int):
+def _zeros(spec: dict) -> dict:
+  """A batch of zeros with the spec's shapes and dtypes (inside init: shapes are all it needs)."""
+  return {k: jnp.zeros(s.shape, s.dtype) for k, s in spec.items()}
+
+
+def _init_fn(model, tx: optax.GradientTransformation, spec: dict, seed: int):
   def init() -> TrainState:
     root = jax.random.key(seed)
-    variables = model.init(jax.random.fold_in(root, 0), sample_batch)
+    variables = model.init(jax.random.fold_in(root, 0), _zeros(spec))
     params = variables['params']
     mutable = {k: v for k, v in variables.items() if k != 'params'}
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
@@ -48,10 +53,13 @@ def _init_fn(model, tx: optax.GradientTransformation, sample_batch: dict, seed: 
   return init
 
 
-def layout(model, tx, sample_batch: dict, cfg: Config, mesh: Mesh) -> Layout:
-  """Shardings for every leaf of the state, derived from abstract shapes and the rules."""
-  abstract = jax.eval_shape(_init_fn(model, tx, sample_batch, cfg.seed))
-  logical = model.logical_specs(sample_batch)
+def layout(model, tx, spec: dict, cfg: Config, mesh: Mesh) -> Layout:
+  """Shardings for every leaf of the state, derived from abstract shapes and the rules.
+
+  `spec`: a one-example batch as jax.ShapeDtypeStructs (disttrain.data.element_spec).
+  """
+  abstract = jax.eval_shape(_init_fn(model, tx, spec, cfg.seed))
+  logical = model.logical_specs(spec)
   param_specs, replicated = sharding_lib.specs_for(
       abstract.params, cfg, mesh, logical=logical.get('params') if logical else None)
   mutable_specs, _ = sharding_lib.specs_for(abstract.mutable, cfg, mesh)
@@ -85,15 +93,16 @@ def _follow_params(opt_state, params, param_shardings, replicate: NamedSharding)
   return jax.tree_util.tree_map_with_path(follow, opt_state)
 
 
-def create(model, tx, sample_batch: dict, cfg: Config, mesh: Mesh) -> tuple[TrainState, Layout]:
+def create(model, tx, spec: dict, cfg: Config, mesh: Mesh) -> tuple[TrainState, Layout]:
   """A fresh state, each leaf created on its devices with its sharding."""
-  lay = layout(model, tx, sample_batch, cfg, mesh)
+  lay = layout(model, tx, spec, cfg, mesh)
   sharding_lib.log_replicated(lay.replicated)
-  state = jax.jit(_init_fn(model, tx, sample_batch, cfg.seed), out_shardings=lay.shardings)()
+  state = jax.jit(_init_fn(model, tx, spec, cfg.seed), out_shardings=lay.shardings)()
   return state, lay
 
 
-def sample_batch(example_shape: tuple[int, ...], dtype=jnp.float32) -> dict:
-  """A one-example batch of zeros: enough for init to infer parameter shapes."""
-  return {'image': jnp.zeros((1,) + tuple(example_shape), dtype),
-          'label': jnp.zeros((1,), jnp.int32), 'mask': jnp.ones((1,), jnp.float32)}
+def abstract(lay: Layout, model, tx, spec: dict, seed: int) -> TrainState:
+  """The state's ShapeDtypeStructs with their shardings, without creating anything."""
+  shapes = jax.eval_shape(_init_fn(model, tx, spec, seed))
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, lay.shardings)

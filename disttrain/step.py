@@ -1,78 +1,190 @@
-"""Pure train/eval steps and the three ways of running them on a mesh.
+"""The pure pieces of a train step: loss and gradients (with micro-batches and a precision policy),
+the optimizer update, eval sums, and the StepContext that custom steps recombine.
 
-One computation, three thin styles:
-  jit        GSPMD: the step is written for the global batch; XLA inserts the collectives.
-  shard_map  each device computes loss x mask sums and gradients of its rows; explicit psum over
-             the batch axes ('data', 'fsdp'); the optimizer update then runs sharded (GSPMD).
-  pmap       legacy data parallelism: state replicated with a leading device axis.
-
-Losses are sum(loss x mask) / global count, so every style gives the global-batch mean. Dropout
-keys: jit uses fold_in(rng, step) for the whole global batch (GSPMD's partitionable threefry makes
-the mask independent of the layout); shard_map and pmap use fold_in(fold_in(rng, step), d) with d
-the device's linear index along the batch axes, so their masks depend on the layout.
+Losses are sum(loss x mask) / global count, so every style and every micro-batch split gives the
+global-batch mean. Dropout keys: fold_in(rng, step) for the whole global batch (jit style; threefry
+is partitionable, so the mask does not depend on the layout), folded with the micro-batch index
+under gradient accumulation, and with the device index in shard_map/pmap (disttrain/spmd.py,
+disttrain/pmap.py build the compiled steps from these pieces).
 """
 
-import collections
 import dataclasses
-import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from disttrain.config import BATCH_AXES, Config
 from disttrain.errors import ConfigError
-from disttrain.state import Layout, TrainState
+from disttrain.records import MASK
+from disttrain.state import TrainState
 
 Metrics = dict[str, jax.Array]
 
 
-def _dropout_key(state: TrainState) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """Static options of one compiled train step; each distinct Variant compiles once.
+
+  metrics: every metric (the task's, 'count', 'grad_norm') or the loss alone (quiet steps).
+  steps: optimizer steps per call (lax.scan over K stacked batches [K, B, ...]).
+  full_batch: divide by the static global batch size (batches without padding, as the train
+    iterator yields) instead of the summed mask, so no cross-device sum of the mask has to
+    finish before the backward pass.
+  """
+  metrics: bool = True
+  steps: int = 1
+  full_batch: bool = False
+
+  @property
+  def name(self) -> str:
+    """'logged', 'quiet', 'masked' (+ '_xK'): the key in run.json's `compiled`."""
+    kind = 'masked' if not self.full_batch else ('logged' if self.metrics else 'quiet')
+    return kind + (f'_x{self.steps}' if self.steps > 1 else '')
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Mixed precision at the step's edge: float parameters and float inputs are cast to
+  `compute_dtype` inside the differentiated function, so the forward and backward passes run in
+  it while the parameters, optimizer state and gradients stay float32."""
+  compute_dtype: Any = jnp.float32
+
+  def cast(self, tree: Any) -> Any:
+    """Floating leaves in compute_dtype (a no-op in float32)."""
+    if jnp.dtype(self.compute_dtype) == jnp.float32:
+      return tree
+    return jax.tree.map(lambda x: x.astype(self.compute_dtype)
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+  def cast_batch(self, batch: dict) -> dict:
+    """The data's floating fields in compute_dtype; the mask stays float32."""
+    return {k: v if k == MASK else self.cast(v) for k, v in batch.items()}
+
+
+def dropout_key(state: TrainState) -> jax.Array:
+  """fold_in(rng, step): the same for every layout."""
   return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
 
-def _grads(model, task, params, mutable, batch, rng, count, model_loss_share=1.0,
-           all_metrics=True):
+def _like(new: Any, old: Any) -> Any:
+  """New mutable collections in the stored dtypes (a bf16 forward must not change them)."""
+  return jax.tree.map(lambda n, o: n.astype(o.dtype), new, old)
+
+
+def _grads(model, task, params, mutable, batch, rng, count, policy: Policy,
+           model_loss_share: float = 1.0, all_metrics: bool = True):
   """Gradient of sum(loss x mask) / count + model loss, the masked sums, and new collections.
 
-  `model_loss_share` is 1 / (number of devices the batch is split over) in shard_map/pmap, where
-  each device's model loss (a mean over its rows) enters once per device and the psum averages.
-  `all_metrics=False` sums only the loss (the task's other metrics are then never computed).
-  `count` is the global number of valid examples: a cross-device sum of the mask, or in the quiet
-  steps the static global batch size (see `Step`).
+  `model_loss_share` is 1 / (number of calls the global batch is split into: devices in
+  shard_map/pmap, micro-batches): each call's model loss (a mean over its rows) enters once per
+  call and the sum averages. `all_metrics=False` sums only the loss. `count` is the global number
+  of valid examples: a cross-device sum of the mask, or the static global batch size.
   """
   def loss_fn(params):
-    outputs, new_mutable, model_loss = model.apply({'params': params, **mutable}, batch,
-                                                   train=True, rng=rng)
+    outputs, new_mutable, model_loss = model.apply(
+        {'params': policy.cast(params), **mutable}, policy.cast_batch(batch), train=True, rng=rng)
     per_example = task.per_example(outputs, batch)
     if not all_metrics:
       per_example = {'loss': per_example['loss']}
-    sums = {k: jnp.sum(v * batch['mask']) for k, v in per_example.items()}
-    model_loss = model_loss * model_loss_share
+    sums = {k: jnp.sum(v.astype(jnp.float32) * batch[MASK]) for k, v in per_example.items()}
+    model_loss = jnp.asarray(model_loss, jnp.float32) * model_loss_share
     # Reported 'loss' includes the model loss (times count, since records divide by count).
     sums['loss'] = sums['loss'] + model_loss * count
     return sums['loss'] / count, (sums, new_mutable)
-  (_, (sums, new_mutable)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-  return grads, sums, new_mutable
+  with jax.named_scope('loss_and_grads'):
+    (_, (sums, new_mutable)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  return grads, sums, _like(new_mutable, mutable)
 
 
-def _update(tx, state: TrainState, grads, sums, count, new_mutable,
-            all_metrics: bool = True) -> tuple[TrainState, Metrics]:
+def micro_batches(batch: dict, m: int) -> dict:
+  """[B, ...] -> [M, B / M, ...], micro-batch i = rows i, i + M, i + 2M, ...
+
+  Every device then holds an equal share of every micro-batch (its rows of the global batch are
+  one block; reshaping that block puts B / (M devices) of them in each micro-batch), so slicing a
+  micro-batch never moves data between devices, in jit and in shard_map alike.
+  """
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape((x.shape[0] // m, m) + x.shape[1:]), 0, 1),
+                      batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+  """fsdp under gradient accumulation (jit style): the parameters are made whole once, before
+  the micro-batch loop, so the loop body gathers none; the gradient accumulator keeps the
+  parameters' own (split) layout, so it costs no more memory than they do."""
+  whole: Any  # NamedSharding per parameter, without the fsdp axis
+  split: Any  # NamedSharding per parameter, as stored
+
+
+def accumulated_grads(model, task, params, mutable, batch, rng, count, policy: Policy,
+                      m: int = 1, model_loss_share: float = 1.0, all_metrics: bool = True,
+                      gather: Gather | None = None):
+  """`_grads` of the global batch as the sum over M micro-batches, one after another (lax.scan).
+
+  Gradients and sums accumulate in float32; dropout keys are fold_in(rng, i) for micro-batch i;
+  mutable collections (BatchNorm statistics) are updated by each micro-batch in turn.
+  """
+  if m == 1:
+    return _grads(model, task, params, mutable, batch, rng, count, policy, model_loss_share,
+                  all_metrics)
+  share = model_loss_share / m
+  # Cast (then gather) once: d loss / d params equals the float32 cast of d loss / d cast(params).
+  compute_params = policy.cast(params)
+  if gather is not None:
+    compute_params = jax.lax.with_sharding_constraint(compute_params, gather.whole)
+  identity = Policy(jnp.float32)
+
+  def body(carry, xs):
+    grads, sums, mutable = carry
+    batch_i, i = xs
+    g, s, mutable = _grads(model, task, compute_params, mutable, batch_i,
+                           jax.random.fold_in(rng, i), count, identity, share, all_metrics)
+    add = lambda a, b: a + b.astype(jnp.float32)
+    grads = jax.tree.map(add, grads, g)
+    if gather is not None:
+      grads = jax.lax.with_sharding_constraint(grads, gather.split)
+    return (grads, jax.tree.map(add, sums, s), mutable), None
+
+  micro = micro_batches(policy.cast_batch(batch), m)
+  first = jax.tree.map(lambda x: x[0], micro)
+  shapes = jax.eval_shape(lambda: _grads(model, task, compute_params, mutable, first, rng, count,
+                                         identity, share, all_metrics))
+  zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
+  with jax.named_scope('micro_batches'):
+    (grads, sums, mutable), _ = jax.lax.scan(
+        body, (zeros(shapes[0]), zeros(shapes[1]), mutable), (micro, jnp.arange(m)))
+  return grads, sums, mutable
+
+
+def update(tx, state: TrainState, grads, sums, count, new_mutable,
+           all_metrics: bool = True) -> tuple[TrainState, Metrics]:
   """One optimizer step; metrics = sums / count, plus count and grad_norm if `all_metrics`.
 
-  A global norm is one more pass over every gradient (measured 6-9 % of a small MLP's CPU step,
-  and as a lax.cond on logged steps still ~4 %), so only the logged steps' variant computes it.
+  A global norm is one more pass over every gradient, so only the logged steps' variant
+  computes it (README, Performance).
   """
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                            opt_state=opt_state, mutable=new_mutable)
+  with jax.named_scope('optimizer_update'):
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new_state = state.replace(step=state.step + 1,
+                              params=optax.apply_updates(state.params, updates),
+                              opt_state=opt_state, mutable=new_mutable)
   metrics = {k: v / count for k, v in sums.items()}
   if all_metrics:
     metrics.update(count=count, grad_norm=optax.tree.norm(grads))
   return new_state, metrics
+
+
+def eval_sums(model, task, state: TrainState, batch: dict, policy: Policy) -> Metrics:
+  """Masked sums of the task's per-example values over an eval batch, with 'count'."""
+  outputs, _, model_loss = model.apply({'params': policy.cast(state.params), **state.mutable},
+                                       policy.cast_batch(batch), train=False, rng=None)
+  sums = {k: jnp.sum(v.astype(jnp.float32) * batch[MASK])
+          for k, v in task.per_example(outputs, batch).items()}
+  sums['count'] = jnp.sum(batch[MASK])
+  if 'loss' in sums:
+    sums['loss'] = sums['loss'] + jnp.asarray(model_loss, jnp.float32) * sums['count']
+  return sums
 
 
 @jax.jit
@@ -83,241 +195,84 @@ def params_finite(params: Any) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-  """What a user-supplied train step gets: the framework's own pieces of the default step.
+  """What a user-supplied train or eval step gets: the framework's own pieces of its steps.
 
-  The default step is `apply_gradients(state, *loss_and_grads(state, batch))`; a custom one
-  (two optimizers, GAN-style alternation, ...) recombines these and keeps sharding, data,
-  checkpoints and logging. It must return (new state, metrics) with a scalar 'loss'.
+  The default train step is `apply_gradients(state, *loss_and_grads(state, batch))`; a custom
+  one (two optimizers, GAN-style alternation, ...) recombines these and keeps sharding, data,
+  precision, gradient accumulation, checkpoints and logging. It must return (new state, metrics)
+  with a scalar 'loss'. A custom eval step returns masked sums over the batch (see eval_sums).
   """
   model: Any
   task: Any
   tx: optax.GradientTransformation
+  policy: Policy = Policy()
+  micro_batches: int = 1
+  gather: Gather | None = None
 
   def dropout_key(self, state: TrainState) -> jax.Array:
     """fold_in(rng, step): the same for every layout."""
-    return _dropout_key(state)
+    return dropout_key(state)
 
   def loss_and_grads(self, state: TrainState, batch: dict, params: Any = None):
     """(grads, masked sums, global valid count, new mutable) of the global-batch mean loss."""
-    count = jnp.sum(batch['mask'])
-    grads, sums, new_mutable = _grads(self.model, self.task,
-                                      state.params if params is None else params, state.mutable,
-                                      batch, _dropout_key(state), count)
+    count = jnp.sum(batch[MASK])
+    grads, sums, new_mutable = accumulated_grads(
+        self.model, self.task, state.params if params is None else params, state.mutable, batch,
+        dropout_key(state), count, self.policy, self.micro_batches, gather=self.gather)
     return grads, sums, count, new_mutable
 
   def apply_gradients(self, state: TrainState, grads, sums, count, new_mutable):
     """One optimizer update with `tx`; metrics = sums / count, count, grad_norm."""
-    return _update(self.tx, state, grads, sums, count, new_mutable)
+    return update(self.tx, state, grads, sums, count, new_mutable)
+
+  def outputs(self, state: TrainState, batch: dict) -> Any:
+    """The model's outputs in eval mode (the precision policy applied)."""
+    outputs, _, _ = self.model.apply({'params': self.policy.cast(state.params), **state.mutable},
+                                     self.policy.cast_batch(batch), train=False, rng=None)
+    return outputs
+
+  def eval_sums(self, state: TrainState, batch: dict) -> Metrics:
+    """The default eval step's masked sums (the task's values, 'loss', 'count')."""
+    return eval_sums(self.model, self.task, state, batch, self.policy)
+
+  @staticmethod
+  def masked_sum(values_B: jax.Array, batch: dict) -> jax.Array:
+    """sum(values x mask) over the batch: padding rows count for nothing."""
+    return jnp.sum(values_B.astype(jnp.float32) * batch[MASK])
 
 
-@dataclasses.dataclass
-class Step:
-  """Compiled train/eval steps for one style, plus conversions to the style's state form.
-
-  Variants of the train step, each compiled on first use:
-  - `train` returns every metric (the task's, 'count', 'grad_norm') and normalises by the global
-    count of valid rows, a sum of the mask over the batch: the one to call on any batch,
-    padded or not.
-  - The loop's variants are for full batches (every mask 1), which is what its train iterator
-    yields: they normalise by the static global batch size, so no cross-device sum of the mask
-    has to finish before the backward pass (measured ~7 % of the seed-000 MLP's step on 8 CPU
-    devices). `train_logged` returns every metric and runs on the steps that end a train record;
-    `train_quiet` returns only 'loss' and runs on the steps in between: no global norm (~7 % of
-    that step on CPU, ~4 % even as a lax.cond) and no accuracy reductions (~2 %).
-  """
-  train: Callable[[Any, dict], tuple[Any, Metrics]]  # (device state, batch) -> (state, metrics)
-  train_logged: Callable[[Any, dict], tuple[Any, Metrics]]  # full batches; every metric
-  train_quiet: Callable[[Any, dict], tuple[Any, Metrics]]  # full batches; metrics: 'loss' only
-  evaluate: Callable[[TrainState, dict], Metrics]  # (state, batch) -> sums incl. 'count'
-  grads: Callable[[Any, dict], Any]  # (device state, batch) -> global-batch gradients
-  # (state, K stacked full batches [K, B, ...]) -> (state, metrics): K steps in one compiled
-  # call, as Keras' steps_per_execution. Metrics: 'loss' as [K]; train_many's other metrics are
-  # scalars of its last step (which ends a record). None in pmap style.
-  train_many: Callable[[Any, dict], tuple[Any, Metrics]] | None
-  train_many_quiet: Callable[[Any, dict], tuple[Any, Metrics]] | None
-  place: Callable[[TrainState], Any]  # canonical state -> the style's device state
-  export: Callable[[Any], TrainState]  # the style's device state -> canonical state
-  traces: collections.Counter  # variant -> how often it was traced (each must compile once)
-
-  @property
-  def trace_count(self) -> int:
-    """The most traces of any one train variant: 1 when every variant used compiled once."""
-    return max(self.traces.values(), default=0)
-
-  def for_call(self, logged: bool, steps_per_call: int) -> Callable:
-    """The loop's variant for one call (full batches): all metrics if it ends a train record."""
-    if steps_per_call == 1:
-      return self.train_logged if logged else self.train_quiet
-    return self.train_many if logged else self.train_many_quiet
-
-
-def build(model, task, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh, lay: Layout,
-          batch_sharding: NamedSharding, train_step: Callable | None = None) -> Step:
-  """The train and eval steps of `cfg.step_mode`, jitted with shardings and donation.
-
-  `train_step(ctx: StepContext, state, batch) -> (state, metrics)` replaces the default update
-  (jit style only: it is written for the global batch); its metrics are reported every step.
-  """
-  traces = collections.Counter()
-  replicated = NamedSharding(mesh, P())
-
-  def eval_fn(state: TrainState, batch: dict) -> Metrics:
-    outputs, _, model_loss = model.apply({'params': state.params, **state.mutable}, batch,
-                                         train=False, rng=None)
-    sums = {k: jnp.sum(v * batch['mask']) for k, v in task.per_example(outputs, batch).items()}
-    sums['count'] = jnp.sum(batch['mask'])
-    sums['loss'] = sums['loss'] + model_loss * sums['count']
-    return sums
-
-  evaluate = jax.jit(eval_fn, in_shardings=(lay.shardings, batch_sharding),
-                     out_shardings=replicated)
-  if cfg.step_mode == 'pmap':
-    return _pmap_step(model, task, tx, mesh, lay, traces, evaluate, batch_sharding,
-                      np.float32(cfg.global_batch_size))
-
-  context = StepContext(model=model, task=task, tx=tx)
-  full_count = np.float32(cfg.global_batch_size)  # a literal in the compiled step
-  if cfg.step_mode == 'jit':
-    def grads_fn(state: TrainState, batch: dict, all_metrics: bool = True,
-                 full_batch: bool = False):
-      count = full_count if full_batch else jnp.sum(batch['mask'])
-      grads, sums, new_mutable = _grads(model, task, state.params, state.mutable, batch,
-                                        _dropout_key(state), count, all_metrics=all_metrics)
-      return grads, sums, count, new_mutable
-  else:  # shard_map
-    local_model = _with_batch_axes(model, BATCH_AXES, state_mutable=lay.shardings.mutable)
-    batch_ways = mesh.shape['data'] * mesh.shape['fsdp']
-
-    def local_grads(params, mutable, batch, key, all_metrics, full_batch):
-      count = full_count if full_batch else jax.lax.psum(jnp.sum(batch['mask']), BATCH_AXES)
-      key = jax.random.fold_in(key, jax.lax.axis_index(BATCH_AXES))
-      grads, sums, new_mutable = _grads(local_model, task, params, mutable, batch, key, count,
-                                        1.0 / batch_ways, all_metrics)
-      # Each device holds d(its loss x mask sum / global count); their sum is the global gradient.
-      return jax.lax.psum(grads, BATCH_AXES), jax.lax.psum(sums, BATCH_AXES), count, new_mutable
-
-    def grads_fn(state: TrainState, batch: dict, all_metrics: bool = True,
-                 full_batch: bool = False):
-      # Parameters enter replicated (gathered from fsdp shards by XLA); check_vma=False because
-      # the psums above are written out explicitly rather than implied by varying-axis types.
-      sharded = jax.shard_map(functools.partial(local_grads, all_metrics=all_metrics,
-                                                full_batch=full_batch), mesh=mesh,
-                              in_specs=(P(), P(), P(BATCH_AXES), P()),
-                              out_specs=(P(), P(), P(), P()), check_vma=False)
-      return sharded(state.params, state.mutable, batch, _dropout_key(state))
-
-  def one_step(state, batch, all_metrics=True, full_batch=False):
-    return _update(tx, state, *grads_fn(state, batch, all_metrics, full_batch), all_metrics)
-
-  if train_step is not None:
-    if cfg.step_mode != 'jit':
-      raise ConfigError(f'a custom train_step is written for the global batch and runs with '
-                        f'step_mode=jit, not {cfg.step_mode}; pass --config.step_mode=jit')
-    one_step = lambda state, batch, all_metrics=True, full_batch=False: _with_defaults(
-        *train_step(context, state, batch), batch)
-
-  def compiled(name: str, fn: Callable, many: bool) -> Callable:
-    def counted(state, batch):
-      traces[name] += 1
-      return fn(state, batch)
-    return jax.jit(counted, in_shardings=(lay.shardings, stacked if many else batch_sharding),
-                   out_shardings=(lay.shardings, replicated), donate_argnums=0)
-
-  def many(state, batches, all_metrics):
-    quiet = lambda s, b: one_step(s, b, all_metrics=False, full_batch=True)
-    if not all_metrics:
-      return jax.lax.scan(quiet, state, batches)
-    # K-1 quiet steps, then the step that ends the record with every metric.
-    state, first = jax.lax.scan(quiet, state, jax.tree.map(lambda x: x[:-1], batches))
-    state, last = one_step(state, jax.tree.map(lambda x: x[-1], batches), full_batch=True)
-    metrics = dict(last)
-    for key in first:
-      metrics[key] = jnp.concatenate([first[key], last[key][None]])
-    return state, metrics
-
-  stacked = NamedSharding(mesh, P(None, BATCH_AXES))
-  custom = train_step is not None  # one variant: the user's step reports what it reports
-  train = compiled('train', one_step, many=False)
-  train_many = compiled('train_many', functools.partial(many, all_metrics=True), many=True)
-  grads = jax.jit(lambda state, batch: grads_fn(state, batch)[0],
-                  in_shardings=(lay.shardings, batch_sharding), out_shardings=lay.shardings.params)
-  return Step(
-      train=train,
-      train_logged=train if custom else compiled(
-          'train_logged', functools.partial(one_step, full_batch=True), many=False),
-      train_quiet=train if custom else compiled(
-          'train_quiet', functools.partial(one_step, all_metrics=False, full_batch=True),
-          many=False),
-      evaluate=evaluate, grads=grads, train_many=train_many,
-      train_many_quiet=train_many if custom else compiled(
-          'train_many_quiet', functools.partial(many, all_metrics=False), many=True),
-      place=lambda state: state, export=lambda state: state, traces=traces)
-
-
-def _with_defaults(state: TrainState, metrics: Metrics, batch: dict):
+def with_defaults(state: TrainState, metrics: Metrics, batch: dict):
   """A custom step's metrics, completed with what logging and the NaN guard read."""
   if 'loss' not in metrics:
     raise ConfigError(f'the custom train_step returned metrics {sorted(metrics)} without a '
                       "scalar 'loss'; return (state, {'loss': ..., ...})")
   metrics = dict(metrics)
-  metrics.setdefault('count', jnp.sum(batch['mask']))
+  metrics.setdefault('count', jnp.sum(batch[MASK]))
   return state, metrics
 
 
-def _with_batch_axes(model, axes, state_mutable):
+def with_count(sums: Metrics, batch: dict) -> Metrics:
+  """A custom eval step's sums, with the batch's valid count unless it gave its own."""
+  if not isinstance(sums, dict):
+    raise ConfigError(f'the custom eval_step returned {type(sums).__name__}; return a dict of '
+                      'masked sums over the batch, e.g. {"top5": ctx.masked_sum(correct, batch)}')
+  return {'count': jnp.sum(batch[MASK]), **sums}
+
+
+def with_batch_axes(model, axes, state_mutable):
   """The model with cross-device BatchNorm statistics; refuses silent per-device statistics."""
   if jax.tree.leaves(state_mutable):
     model.check_batch_axes({'params': None, **{k: None for k in state_mutable}})
   return model.with_batch_axes(axes)
 
 
-def _pmap_step(model, task, tx, mesh: Mesh, lay: Layout, traces: collections.Counter, evaluate,
-               batch_sharding: NamedSharding, full_count: np.float32) -> Step:
-  """Legacy pmap data parallelism over every device of the mesh (fsdp = tensor = 1).
-
-  pmap is jit(shard_map) in this JAX, so each step is one jitted call around the pmapped
-  function that splits the global batch into [n, B/n, ...] inside it (one dispatch per step
-  instead of three: split, pmap, metrics).
-  """
-  devices = list(mesh.devices.flat)
-  n = len(devices)
-  local_model = _with_batch_axes(model, 'batch', state_mutable=lay.shardings.mutable)
-  # pmap returns arrays sharded over a mesh named after its axis; placing inputs on that same
-  # mesh keeps the second call from compiling again.
-  pmap_mesh = jax.make_mesh((n,), ('batch',), axis_types=(AxisType.Auto,), devices=devices)
-  stacked = NamedSharding(pmap_mesh, P('batch'))
-  split = lambda b: jax.tree.map(lambda x: x.reshape((n, -1) + x.shape[1:]), b)
-  first = lambda tree: jax.tree.map(lambda x: x[0], tree)
-
-  def local_grads(state: TrainState, batch: dict, all_metrics: bool = True,
-                  full_batch: bool = False):
-    count = full_count if full_batch else jax.lax.psum(jnp.sum(batch['mask']), 'batch')
-    key = jax.random.fold_in(_dropout_key(state), jax.lax.axis_index('batch'))
-    grads, sums, new_mutable = _grads(local_model, task, state.params, state.mutable, batch, key,
-                                      count, 1.0 / n, all_metrics)
-    return jax.lax.psum(grads, 'batch'), jax.lax.psum(sums, 'batch'), count, new_mutable
-
-  def variant(name: str, all_metrics: bool, full_batch: bool) -> Callable:
-    def local_step(state: TrainState, batch: dict):
-      return _update(tx, state, *local_grads(state, batch, all_metrics, full_batch), all_metrics)
-    # Metrics are psums, equal on every device: unmapped outputs (out_axes None), so no
-    # device-0 slice and no broadcast of it back to every device.
-    pmapped = jax.pmap(local_step, axis_name='batch', devices=devices, out_axes=(0, None))
-
-    def step(state, batch):
-      traces[name] += 1
-      return pmapped(state, split(batch))
-    return jax.jit(step, in_shardings=(stacked, batch_sharding),
-                   out_shardings=(stacked, NamedSharding(mesh, P())), donate_argnums=0)
-
-  pmapped_grads = jax.pmap(lambda s, b: local_grads(s, b)[0], axis_name='batch', devices=devices)
-  grads = jax.jit(lambda s, b: first(pmapped_grads(s, split(b))),
-                  in_shardings=(stacked, batch_sharding))
-  place = jax.jit(lambda s: jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), s),
-                  out_shardings=stacked)
-  export = jax.jit(first, out_shardings=lay.shardings)
-  return Step(train=variant('train', True, False),
-              train_logged=variant('train_logged', True, True),
-              train_quiet=variant('train_quiet', False, True),
-              evaluate=evaluate, grads=grads, train_many=None, train_many_quiet=None,
-              place=place, export=export, traces=traces)
+def per_device_grads(ctx: StepContext, params, mutable, batch, key, count, axes, ways: int,
+                     all_metrics: bool):
+  """shard_map/pmap: this device's share of the gradient, summed over `axes` once (after any
+  micro-batch loop). Dropout keys are folded with the device's index along `axes`."""
+  key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+  grads, sums, new_mutable = accumulated_grads(ctx.model, ctx.task, params, mutable, batch, key,
+                                               count, ctx.policy, ctx.micro_batches, 1.0 / ways,
+                                               all_metrics)
+  # Each device holds d(its loss x mask sum / global count); their sum is the global gradient.
+  return jax.lax.psum(grads, axes), jax.lax.psum(sums, axes), new_mutable

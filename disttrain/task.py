@@ -13,17 +13,23 @@ import jax.numpy as jnp
 import optax
 
 
+@dataclasses.dataclass(frozen=True)
 class Classification:
-  """Softmax cross-entropy on integer labels; accuracy.
+  """Softmax cross-entropy on integer targets read from batch[label_key]; accuracy.
 
-  Labels are [B] (one class per example) or [B, T, ...] (one per token, e.g. next-character
+  Targets are [B] (one class per example) or [B, T, ...] (one per token, e.g. next-token
   targets): per-token values are averaged over each example's tokens, so with equal-length
-  windows the global mean over examples is also the exact mean over tokens.
+  windows the global mean over examples is also the exact mean over tokens. The loss is computed
+  in float32 whatever the logits' dtype. A target outside 0..classes-1 makes the loss NaN (a
+  gather would silently clamp it), so the run's NaN guard stops at that step.
   """
+  label_key: str = 'label'
 
   def per_example(self, logits_BxC: jax.Array, batch: dict) -> dict[str, jax.Array]:
-    labels = batch['label']
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxC.astype(jnp.float32), labels)
+    labels = batch[self.label_key]
+    logits_BxC = logits_BxC.astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxC, labels)
+    loss = jnp.where((labels >= 0) & (labels < logits_BxC.shape[-1]), loss, jnp.nan)
     correct = (jnp.argmax(logits_BxC, axis=-1) == labels).astype(jnp.float32)
     return {'loss': _mean_per_example(loss), 'accuracy': _mean_per_example(correct)}
 

@@ -1,11 +1,15 @@
 """Train a config: python launch/train.py --config=launch/configs/mnist_mlp.py --workdir=DIR.
 
 Flags: --fake_devices=N gives N CPU devices; --config.<field>=<value> overrides any config field.
+Besides get_config(), a config file may define get_data(config), get_model(config),
+get_task(config) and get_callbacks(config) (HOOKS): they give train() its data, model, task and
+callbacks, so the launcher trains a user's own objects without editing disttrain.
 Bad input (config, flags, data) exits with status 2 and one line naming the value and the fix.
 """
 
 import os
 import re
+import runpy
 import sys
 from typing import NoReturn
 
@@ -40,6 +44,9 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     'declared dead and the job stops.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
+# Config-file function -> the disttrain.train keyword it provides (get_data returns a dict of
+# train_data / eval_data).
+HOOKS = {'get_data': None, 'get_model': 'model', 'get_task': 'task', 'get_callbacks': 'callbacks'}
 _EXAMPLE_CONFIG = 'launch/configs/mnist_mlp.py'
 # A config override as config_flags finds it: --config.a.b=1, -config.a.b 1, --noconfig.flag.
 _OVERRIDE = re.compile(r'^-{1,2}(?:no)?config\.([^=]+)')
@@ -61,12 +68,32 @@ def main(argv):
       distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                              init_timeout=_INIT_TIMEOUT.value,
                              heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
-    disttrain.train(cfg, _WORKDIR.value)
-  except disttrain.Preempted as e:
+    disttrain.train(cfg, _WORKDIR.value, **_hook_objects(cfg))
+  except disttrain.Preempted as e:  # also Interrupted (Ctrl-C)
     print(e, flush=True)
-    sys.exit(e.exit_code)  # 75: a checkpoint was saved; relaunch to resume
+    sys.exit(e.exit_code)  # 75 (SIGTERM) or 130 (Ctrl-C): a checkpoint was saved; relaunch
   except disttrain.DisttrainError as e:
     _fail(f'{type(e).__name__}: {e}')
+
+
+def _hook_objects(cfg) -> dict:
+  """train() keywords from the config file's get_data / get_model / get_task / get_callbacks."""
+  path = _config_path(sys.argv).split(':', 1)[0]
+  module = runpy.run_path(path)
+  kwargs = {}
+  for name, keyword in HOOKS.items():
+    if not callable(module.get(name)):
+      continue
+    value = module[name](cfg)
+    if keyword is not None:
+      kwargs[keyword] = value
+    elif not (isinstance(value, dict) and set(value) <= {'train_data', 'eval_data'}
+              and 'train_data' in value):
+      _fail(f'--config={path!r}: get_data(config) returned {type(value).__name__}; return '
+            "{'train_data': source, 'eval_data': source, {name: source} or None}")
+    else:
+      kwargs.update(value)
+  return kwargs
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -23,24 +23,23 @@ EVAL_EXAMPLES = 325  # digits: 1797 - 325 = 1472 = 23 x 64 train (no remainder);
 EPOCHS = 2
 
 
-class _RecordingIds(np.ndarray):
-  """An id array that logs every fancy-index gather: exactly the ids this process reads."""
+class _RecordingSource:
+  """A random-access source over arrays that logs the indices of every batched read: exactly
+  the examples this process reads (grain's reader thread reads one batch per call)."""
 
-  def __array_finalize__(self, obj):
-    self.reads = getattr(obj, 'reads', None)
+  def __init__(self, arrays: dict):
+    self.arrays, self.reads = arrays, []
 
-  def __getitem__(self, index):
-    out = np.asarray(super().__getitem__(index))
-    if isinstance(index, np.ndarray) and self.reads is not None:
-      self.reads.append(out.copy())
-    return out
+  def __len__(self) -> int:
+    return len(self.arrays['label'])
 
+  def __getitem__(self, index: int) -> dict:
+    self.reads.append([int(index)])
+    return {k: v[index] for k, v in self.arrays.items()}
 
-def _recording(split):
-  from disttrain import sources  # pylint: disable=g-import-not-at-top
-  ids = split.id.view(_RecordingIds)
-  ids.reads = []
-  return sources.Split(split.image, split.label, ids), ids.reads
+  def __getitems__(self, indices: list) -> list:
+    self.reads.append([int(i) for i in indices])
+    return [{k: v[i] for k, v in self.arrays.items()} for i in indices]
 
 
 def _held(array) -> dict[tuple[int, int], np.ndarray]:
@@ -80,46 +79,55 @@ def main():
   from disttrain import config as config_lib  # pylint: disable=g-import-not-at-top
   from disttrain import data, distributed, sources  # pylint: disable=g-import-not-at-top
   from disttrain import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.records import ID, MASK, Records  # pylint: disable=g-import-not-at-top
 
   distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
                          init_timeout=120)
-  dataset = sources.load(config_lib.DataConfig(name='digits', eval_examples=EVAL_EXAMPLES))
-  steps = EPOCHS * len(dataset.train) // BATCH
+  cd = config_lib.defaults()
+  cd.data.eval_examples = EVAL_EXAMPLES
+  digits = sources.build(config_lib.from_config_dict(cd))
+  train = Records(digits['train_data'], 'train', 0)
+  held_out = Records(digits['eval_data'], 'eval', 0)
+  steps = EPOCHS * len(train) // BATCH
   # The reference: the same stream on one local device, i.e. the whole global batch.
   one_device = data.batch_sharding(mesh_lib.build(config_lib.MeshConfig(data=1),
                                                   jax.local_devices()[:1]))
-  reference = data.TrainIterator(dataset.train, BATCH, 0, one_device)
-  reference_ids = [np.asarray(next(reference)['id']) for _ in range(steps)]
+  reference = data.TrainIterator(train, BATCH, 0, one_device)
+  reference_ids = [np.asarray(next(reference)[ID]) for _ in range(steps)]
+  reference.close()
 
-  report = {'process': jax.process_index(), 'train_examples': len(dataset.train),
-            'eval_examples': len(dataset.eval), 'batch': BATCH, 'steps': steps, 'layouts': {}}
+  report = {'process': jax.process_index(), 'train_examples': len(train),
+            'eval_examples': len(held_out), 'batch': BATCH, 'steps': steps, 'layouts': {}}
   for name, (mesh_cfg, devices) in _layouts(jax, mesh_lib, config_lib).items():
     sharding = data.batch_sharding(mesh_lib.build(mesh_cfg, devices))
     rows = data.local_rows(sharding, BATCH)
-    split, reads = _recording(dataset.train)
-    batches = data.TrainIterator(split, BATCH, 0, sharding)
+    source = _RecordingSource(digits['train_data'])
+    reads = source.reads
+    batches = data.TrainIterator(Records(source, 'train', 0), BATCH, 0, sharding)
     held_ids = []
     for k in range(steps):
       batch = next(batches)
-      blocks = _held(batch['id'])
+      blocks = _held(batch[ID])
       for (start, stop), ids in blocks.items():
         # Each device holds exactly its rows of the global batch, whatever the device order.
         np.testing.assert_array_equal(ids, reference_ids[k][start:stop], err_msg=f'{name} {k}')
       held = np.concatenate([blocks[b] for b in sorted(blocks)])
       held_ids.append(held.tolist())
-    # Reads happen in grain's single reader thread, in batch order (it may read ahead).
-    read_ids = [r.tolist() for r in reads[:steps]]
+    batches.close()
+    # Reads happen in grain's single reader thread, in batch order (it may read ahead); the
+    # first read is example 0, for the element spec.
+    read_ids = reads[1:steps + 1]
     # A global reduction over the processes' data: every step sees the whole global batch.
-    total = jax.jit(jnp.sum)(batch['id'].astype(jnp.float32))
+    total = jax.jit(jnp.sum)(batch[ID].astype(jnp.float32))
 
     eval_ids, eval_batches, eval_count = [], 0, 0.0
-    for batch in data.eval_batches(dataset.eval, BATCH, sharding):
+    for batch in data.eval_batches(held_out, BATCH, sharding):
       eval_batches += 1
-      blocks = _held(batch['id'])
-      masks = _held(batch['mask'])
+      blocks = _held(batch[ID])
+      masks = _held(batch[MASK])
       for block, ids in blocks.items():
         eval_ids += ids[masks[block] > 0].tolist()
-      eval_count += float(jax.jit(jnp.sum)(batch['mask']))  # collective: the global count
+      eval_count += float(jax.jit(jnp.sum)(batch[MASK]))  # collective: the global count
     report['layouts'][name] = {
         'local_rows': rows.tolist(), 'read_ids': read_ids, 'held_ids': held_ids,
         'last_batch_id_sum': float(total), 'last_reference_id_sum': float(reference_ids[-1].sum()),

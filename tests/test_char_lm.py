@@ -10,7 +10,6 @@ import disttrain
 from disttrain import models, optim, sharding, sources
 from disttrain import mesh as mesh_lib
 from disttrain import state as state_lib
-from disttrain.config import DataConfig
 from disttrain.errors import DataError
 from tests.conftest import ROOT
 from tests.helpers import devices
@@ -35,36 +34,37 @@ def _config(**overrides) -> disttrain.Config:
 
 
 def test_text_windows_are_next_byte_targets_of_the_stdlib_source():
-  cfg = DataConfig(name='text', seq_len=64, text_bytes=100_000)
-  dataset = sources.load(cfg)
+  cfg = _config(**{'data.seq_len': 64, 'data.text.bytes': 100_000})
+  data = sources.build(cfg)
+  train, held_out = data['train_data'], data['eval_data']
   files = sources.text_files('')
   assert files == sorted(files) and all(f.endswith('.py') for f in files)
   with open(files[0], 'rb') as f:
     head = np.frombuffer(f.read(65), np.uint8)
-  np.testing.assert_array_equal(dataset.train.image[0], head[:64])
-  np.testing.assert_array_equal(dataset.train.label[0], head[1:65])
+  np.testing.assert_array_equal(train['tokens'][0], head[:64])
+  np.testing.assert_array_equal(train['targets'][0], head[1:65])
   # Window k starts at byte 64 k; the targets are the inputs shifted by one.
-  np.testing.assert_array_equal(dataset.train.label[3, :-1], dataset.train.image[3, 1:])
-  np.testing.assert_array_equal(dataset.train.label[3, -1], dataset.train.image[4, 0])
-  n = len(dataset.train) + len(dataset.eval)
-  assert n == (100_000 - 1) // 64 and len(dataset.eval) == 256
-  np.testing.assert_array_equal(np.concatenate([dataset.train.id, dataset.eval.id]), np.arange(n))
-  assert dataset.num_classes == 256 and dataset.train.image.dtype == np.int32
-  again = sources.load(cfg)
-  np.testing.assert_array_equal(again.eval.label, dataset.eval.label)
+  np.testing.assert_array_equal(train['targets'][3, :-1], train['tokens'][3, 1:])
+  np.testing.assert_array_equal(train['targets'][3, -1], train['tokens'][4, 0])
+  n = len(train['tokens']) + len(held_out['tokens'])
+  assert n == (100_000 - 1) // 64 and len(held_out['tokens']) == 256
+  assert train['tokens'].dtype == np.int32
+  again = sources.build(cfg)['eval_data']
+  np.testing.assert_array_equal(again['targets'], held_out['targets'])
 
 
 def test_too_little_text_is_a_data_error(tmp_path):
   (tmp_path / 'a.txt').write_text('tiny')
   with pytest.raises(DataError, match='windows of data.seq_len=64'):
-    sources.load(DataConfig(name='text', dir=str(tmp_path), seq_len=64))
+    sources.build(_config(**{'data.dir': str(tmp_path), 'data.seq_len': 64}))
 
 
 def _state(cfg, n_devices):
   mesh = mesh_lib.build(cfg.mesh, devices(n_devices))
-  model = models.build(cfg.model, 256)
+  model = models.build(cfg.model)
   tx, _ = optim.build(cfg)
-  return state_lib.create(model, tx, state_lib.sample_batch((cfg.data.seq_len,)), cfg, mesh)
+  spec = {'tokens': jax.ShapeDtypeStruct((1, cfg.data.seq_len), np.int32)}
+  return state_lib.create(model, tx, spec, cfg, mesh)
 
 
 def test_fsdp_and_tensor_split_attention_and_mlp_weights():
@@ -86,7 +86,7 @@ def test_fsdp_and_tensor_split_attention_and_mlp_weights():
 def test_data_fsdp_tensor_layout_matches_one_device(tmp_path):
   def losses(n, **mesh):
     cfg = _config(num_train_steps=10, log_every_steps=1, global_batch_size=16, eval_batch_size=64,
-                  **{'data.seq_len': 32, 'data.text_bytes': 200_000}, **mesh)
+                  **{'data.seq_len': 32, 'data.text.bytes': 200_000}, **mesh)
     result = disttrain.train(cfg, str(tmp_path / str(n)), devices=devices(n))
     assert result.trace_count == 1
     return [r['loss'] for r in result.records if r['split'] == 'train']
@@ -99,7 +99,7 @@ def test_loss_falls_well_below_the_unigram_entropy(tmp_path):
   # Measured here: train loss ~2.33 nats after 250 steps (~20 s on 1 CPU device) against a
   # unigram entropy of 3.14 nats for the first 2 MiB of the 3.11 standard library.
   cfg = _config(num_train_steps=250, log_every_steps=25)
-  entropy = sources.unigram_entropy(sources.load(cfg.data).train)
+  entropy = sources.unigram_entropy(sources.build(cfg)['train_data']['targets'])
   result = disttrain.train(cfg, str(tmp_path), devices=devices(1))
   train = [r['loss'] for r in result.records if r['split'] == 'train']
   assert train[0] > entropy  # it starts above the unigram model ...

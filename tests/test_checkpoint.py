@@ -232,7 +232,7 @@ class _IdTask(disttrain.Classification):
 
   def per_example(self, logits, batch):
     out = super().per_example(logits, batch)
-    ids = batch['id'].astype(jnp.float32)
+    ids = batch[disttrain.records.ID].astype(jnp.float32)
     return {**out, 'id_mean': ids, 'id_sq_mean': ids * ids}
 
 

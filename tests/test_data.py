@@ -8,7 +8,7 @@ import pytest
 
 from disttrain import data
 from disttrain.errors import DataError
-from disttrain.sources import Split
+from disttrain.records import ID, MASK, Records
 
 N, B = 100, 16  # 6 batches per epoch, 4 examples dropped per epoch
 
@@ -19,19 +19,19 @@ def _mesh(n: int, shape: tuple[int, int, int] | None = None) -> jax.sharding.Mes
                        axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()[:n])
 
 
-def _split(n: int = N) -> Split:
-  """A split whose image and label are functions of the id, to check rows stay together."""
-  ids = np.arange(1000, 1000 + n, dtype=np.int32)
-  image = np.broadcast_to(ids[:, None, None, None], (n, 2, 3, 1)).astype(np.float32)
-  return Split(image=image, label=(ids % 10).astype(np.int32), id=ids)
+def _split(n: int = N) -> Records:
+  """Records whose image and label are functions of the row, to check rows stay together."""
+  rows = np.arange(n, dtype=np.int32)
+  image = np.broadcast_to(1000 + rows[:, None, None, None], (n, 2, 3, 1)).astype(np.float32)
+  return Records({'image': image, 'label': (rows % 10).astype(np.int32)}, 'train', 0)
 
 
 def _ids(it, count: int) -> list[list[int]]:
-  """The ids of the next count batches."""
-  return [np.asarray(next(it)['id']).tolist() for _ in range(count)]
+  """The example ids of the next count batches."""
+  return [np.asarray(next(it)[ID]).tolist() for _ in range(count)]
 
 
-def _train(n_devices: int = 8, seed: int = 0, split: Split | None = None, **kwargs):
+def _train(n_devices: int = 8, seed: int = 0, split: Records | None = None, **kwargs):
   """A TrainIterator over the test split on an n-device mesh."""
   sharding = data.batch_sharding(_mesh(n_devices))
   return data.TrainIterator(split or _split(), B, seed, sharding, **kwargs)
@@ -42,11 +42,11 @@ def test_same_batches_on_1_and_8_devices():
   assert one.batches_per_epoch == eight.batches_per_epoch == N // B
   for _ in range(14):  # crosses two epoch boundaries
     a, b = next(one), next(eight)
-    for key in ('image', 'label', 'id', 'mask'):
+    for key in ('image', 'label', ID, MASK):
       np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]))
     # Rows stay whole: image and label belong to the id.
-    np.testing.assert_array_equal(np.asarray(a['image'])[:, 0, 0, 0], np.asarray(a['id']))
-    np.testing.assert_array_equal(np.asarray(a['label']), np.asarray(a['id']) % 10)
+    np.testing.assert_array_equal(np.asarray(a['image'])[:, 0, 0, 0], 1000 + np.asarray(a[ID]))
+    np.testing.assert_array_equal(np.asarray(a['label']), np.asarray(a[ID]) % 10)
   assert _ids(_train(8, seed=1), 3) != _ids(_train(8, seed=0), 3)
 
 
@@ -56,10 +56,10 @@ def test_epochs_cover_each_id_at_most_once_in_new_orders():
   epochs = [np.concatenate(_ids(it, bpe)) for _ in range(3)]
   for ids in epochs:
     assert len(ids) == bpe * B and len(np.unique(ids)) == len(ids)
-    assert set(ids) <= set(range(1000, 1000 + N))
+    assert set(ids) <= set(range(N))
   assert not np.array_equal(epochs[0], epochs[1])
   # The dropped remainder differs per epoch, so over epochs every example is seen.
-  assert set(np.concatenate(epochs)) == set(range(1000, 1000 + N))
+  assert set(np.concatenate(epochs)) == set(range(N))
 
 
 def test_get_state_set_state_resumes_exactly():
@@ -82,8 +82,8 @@ def test_arrays_have_the_requested_sharding():
   sharding = data.batch_sharding(mesh)
   batch = next(data.TrainIterator(_split(), B, 0, sharding))
   assert batch['image'].shape == (B, 2, 3, 1) and batch['label'].shape == (B,)
-  assert batch['label'].dtype == np.int32 and batch['id'].dtype == np.int32
-  assert batch['mask'].dtype == np.float32 and np.all(np.asarray(batch['mask']) == 1)
+  assert batch['label'].dtype == np.int32 and batch[ID].dtype == np.int32
+  assert batch[MASK].dtype == np.float32 and np.all(np.asarray(batch[MASK]) == 1)
   for value in batch.values():
     assert value.sharding.is_equivalent_to(sharding, value.ndim)
     assert {s.data.shape[0] for s in value.addressable_shards} == {B // 8}
@@ -95,12 +95,12 @@ def test_eval_visits_every_id_once_and_masks_padding():
   split = _split(N)  # 100 is not a multiple of 16: the last batch has 12 padding rows
   batches = list(data.eval_batches(split, B, data.batch_sharding(_mesh(8))))
   assert len(batches) == 7
-  ids = np.concatenate([np.asarray(b['id']) for b in batches])
-  mask = np.concatenate([np.asarray(b['mask']) for b in batches])
-  np.testing.assert_array_equal(ids[mask == 1], split.id)
+  ids = np.concatenate([np.asarray(b[ID]) for b in batches])
+  mask = np.concatenate([np.asarray(b[MASK]) for b in batches])
+  np.testing.assert_array_equal(ids[mask == 1], np.arange(N))
   assert mask.sum() == N and np.all(ids[mask == 0] == -1)
   last = batches[-1]
-  pad = np.asarray(last['mask']) == 0
+  pad = np.asarray(last[MASK]) == 0
   assert pad.sum() == 7 * B - N
   assert np.all(np.asarray(last['image'])[pad] == 0) and np.all(np.asarray(last['label'])[pad] == 0)
 

@@ -37,21 +37,21 @@ def test_cadences_must_be_multiples_of_steps_per_dispatch():
 
 
 def test_iterator_positions_are_in_batches_whatever_k():
-  from disttrain import data, sources  # pylint: disable=g-import-not-at-top
-  split = sources.load(make_config().data).train
+  from disttrain import data, records, sources  # pylint: disable=g-import-not-at-top
+  split = records.Records(sources.build(make_config())['train_data'], 'train', 0)
   mesh = jax.make_mesh((8, 1, 1), ('data', 'fsdp', 'tensor'),
                        axis_types=(jax.sharding.AxisType.Auto,) * 3)
   sharding = data.batch_sharding(mesh)
   four = data.TrainIterator(split, 64, 0, sharding, batches_per_element=4)
   first = next(four)
-  assert first['id'].shape == (4, 64)
+  assert first[records.ID].shape == (4, 64)
   next(four)
   state = four.get_state()
-  assert state['grain']['next_index'] == 8  # two elements of four batches
+  assert state['next_batch'] == 8  # two elements of four batches
   one = data.TrainIterator(split, 64, 0, sharding)
   one.set_state(state)
-  expected = np.asarray(next(four)['id'])[0]  # batch 8, first of the third element
-  np.testing.assert_array_equal(np.asarray(next(one)['id']), expected)
+  expected = np.asarray(next(four)[records.ID])[0]  # batch 8, first of the third element
+  np.testing.assert_array_equal(np.asarray(next(one)[records.ID]), expected)
   three = data.TrainIterator(split, 64, 0, sharding, batches_per_element=3)
   with pytest.raises(Exception, match='not a multiple of steps_per_dispatch=3'):
     three.set_state(state)

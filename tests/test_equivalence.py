@@ -38,8 +38,8 @@ def _dropout(layout: str) -> float:
 def _one_step(cfg, n_devices: int):
   """Loss, gradients and new params after one step from the seed's initial state."""
   run = disttrain.setup(cfg, devices=devices(n_devices))
-  step = run.step
-  batch = next(data.TrainIterator(run.dataset.train, cfg.global_batch_size, cfg.seed,
+  step = run.steps
+  batch = next(data.TrainIterator(run.train_data, cfg.global_batch_size, cfg.seed,
                                   run.batch_sharding))
   device_state = step.place(run.state)
   grads = to_numpy(step.grads(device_state, batch))

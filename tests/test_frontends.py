@@ -13,11 +13,10 @@ import pytest
 from flax import nnx
 
 import disttrain
-from disttrain import data, models, optim, sources
+from disttrain import data, models, optim
 from disttrain import mesh as mesh_lib
 from disttrain import sharding as sharding_lib
 from disttrain import state as state_lib
-from disttrain import step as step_lib
 from disttrain.errors import ConfigError
 from disttrain.config import ModelConfig
 from disttrain.models import FunctionalModel, LinenModel, NNXModel
@@ -32,17 +31,12 @@ os.environ.setdefault('KERAS_BACKEND', 'jax')
 
 def _first_step(cfg, model, n_devices: int = 1):
   """(initial state, batch, metrics) of one train step, all as numpy."""
-  mesh = mesh_lib.build(cfg.mesh, devices(n_devices))
-  dataset = sources.load(cfg.data)
-  tx, _ = optim.build(cfg)
-  batch_sharding = data.batch_sharding(mesh)
-  state, lay = state_lib.create(model, tx, state_lib.sample_batch(dataset.train.image.shape[1:]),
-                                cfg, mesh)
-  step = step_lib.build(model, Classification(), tx, cfg, mesh, lay, batch_sharding)
-  batch = next(data.TrainIterator(dataset.train, cfg.global_batch_size, cfg.seed, batch_sharding))
-  initial = to_numpy(state)  # before the step donates it
-  new_state, metrics = step.train(step.place(state), batch)
-  return initial, to_numpy(batch), to_numpy(step.export(new_state)), to_numpy(metrics)
+  run = disttrain.setup(cfg, model=model, devices=devices(n_devices))
+  batch = next(data.TrainIterator(run.train_data, cfg.global_batch_size, cfg.seed,
+                                  run.batch_sharding))
+  initial = to_numpy(run.state)  # before the step donates it
+  new_state, metrics = run.steps.train(run.steps.place(run.state), batch)
+  return initial, to_numpy(batch), to_numpy(run.steps.export(new_state)), to_numpy(metrics)
 
 
 def _losses(cfg, model, workdir, n_devices: int) -> list[float]:
@@ -57,12 +51,15 @@ def _three_steps(**overrides):
 
 # --- plain functions -------------------------------------------------------------------------
 
+_DIGITS_SPEC = {'image': jax.ShapeDtypeStruct((1, 8, 8, 1), jnp.float32)}
+
+
 def test_functional_logical_specs_split_hidden_over_tensor():
   cfg = make_config(mesh__data=4, mesh__tensor=2)  # logical_rules: hidden -> tensor
   mesh = mesh_lib.build(cfg.mesh, devices(8))
-  model = models.build(ModelConfig(name='jax_mlp', hidden=64), num_classes=10)
+  model = models.build(ModelConfig(name='jax_mlp', hidden=64))
   tx, _ = optim.build(cfg)
-  state, lay = state_lib.create(model, tx, state_lib.sample_batch((8, 8, 1)), cfg, mesh)
+  state, lay = state_lib.create(model, tx, _DIGITS_SPEC, cfg, mesh)
   specs = sharding_lib.spec_lists(lay.param_specs)
   assert specs['0/0'] == ['tensor', None] and specs['1/0'] == ['tensor', None]  # w [out, in]
   assert specs['2/0'] == [None, None]  # classes are not split
@@ -72,7 +69,7 @@ def test_functional_logical_specs_split_hidden_over_tensor():
 def test_functional_logical_specs_must_match_the_params():
   model = FunctionalModel(jax_mlp_init, jax_mlp_apply, logical=[('hidden',)])
   with pytest.raises(ConfigError, match='logical specs have structure'):
-    model.logical_specs(state_lib.sample_batch((8, 8, 1)))
+    model.logical_specs(_DIGITS_SPEC)
 
 
 # --- Flax NNX --------------------------------------------------------------------------------
@@ -247,7 +244,7 @@ def test_keras_task_matches_classification():
 
 def test_per_device_loss_is_the_mean_over_each_row_block():
   logits = jax.random.normal(jax.random.key(0), (16, 10))
-  batch = {'label': jax.random.randint(jax.random.key(1), (16,), 0, 10), 'mask': jnp.ones(16)}
+  batch = {'label': jax.random.randint(jax.random.key(1), (16,), 0, 10), '_mask': jnp.ones(16)}
   values = PerDeviceLoss(Classification(), 4).per_example(logits, batch)
   loss = np.asarray(values['loss'])
   for d in range(4):  # what the step reports: sum over the batch / global count

@@ -6,6 +6,7 @@ import pytest
 
 import disttrain
 from disttrain import sources
+from disttrain.records import ID, MASK
 from disttrain.task import Classification
 from tests.helpers import devices, make_config, to_numpy
 
@@ -14,15 +15,14 @@ BATCH = 64  # 8 rows per device on 8 devices
 
 def _build(cfg, n):
   run = disttrain.setup(cfg, devices=devices(n))
-  return run.dataset, run.model, run.state, run.step, run.batch_sharding
+  return run.train_data, run.model, run.state, run.steps, run.batch_sharding
 
 
-def _uneven_batch(dataset):
+def _uneven_batch(train):
   """Rows 0-29 masked out: devices 0-2 hold no valid row, device 3 holds 2 of 8."""
   mask = np.ones(BATCH, np.float32)
   mask[:30] = 0.0
-  return {'image': dataset.train.image[:BATCH], 'label': dataset.train.label[:BATCH],
-          'id': dataset.train.id[:BATCH], 'mask': mask}
+  return {**train.read(np.arange(BATCH)), ID: np.arange(BATCH, dtype=np.int32), MASK: mask}
 
 
 @pytest.mark.parametrize('step_mode', ['jit', 'shard_map', 'pmap'])
@@ -36,7 +36,7 @@ def test_uneven_mask_loss_is_global_masked_mean(step_mode):
   logits, _, _ = model.apply({'params': params, **to_numpy(state.mutable)}, host_batch, train=True,
                           rng=None)
   losses = np.asarray(Classification().per_example(logits, host_batch)['loss'], np.float64)
-  mask = host_batch['mask']
+  mask = host_batch[MASK]
   expected = float(np.sum(losses * mask) / np.sum(mask))
   per_device = [np.sum((losses * mask)[d * 8:(d + 1) * 8]) / np.sum(mask[d * 8:(d + 1) * 8])
                 for d in range(8) if np.sum(mask[d * 8:(d + 1) * 8])]
@@ -65,14 +65,14 @@ def test_eval_counts_every_example_once_and_matches_numpy(n_devices, tmp_path):
                     eval_batch_size=BATCH)
   result = disttrain.train(cfg, str(tmp_path), devices=devices(n_devices))
   final = [r for r in result.records if r['split'] == 'eval'][-1]
-  split = sources.load(cfg.data).eval
+  split = sources.build(cfg)['eval_data']
   logits = _numpy_forward(to_numpy(result.state.params),
-                          to_numpy(result.state.mutable)['batch_stats'], split.image)
-  correct = int(np.sum(np.argmax(logits, -1) == split.label))
-  assert final['num_examples'] == len(split) == 297
+                          to_numpy(result.state.mutable)['batch_stats'], split['image'])
+  correct = int(np.sum(np.argmax(logits, -1) == split['label']))
+  assert final['num_examples'] == len(split['label']) == 297
   assert round(final['accuracy'] * 297) == correct  # exact count of correct examples
   assert final['accuracy'] == pytest.approx(correct / 297, abs=1e-7)
   log_probs = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
                                      keepdims=True)) - logits.max(-1, keepdims=True)
-  expected_loss = -np.mean(log_probs[np.arange(len(split)), split.label])
+  expected_loss = -np.mean(log_probs[np.arange(297), split['label']])
   np.testing.assert_allclose(final['loss'], expected_loss, rtol=1e-4)

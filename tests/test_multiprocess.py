@@ -154,8 +154,8 @@ def test_processes_read_their_rows_and_together_every_example_once(tmp_path):
   batch, steps, n_train = meta['batch'], meta['steps'], meta['train_examples']
   epoch = n_train // batch
   assert n_train == epoch * batch and steps == 2 * epoch  # whole epochs: no remainder dropped
-  train_ids = np.arange(n_train)
-  eval_ids = np.arange(n_train, n_train + meta['eval_examples'])
+  train_ids = np.arange(n_train)  # example ids are indices into their own source
+  eval_ids = np.arange(meta['eval_examples'])
   for name in meta['layouts']:
     layouts = [r['layouts'][name] for r in reports]
     rows = [set(l['local_rows']) for l in layouts]
@@ -193,7 +193,7 @@ def _copy_without_last(source, tmp_path):
   shutil.rmtree(workdir / 'checkpoints' / str(STEPS))
   data_state = json.loads((workdir / 'checkpoints' / '20' / 'data' / 'metadata').read_text())
   # The iterator position counts global batches: it does not depend on the process count.
-  assert data_state['grain'] == {'next_index': 20}, data_state
+  assert data_state['next_batch'] == 20, data_state
   return workdir
 
 

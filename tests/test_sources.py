@@ -7,9 +7,21 @@ import shutil
 import numpy as np
 import pytest
 
+from disttrain import config as config_lib
 from disttrain import sources
-from disttrain.config import DataConfig
 from disttrain.errors import DataError
+
+
+def _load(**data_fields) -> dict:
+  """{'train_data', 'eval_data'} of the built-in source these data.* fields describe."""
+  cd = config_lib.defaults()
+  for key, value in data_fields.items():
+    node = cd.data
+    *groups, leaf = key.split('__')
+    for group in groups:
+      node = node[group]
+    node[leaf] = value
+  return sources.build(config_lib.from_config_dict(cd))
 
 
 def _write_idx(path: pathlib.Path, array: np.ndarray, magic: int | None = None) -> str:
@@ -28,9 +40,9 @@ def _write_pair(folder: pathlib.Path, prefix: str, n: int, seed: int = 0, ext: s
   _write_idx(folder / f'{prefix}-labels-idx1-ubyte{ext}', rng.integers(0, 10, (n,)))
 
 
-def _mnist(folder, **kwargs) -> sources.Dataset:
+def _mnist(folder, **kwargs) -> dict:
   """Loads MNIST from folder."""
-  return sources.load(DataConfig(name='mnist', dir=str(folder), **kwargs))
+  return _load(name='mnist', dir=str(folder), **kwargs)
 
 
 def _raises_one_line(fn, *names: str) -> str:
@@ -45,33 +57,28 @@ def _raises_one_line(fn, *names: str) -> str:
 
 
 def test_digits_shapes_ranges_and_split():
-  ds = sources.load(DataConfig(name='digits'))
-  assert ds.num_classes == 10
-  assert ds.train.image.shape == (1500, 8, 8, 1) and len(ds.train) == 1500
-  assert ds.eval.image.shape == (297, 8, 8, 1) and len(ds.eval) == 297
-  for split in (ds.train, ds.eval):
-    assert split.image.dtype == np.float32 and split.label.dtype == np.int32
-    assert split.id.dtype == np.int32
-    assert 0.0 <= split.image.min() and split.image.max() == 1.0
-    assert set(np.unique(split.label)) == set(range(10))
-  # ids are the file rows: train first, eval last.
-  np.testing.assert_array_equal(np.concatenate([ds.train.id, ds.eval.id]), np.arange(1797))
-  small = sources.load(DataConfig(name='digits', eval_examples=100))
-  assert (len(small.train), len(small.eval)) == (1697, 100)
+  ds = _load(name='digits')
+  train, held_out = ds['train_data'], ds['eval_data']
+  assert train['image'].shape == (1500, 8, 8, 1) and train['label'].shape == (1500,)
+  assert held_out['image'].shape == (297, 8, 8, 1)
+  for split in (train, held_out):
+    assert split['image'].dtype == np.float32 and split['label'].dtype == np.int32
+    assert 0.0 <= split['image'].min() and split['image'].max() == 1.0
+    assert set(np.unique(split['label'])) == set(range(10))
+  small = _load(name='digits', eval_examples=100)
+  assert (len(small['train_data']['label']), len(small['eval_data']['label'])) == (1697, 100)
 
 
 def test_mnist_t10k_only_splits_8000_2000(mnist_dir):
   ds = _mnist(mnist_dir)
-  assert ds.train.image.shape == (8000, 28, 28, 1) and ds.eval.image.shape == (2000, 28, 28, 1)
-  assert ds.train.image.dtype == np.float32
-  for split in (ds.train, ds.eval):
-    assert split.image.min() == 0.0 and split.image.max() == 1.0
-    assert 0 <= split.label.min() and split.label.max() == 9
-  ids = np.concatenate([ds.train.id, ds.eval.id])
-  assert len(np.unique(ids)) == 10_000
-  np.testing.assert_array_equal(ds.eval.id, np.arange(8000, 10_000))
+  train, held_out = ds['train_data'], ds['eval_data']
+  assert train['image'].shape == (8000, 28, 28, 1) and held_out['image'].shape == (2000, 28, 28, 1)
+  assert train['image'].dtype == np.float32
+  for split in (train, held_out):
+    assert split['image'].min() == 0.0 and split['image'].max() == 1.0
+    assert 0 <= split['label'].min() and split['label'].max() == 9
   # The real test set starts with a 7 then a 2 (file order is kept).
-  assert list(ds.train.label[:2]) == [7, 2]
+  assert list(train['label'][:2]) == [7, 2]
 
 
 def test_mnist_gzipped_and_plain_copies_are_equal(mnist_dir, tmp_path):
@@ -83,11 +90,10 @@ def test_mnist_gzipped_and_plain_copies_are_equal(mnist_dir, tmp_path):
     with gzip.open(pathlib.Path(mnist_dir) / f'{name}.gz') as f:
       (plain / name).write_bytes(f.read())
   a, b = _mnist(gz, eval_examples=500), _mnist(plain, eval_examples=500)
-  for x, y in ((a.train, b.train), (a.eval, b.eval)):
-    np.testing.assert_array_equal(x.image, y.image)
-    np.testing.assert_array_equal(x.label, y.label)
-    np.testing.assert_array_equal(x.id, y.id)
-  assert len(a.eval) == 500
+  for split in ('train_data', 'eval_data'):
+    for field in ('image', 'label'):
+      np.testing.assert_array_equal(a[split][field], b[split][field])
+  assert len(a['eval_data']['label']) == 500
 
 
 def test_mnist_train_and_t10k_pairs(tmp_path):
@@ -97,24 +103,23 @@ def test_mnist_train_and_t10k_pairs(tmp_path):
   _write_idx(tmp_path / 't10k-images.idx3-ubyte.gz', rng.integers(0, 256, (12, 28, 28)))
   _write_idx(tmp_path / 't10k-labels.idx1-ubyte.gz', rng.integers(0, 10, (12,)))
   ds = _mnist(tmp_path)
-  assert (len(ds.train), len(ds.eval)) == (30, 12)
-  np.testing.assert_array_equal(ds.train.id, np.arange(30))
-  np.testing.assert_array_equal(ds.eval.id, np.arange(30, 42))
-  assert 0.0 <= ds.train.image.min() and ds.train.image.max() <= 1.0
+  assert (len(ds['train_data']['label']), len(ds['eval_data']['label'])) == (30, 12)
+  assert 0.0 <= ds['train_data']['image'].min() and ds['train_data']['image'].max() <= 1.0
 
 
 def test_synthetic_is_fixed_and_learnable():
-  cfg = DataConfig(name='synthetic', synthetic_examples=600, synthetic_features=16,
-                   eval_examples=100)
-  a, b = sources.load(cfg), sources.load(cfg)
-  assert a.train.image.shape == (500, 16) and a.eval.image.shape == (100, 16)
-  np.testing.assert_array_equal(a.train.image, b.train.image)
-  np.testing.assert_array_equal(a.train.label, b.train.label)
-  assert len(np.unique(a.train.label)) == 10
+  fields = dict(name='synthetic', synthetic__examples=600, synthetic__features=16,
+                eval_examples=100)
+  a, b = _load(**fields), _load(**fields)
+  train, held_out = a['train_data'], a['eval_data']
+  assert train['image'].shape == (500, 16) and held_out['image'].shape == (100, 16)
+  np.testing.assert_array_equal(train['image'], b['train_data']['image'])
+  np.testing.assert_array_equal(train['label'], b['train_data']['label'])
+  assert len(np.unique(train['label'])) == 10
   # A linear least-squares fit on train already beats chance by far on eval: the labels are linear.
-  onehot = np.eye(10)[a.train.label]
-  w, *_ = np.linalg.lstsq(a.train.image, onehot, rcond=None)
-  assert np.mean(np.argmax(a.eval.image @ w, 1) == a.eval.label) > 0.5
+  onehot = np.eye(10)[train['label']]
+  w, *_ = np.linalg.lstsq(train['image'], onehot, rcond=None)
+  assert np.mean(np.argmax(held_out['image'] @ w, 1) == held_out['label']) > 0.5
 
 
 def test_missing_dir():
@@ -169,5 +174,5 @@ def test_eval_examples_too_large(tmp_path):
   _write_pair(tmp_path, 't10k', 20)
   _raises_one_line(lambda: _mnist(tmp_path), 'data.eval_examples=2000', '20')
   _raises_one_line(lambda: _mnist(tmp_path, eval_examples=20), 'data.eval_examples=20')
-  _raises_one_line(lambda: sources.load(DataConfig(name='digits', eval_examples=1797)),
+  _raises_one_line(lambda: _load(name='digits', eval_examples=1797),
                    'data.eval_examples=1797', '1797')

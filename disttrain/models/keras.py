@@ -36,6 +36,7 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-posi
 import keras  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from disttrain.errors import ConfigError  # pylint: disable=g-import-not-at-top
+from disttrain.models.linen import InputKey, model_inputs  # pylint: disable=g-import-not-at-top
 
 if keras.backend.backend() != 'jax':
   raise ConfigError(f'keras was imported with backend {keras.backend.backend()!r}; disttrain '
@@ -51,9 +52,12 @@ def _is_seed_state(variable) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class KerasModel:
-  """Wraps a built `keras.Model`, or `build(input_shape) -> keras.Model` called once per shape."""
+  """Wraps a built `keras.Model`, or `build(input_shape) -> keras.Model` called once per shape.
+
+  With a tuple of input keys the model gets a list of inputs, and `build` a tuple of shapes.
+  """
   model: Any  # keras.Model, or a callable taking one example's shape (no batch axis)
-  input_key: str = 'image'
+  input_key: InputKey = 'image'
   loss_reduction: str | None = None  # how add_loss losses reduce over rows (see module doc)
   batch_axes: Any = None  # set by with_batch_axes (shard_map/pmap)
   _built: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -74,10 +78,14 @@ class KerasModel:
         self._built[input_shape] = pool.submit(self.model, tuple(input_shape)).result()
     return self._built[input_shape]
 
+  def _input_shape(self, inputs: tuple) -> tuple:
+    shapes = tuple(tuple(x.shape[1:]) for x in inputs)
+    return shapes[0] if isinstance(self.input_key, str) else shapes
+
   def init(self, rng: jax.Array, batch: dict) -> dict:
     """The Keras model's own initial values (rng unused: Keras owns initialisation)."""
     del rng
-    model = self.keras_model(batch[self.input_key].shape[1:])
+    model = self.keras_model(self._input_shape(model_inputs(batch, self.input_key)))
     variables = {'params': _by_path(model.trainable_variables)}
     non_trainable = [v for v in model.non_trainable_variables if not _is_seed_state(v)]
     if non_trainable:
@@ -86,8 +94,9 @@ class KerasModel:
 
   def apply(self, variables: dict, batch: dict, *, train: bool, rng: jax.Array | None):
     """stateless_call -> (outputs, {'non_trainable': new values}, sum of add_loss losses)."""
-    x = batch[self.input_key]
-    model = self.keras_model(x.shape[1:])
+    inputs = model_inputs(batch, self.input_key)
+    model = self.keras_model(self._input_shape(inputs))
+    x = inputs[0] if isinstance(self.input_key, str) else list(inputs)
     params, stored = variables['params'], variables.get('non_trainable', {})
     base = jax.random.key(0) if rng is None else rng  # eval: dropout is off, any seed will do
     non_trainable = [jax.random.key_data(jax.random.fold_in(base, i)) if _is_seed_state(v)
@@ -146,10 +155,11 @@ class KerasTask:
   loss: Callable[[jax.Array, jax.Array], jax.Array]
   metrics: dict = dataclasses.field(default_factory=dict)
   num_classes: int = 0  # > 0: one-hot labels (seed 000's to_categorical)
+  label_key: str = 'label'
 
   def per_example(self, outputs: jax.Array, batch: dict) -> dict[str, jax.Array]:
     """{'loss': [B], <metric>: [B], ...}."""
-    labels = batch['label']
+    labels = batch[self.label_key]
     if self.num_classes:
       labels = jax.nn.one_hot(labels, self.num_classes)
     values = {'loss': self.loss(labels, outputs)}

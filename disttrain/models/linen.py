@@ -2,10 +2,11 @@
 
 The protocol every front end follows:
   init(rng, batch) -> variables                       {'params': ..., <mutable collections>}
+      (batch: a one-example batch of zeros with the data's fields, dtypes and shapes)
   apply(variables, batch, *, train, rng) -> (outputs, new mutable collections, model_loss)
       model_loss: a scalar added to the global-mean data loss (e.g. Keras add_loss terms, which
       are means over the examples the call saw); 0.0 when the model has none
-  logical_specs(abstract variables) -> PartitionSpecs of logical axis names, or None
+  logical_specs(batch of ShapeDtypeStructs) -> PartitionSpecs of logical axis names, or None
   with_batch_axes(axes) -> model whose cross-example statistics reduce over `axes`
 """
 
@@ -15,34 +16,54 @@ from typing import Any
 import jax
 from flax import linen as nn
 
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, DataError
+
+InputKey = str | tuple[str, ...]
+
+
+def model_inputs(batch: dict, input_key: InputKey) -> tuple:
+  """The model's positional inputs: batch[key] for one key, one per key for a tuple of keys."""
+  keys = (input_key,) if isinstance(input_key, str) else tuple(input_key)
+  missing = [k for k in keys if k not in batch]
+  if missing:
+    fields = sorted(k for k in batch if not k.startswith('_'))
+    raise DataError(f'the model reads batch field {missing[0]!r}, but the data has {fields}; set '
+                    "the model's input_key (config: model.input_key) to one of them")
+  return tuple(batch[k] for k in keys)
+
 
 
 @dataclasses.dataclass(frozen=True)
 class LinenModel:
-  """Wraps a Linen module called as `module(batch[input_key], train=...)`."""
+  """Wraps a Linen module called as `module(batch[input_key], train=...)`.
+
+  `input_key` may be a tuple of fields, passed as positional arguments in that order.
+  """
   module: nn.Module
-  input_key: str = 'image'
+  input_key: InputKey = 'image'
 
   def init(self, rng: jax.Array, batch: dict) -> dict:
     params_rng, dropout_rng = jax.random.split(rng)
     variables = self.module.init({'params': params_rng, 'dropout': dropout_rng},
-                                 batch[self.input_key], train=False)
+                                 *model_inputs(batch, self.input_key), train=False)
     return nn.unbox(variables)
 
   def apply(self, variables: dict, batch: dict, *, train: bool, rng: jax.Array | None):
     mutable = [name for name in variables if name != 'params'] if train else False
     rngs = {'dropout': rng} if rng is not None else {}
-    out = self.module.apply(variables, batch[self.input_key], train=train, rngs=rngs,
-                            mutable=mutable)
+    out = self.module.apply(variables, *model_inputs(batch, self.input_key), train=train,
+                            rngs=rngs, mutable=mutable)
     outputs, new_mutable = out if train else (out, {})
     return outputs, new_mutable, 0.0
 
   def logical_specs(self, batch: dict) -> Any:
-    """Logical axis names from `nn.with_logical_partitioning` metadata (None where absent)."""
+    """Logical axis names from `nn.with_logical_partitioning` metadata (None where absent).
+
+    `batch` may hold arrays or jax.ShapeDtypeStructs (shapes are all that is traced).
+    """
     boxed = jax.eval_shape(
-        lambda: self.module.init({'params': jax.random.key(0), 'dropout': jax.random.key(0)},
-                                 batch[self.input_key], train=False))
+        lambda b: self.module.init({'params': jax.random.key(0), 'dropout': jax.random.key(0)},
+                                   *model_inputs(b, self.input_key), train=False), batch)
     return nn.get_partition_spec(boxed)
 
   def with_batch_axes(self, axes) -> 'LinenModel':

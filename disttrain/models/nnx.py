@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from disttrain.errors import ConfigError
+from disttrain.models.linen import InputKey, model_inputs
 
 # Variable type per TrainState collection; whatever is neither a parameter nor RNG state nor a
 # batch statistic lands in 'state' (e.g. a user's own nnx.Variable subclass).
@@ -30,10 +31,11 @@ _COLLECTIONS = (('params', nnx.Param), ('batch_stats', nnx.BatchStat), ('rng', n
 class NNXModel:
   """Wraps `make(rngs: nnx.Rngs, input_shape: tuple) -> nnx.Module`, called as `module(x)`.
 
-  `input_shape` is one example's shape (no batch axis), for modules that need their input width.
+  `input_shape` is one example's shape (no batch axis), for modules that need their input width;
+  with a tuple of input keys, a tuple of such shapes, and the module is called `module(x, y, ..)`.
   """
   make: Callable[[nnx.Rngs, tuple], nnx.Module]
-  input_key: str = 'image'
+  input_key: InputKey = 'image'
   batch_axes: Any = None  # set by with_batch_axes: BatchNorm statistics reduce over these axes
   # input shape -> (graphdef, abstract states per collection); eval_shape once per shape.
   _structure: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -52,15 +54,20 @@ class NNXModel:
       self._structure[input_shape] = graphdef, dict(zip((n for n, _ in _COLLECTIONS), states))
     return self._structure[input_shape]
 
+  def _input_shape(self, inputs: tuple) -> tuple:
+    shapes = tuple(tuple(x.shape[1:]) for x in inputs)
+    return shapes[0] if isinstance(self.input_key, str) else shapes
+
   def init(self, rng: jax.Array, batch: dict) -> dict:
     """{'params', 'batch_stats', 'state'} as plain dicts; empty collections left out."""
-    variables = _collections(self._build(rng, batch[self.input_key].shape[1:]))
+    inputs = model_inputs(batch, self.input_key)
+    variables = _collections(self._build(rng, self._input_shape(inputs)))
     return {k: v for k, v in variables.items() if k == 'params' or jax.tree.leaves(v)}
 
   def apply(self, variables: dict, batch: dict, *, train: bool, rng: jax.Array | None):
     """(outputs, new batch_stats/state, 0.0): merge, set the mode, call, split again."""
-    x = batch[self.input_key]
-    graphdef, abstract = self._split(x.shape[1:])
+    inputs = model_inputs(batch, self.input_key)
+    graphdef, abstract = self._split(self._input_shape(inputs))
     states = []
     for name, _ in _COLLECTIONS:
       # A copy of the abstract state filled with this call's values (replace_by_pure_dict
@@ -79,7 +86,7 @@ class NNXModel:
       module.train()
     else:
       module.eval()
-    outputs = module(x)
+    outputs = module(*inputs)
     if not train:
       return outputs, {}, jnp.float32(0.0)
     new = {k: v for k, v in _collections(module).items() if k in variables and k != 'params'}
@@ -87,7 +94,7 @@ class NNXModel:
 
   def logical_specs(self, batch: dict) -> dict:
     """{'params': PartitionSpecs} from each nnx.Param's sharding metadata (P() where absent)."""
-    _, abstract = self._split(batch[self.input_key].shape[1:])
+    _, abstract = self._split(self._input_shape(model_inputs(batch, self.input_key)))
     return {'params': nnx.to_pure_dict(nnx.get_partition_spec(abstract['params']))}
 
   def with_batch_axes(self, axes) -> 'NNXModel':

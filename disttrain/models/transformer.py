@@ -64,8 +64,6 @@ class CharTransformer(nn.Module):
   @nn.compact
   def __call__(self, tokens_BxT: jax.Array, train: bool) -> jax.Array:
     del train  # no dropout: the step's losses do not depend on the layout
-    # Token ids travel in the batch's input field, which the sample batch makes float32.
-    tokens_BxT = tokens_BxT.astype(jnp.int32)
     t = tokens_BxT.shape[1]
     embed = nn.Embed(self.vocab_size, self.embed_dim, name='embed',
                      embedding_init=_weights(('vocab', 'embed'), nn.initializers.normal(1.0)))

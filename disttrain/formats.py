@@ -1,0 +1,162 @@
+"""On-disk example formats, streamed and never loaded whole.
+
+- ArrayRecord shards (grain's own random-access format) of serialized feature dicts: one record
+  per example, msgpack-encoded numpy arrays (dtype and shape kept, 0-d arrays included). Write
+  with `write_array_record`, read with
+  `grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths)).map(decode)`, which is
+  what `array_record_source(pattern)` returns.
+- Flat token files (nanoGPT's `.bin`: raw uint16 or uint32 token ids, no header), memory-mapped
+  and read as windows of seq_len + 1 tokens by `TokenWindows`.
+"""
+
+import glob
+import os
+from collections.abc import Iterable, Sequence
+
+import grain
+import numpy as np
+from flax import serialization
+
+from disttrain.errors import DataError
+
+ARRAY_RECORD_SUFFIX = '.array_record'
+
+
+def encode(example: dict) -> bytes:
+  """One feature dict as bytes (msgpack of numpy arrays)."""
+  return serialization.msgpack_serialize({k: np.asarray(v) for k, v in example.items()})
+
+
+def decode(record: bytes) -> dict[str, np.ndarray]:
+  """The feature dict of one encoded record."""
+  return {k: np.asarray(v) for k, v in serialization.msgpack_restore(record).items()}
+
+
+def shard_paths(prefix: str, num_shards: int) -> list[str]:
+  """PREFIX-00000-of-0000N.array_record, ...: sorted order is example order."""
+  return [f'{prefix}-{i:05d}-of-{num_shards:05d}{ARRAY_RECORD_SUFFIX}' for i in range(num_shards)]
+
+
+def write_array_record(prefix: str, examples: Iterable[dict], num_shards: int = 1,
+                       num_examples: int | None = None) -> list[str]:
+  """Writes feature dicts to `num_shards` ArrayRecord files; returns their paths.
+
+  Shard i holds a contiguous block of examples, so reading the sorted paths back (one
+  ArrayRecordDataSource over all of them) gives the examples in the order written. Records are
+  written with group_size 1, which random access (a shuffled read per example) needs.
+
+  Args:
+    prefix: path prefix, e.g. 'data/train' -> data/train-00000-of-00004.array_record.
+    examples: feature dicts; anything `disttrain.records.examples` iterates (a source with
+      `__len__`/`__getitem__`, a dict of arrays, or an iterable of dicts).
+    num_shards: files to spread the examples over; > 1 needs the number of examples.
+    num_examples: the number of examples when `examples` has no len().
+  """
+  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
+  from disttrain import records  # pylint: disable=g-import-not-at-top  (records imports formats)
+  if num_examples is None and hasattr(examples, '__len__'):
+    num_examples = len(examples)
+  if num_shards < 1 or (num_shards > 1 and not num_examples):
+    raise DataError(f'num_shards={num_shards} needs num_shards >= 1 and, above 1, a known number '
+                    'of examples; pass num_examples= or a source with len()')
+  os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+  paths = shard_paths(prefix, num_shards)
+  per_shard = -(-num_examples // num_shards) if num_shards > 1 else None
+  shard, writer, written = -1, None, 0
+  try:
+    for i, example in enumerate(records.examples(examples)):
+      if writer is None or (per_shard and i // per_shard != shard):
+        if writer is not None:
+          writer.close()
+        shard += 1
+        writer = ArrayRecordWriter(paths[shard], 'group_size:1')
+      writer.write(encode(example))
+      written += 1
+  finally:
+    if writer is not None:
+      writer.close()
+  for path in paths[shard + 1:]:  # fewer examples than shards: the rest are empty files
+    ArrayRecordWriter(path, 'group_size:1').close()
+  if not written:
+    raise DataError(f'write_array_record({prefix!r}): no examples to write; pass a non-empty '
+                    'source')
+  return paths
+
+
+def resolve_files(patterns: str, field: str) -> list[str]:
+  """Sorted files of comma-separated globs; each glob must match at least one file."""
+  paths = []
+  for pattern in (p.strip() for p in patterns.split(',') if p.strip()):
+    matched = sorted(glob.glob(os.path.expanduser(pattern)))
+    if not matched:
+      raise DataError(f'{field}={pattern!r} matches no file; pass a glob of existing files (e.g. '
+                      'data/train-*.array_record, written by python -m disttrain.convert)')
+    paths += matched
+  if not paths:
+    raise DataError(f'{field} is empty; pass a glob of the data files')
+  return paths
+
+
+def array_record_source(paths: str | Sequence[str]) -> grain.MapDataset:
+  """A random-access source of the feature dicts in ArrayRecord files (globs allowed)."""
+  if isinstance(paths, str):
+    paths = resolve_files(paths, 'paths')
+  return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(list(paths))).map(decode)
+
+
+class TokenWindows:
+  """Windows of a flat token file: example k = {'tokens': ids[kL:kL+L], 'targets': ids[kL+1:kL+L+1]}.
+
+  Several files are read one after the other (windows never straddle two files). The files are
+  memory-mapped on first read (also in each worker process: only paths are pickled). With
+  `vocab_size`, every window read is checked: a token id >= vocab_size is a DataError naming the
+  file and position (embedding lookups would silently clamp it).
+  """
+
+  def __init__(self, paths: str | Sequence[str], seq_len: int, dtype: str = 'uint16',
+               vocab_size: int | None = None):
+    self.paths = resolve_files(paths, 'data.train_files') if isinstance(paths, str) else list(paths)
+    self.seq_len, self.dtype, self.vocab_size = seq_len, np.dtype(dtype), vocab_size
+    counts = []
+    for path in self.paths:
+      size = os.path.getsize(path)
+      if size % self.dtype.itemsize:
+        raise DataError(f'{path} has {size} bytes, not a multiple of the {self.dtype.itemsize}-byte '
+                        f'{self.dtype.name} token size; it is truncated or not a {self.dtype.name} '
+                        'token file (check data.tokens.dtype)')
+      counts.append(max(size // self.dtype.itemsize - 1, 0) // seq_len)
+    self._ends = np.cumsum(counts)
+    self._maps: list[np.ndarray] | None = None
+
+  def __len__(self) -> int:
+    return int(self._ends[-1]) if len(self._ends) else 0
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    if not 0 <= index < len(self):
+      raise IndexError(f'window {index} out of range 0..{len(self) - 1}')
+    if self._maps is None:
+      self._maps = [np.memmap(p, self.dtype, mode='r') for p in self.paths]
+    f = int(np.searchsorted(self._ends, index, side='right'))
+    start = (index - (int(self._ends[f - 1]) if f else 0)) * self.seq_len
+    window = np.asarray(self._maps[f][start:start + self.seq_len + 1], np.int32)
+    if self.vocab_size is not None and window.max(initial=0) >= self.vocab_size:
+      at = int(np.argmax(window >= self.vocab_size))
+      raise DataError(f'{self.paths[f]}: token id {int(window[at])} at token {start + at} is >= '
+                      f'model.vocab_size={self.vocab_size}; raise model.vocab_size or check the '
+                      'token file (data.tokens.dtype)')
+    return {'tokens': window[:-1], 'targets': window[1:]}
+
+  def __getstate__(self) -> dict:
+    return {**self.__dict__, '_maps': None}  # workers map the files themselves
+
+
+def write_tokens(path: str, tokens: np.ndarray, dtype: str = 'uint16') -> str:
+  """A flat token file of `tokens` (1-D ids) in `dtype`; refuses ids that do not fit."""
+  dtype = np.dtype(dtype)
+  tokens = np.asarray(tokens)
+  if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
+    raise DataError(f'token ids {int(tokens.min())}..{int(tokens.max())} do not fit {dtype.name}; '
+                    'use uint32')
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tokens.astype(dtype).tofile(path)
+  return path
