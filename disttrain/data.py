@@ -9,9 +9,13 @@ put on the devices in this process, in the same order, so the worker count is no
 data order. The iterator state is the number of batches delivered.
 """
 
+import os
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 
+from absl import flags
 import grain
 import jax
 import numpy as np
@@ -72,11 +76,14 @@ class _Assembler:
       self.pieces.append((device, lo, lo + stop - start))
 
   def __call__(self, local: dict[str, np.ndarray], piecewise: bool = False,
-               batch_axis: int = 0) -> Batch:
+               batch_axis: int = 0, copy: bool = False) -> Batch:
     """Global arrays whose `batch_axis` is the global batch (1 for [K, B, ...] stacked batches).
 
-    piecewise forces the per-device path.
+    piecewise forces the per-device path; copy: the arrays are someone else's buffers (a worker's
+    shared memory), which device arrays must not alias.
     """
+    if copy:
+      local = {k: np.array(v, copy=True) for k, v in local.items()}
     for key, value in local.items():
       if value.shape[batch_axis] != self.rows.size:
         raise DataError(f'batch field {key!r} has {value.shape[batch_axis]} local rows, expected '
@@ -139,12 +146,50 @@ class _ReadTrainBatches:
 
 
 def _worker_init(worker_index: int, worker_count: int) -> None:
-  """Each worker dies with this process, even when it is SIGKILLed (Linux PR_SET_PDEATHSIG)."""
+  """Each worker ends when this process does, even by SIGKILL: grain's workers have no
+  parent-death check, and PR_SET_PDEATHSIG would fire when grain's starting thread ends."""
   del worker_index, worker_count
-  if sys.platform.startswith('linux'):
-    import ctypes  # pylint: disable=g-import-not-at-top
-    import signal  # pylint: disable=g-import-not-at-top
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+  parent = os.getppid()
+
+  def watch() -> None:
+    while os.getppid() == parent:
+      time.sleep(0.5)
+    os._exit(1)
+  threading.Thread(target=watch, name='disttrain-parent-watch', daemon=True).start()
+
+
+class _InWorker:
+  """Wraps the batch reader for worker processes: an exception crosses the process boundary as
+  a DataError carrying its text (grain hangs on exceptions it cannot pickle back)."""
+
+  def __init__(self, read: Callable[[int], dict]):
+    self.read = read
+
+  def __call__(self, element: int) -> dict[str, np.ndarray]:
+    try:
+      return self.read(element)
+    except DataError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      first_line = (str(e).splitlines() or [''])[0][:300]
+      raise DataError(f'reading train batch {element} in a worker process raised '
+                      f'{type(e).__name__}: {first_line}; fix the source or set data.workers=0 '
+                      'to see the full traceback') from None
+
+
+def check_workers(workers: int) -> None:
+  """Refuses a worker count this machine cannot run: each worker is a Python process (with jax
+  and grain imported, ~200 MiB) that pays off only with a core of its own."""
+  cpus = os.cpu_count() or 1
+  limit = 4 * cpus
+  try:
+    limit = min(limit, os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') // 2**28)
+  except (ValueError, OSError, AttributeError):  # not Linux: the CPU bound only
+    pass
+  if workers > limit:
+    raise DataError(f'data.workers={workers} is more than this machine can run ({cpus} CPU '
+                    f'cores, room for {limit} worker processes of ~256 MiB); use at most {limit}, '
+                    f'about one per core')
 
 
 class TrainIterator:
@@ -176,22 +221,30 @@ class TrainIterator:
   def _start(self) -> None:
     """The grain stream from element self._next // K on."""
     k = self._k
-    elements = grain.MapDataset.range(self._next // k, sys.maxsize // k).map(self._read)
     batch_axis = 0 if k == 1 else 1
-    assemble = lambda local: self._assemble(local, batch_axis=batch_axis)
-    if self._workers:
-      # Workers return numpy; the host-to-device copy happens here, in grain's prefetch thread.
-      stream = elements.to_iter_dataset().mp_prefetch(
-          grain.MultiprocessingOptions(num_workers=self._workers,
-                                       per_worker_buffer_size=max(self._prefetch, 1)),
-          worker_init_fn=_worker_init).map(assemble)
-      if self._prefetch:
-        stream = grain.experimental.ThreadPrefetchIterDataset(stream, self._prefetch)
-    else:
-      # The host-to-device copy also happens in grain's thread: on the main thread it cost about
-      # as much as a small step.
-      stream = elements.map(assemble).to_iter_dataset(
-          grain.ReadOptions(num_threads=1, prefetch_buffer_size=self._prefetch))
+    elements = grain.MapDataset.range(self._next // k, sys.maxsize // k)
+    if not self._workers:
+      # Reading and the host-to-device copy both happen in grain's thread: on the main thread
+      # the copy cost about as much as a small step.
+      stream = elements.map(self._read).map(
+          lambda local: self._assemble(local, batch_axis=batch_axis)).to_iter_dataset(
+              grain.ReadOptions(num_threads=1, prefetch_buffer_size=self._prefetch))
+      self._it = iter(stream)
+      return
+    # Workers read and transform; each reads one element ahead in one thread (grain's default
+    # would be 16 threads and 500 elements ahead). Their arrays arrive in shared memory, which
+    # device arrays must not alias, so assemble copies, in grain's prefetch thread here.
+    if not flags.FLAGS.is_parsed():  # grain's workers read an absl flag of their own
+      flags.FLAGS.mark_as_parsed()
+    stream = elements.map(_InWorker(self._read)).to_iter_dataset(
+        grain.ReadOptions(num_threads=1, prefetch_buffer_size=1)).mp_prefetch(
+            grain.MultiprocessingOptions(num_workers=self._workers,
+                                         per_worker_buffer_size=max(self._prefetch, 1)),
+            worker_init_fn=_worker_init).map(
+                lambda local: self._assemble(local, batch_axis=batch_axis, copy=True))
+    if self._prefetch:
+      stream = grain.experimental.ThreadPrefetchIterDataset(
+          stream, prefetch_buffer_size=self._prefetch)
     self._it = iter(stream)
 
   def __iter__(self) -> 'TrainIterator':
@@ -202,7 +255,18 @@ class TrainIterator:
     """The next global batch (or K of them, stacked)."""
     if self._it is None:
       self._start()
-    batch = next(self._it)
+    try:
+      batch = next(self._it)
+    except DataError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      if not self._workers:
+        raise
+      first_line = (str(e).splitlines() or [''])[0][:300]
+      raise DataError(f'data.workers={self._workers}: the worker processes failed '
+                      f'({type(e).__name__}: {first_line}); the source and transforms must be '
+                      'picklable (defined at the top level of an importable module): fix them, '
+                      'or set data.workers=0 to read in this process') from e
     self._next += self._k
     return batch
 

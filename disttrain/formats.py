@@ -54,8 +54,8 @@ def write_array_record(prefix: str, examples: Iterable[dict], num_shards: int = 
   """
   from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
   from disttrain import records  # pylint: disable=g-import-not-at-top  (records imports formats)
-  if num_examples is None and hasattr(examples, '__len__'):
-    num_examples = len(examples)
+  if num_examples is None:
+    num_examples = records.num_examples(examples)
   if num_shards < 1 or (num_shards > 1 and not num_examples):
     raise DataError(f'num_shards={num_shards} needs num_shards >= 1 and, above 1, a known number '
                     'of examples; pass num_examples= or a source with len()')

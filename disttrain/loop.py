@@ -62,7 +62,8 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
   writer.write_run(info)
   evals = ', '.join(f'{len(r)} {name}' for name, r in run.eval_data.items()) or 'no eval'
   writer.print(f'disttrain: {run.mesh.size} devices, mesh {mesh_lib.axis_sizes(run.mesh)}, '
-               f'step_mode={cfg.step_mode}, sharding={cfg.sharding}, data={cfg.data.name} '
+               f'step_mode={cfg.step_mode}, sharding={cfg.sharding}, data='
+               f'{cfg.data.name if train_data is None else run.train_data.kind} '
                f'({len(run.train_data)} train / {evals})')
   hooks = callbacks_lib.Callbacks([*callbacks, *callbacks_lib.from_config(cfg.early_stop)])
   with contextlib.ExitStack() as stack:  # closed in reverse: saves commit before the writer goes

@@ -118,6 +118,11 @@ class Records:
   def __len__(self) -> int:
     return self._len
 
+  @property
+  def kind(self) -> str:
+    """What the source is, for the console: 'arrays' (in memory) or its type's name."""
+    return 'arrays' if self._arrays is not None else type(self.source).__name__
+
   def read(self, indices: np.ndarray, epochs: np.ndarray | int = 0) -> dict[str, np.ndarray]:
     """Examples `indices` (epoch per example, for random transforms) stacked: {field: [n, ...]}."""
     indices = np.asarray(indices)
@@ -210,6 +215,13 @@ class Slice:
     if not 0 <= index < len(self):
       raise IndexError(index)
     return self.source[self.start + int(index)]
+
+
+def num_examples(source: Any) -> int | None:
+  """len() of a source (rows of a dict of arrays); None for an iterable without one."""
+  if isinstance(source, dict):
+    return len(next(iter(_in_memory(source, 'the').values())))
+  return len(source) if hasattr(source, '__len__') else None
 
 
 def examples(source: Any) -> Iterator[dict]:

@@ -59,6 +59,7 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
   """
   mesh = mesh_lib.build(cfg.mesh, devices)
   mesh_lib.check_batch_sizes(cfg, mesh)
+  data.check_workers(cfg.data.workers)
   if train_data is None:
     built = sources.build(cfg)
     train_data, eval_data = built['train_data'], built['eval_data'] if eval_data is None else \

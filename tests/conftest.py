@@ -32,7 +32,7 @@ def _eight_devices():
   assert jax.device_count() == 8, f'tests need 8 fake CPU devices, got {jax.devices()}'
 
 
-@pytest.fixture
+@pytest.fixture(scope='session')
 def mnist_dir():
   if not (MNIST_DIR / 't10k-images-idx3-ubyte.gz').exists():
     pytest.fail(f'real MNIST test set missing at {MNIST_DIR} (../shared/data/mnist)')
