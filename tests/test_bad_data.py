@@ -1,0 +1,119 @@
+"""Bad data through the launcher: one `error:` line naming the problem and the fix, exit 2,
+no traceback, and a saved checkpoint survives a failure while reading.
+
+Sources come from tests/configs/bad_data.py's get_data (picked by $BAD_DATA) or from flags.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+
+CONFIG = 'tests/configs/bad_data.py'
+
+
+def _env(case: str) -> dict:
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', BAD_DATA=case)
+  env.pop('XLA_FLAGS', None)
+  return env
+
+
+def _launch(workdir, case: str = 'good', *flags: str, config: str = CONFIG):
+  return subprocess.run([sys.executable, 'launch/train.py', f'--config={config}',
+                         f'--workdir={workdir}', '--fake_devices=8', *flags], cwd=ROOT,
+                        env=_env(case), capture_output=True, text=True, timeout=180, check=False)
+
+
+def _one_error_line(proc) -> str:
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 2, output[-3000:]
+  assert 'Traceback' not in output, output[-3000:]
+  errors = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert len(errors) == 1 and errors[0].startswith('error: '), proc.stderr
+  return errors[0]
+
+
+@pytest.fixture
+def token_files(tmp_path):
+  """A token file of 1001 uint16 ids (2,002 bytes), one of 3 bytes, one with an id of 300."""
+  ids = np.arange(1001) % 256
+  good = tmp_path / 'good.bin'
+  ids.astype(np.uint16).tofile(good)
+  (tmp_path / 'odd.bin').write_bytes(b'\x01\x02\x03')
+  big = ids.copy()
+  big[700] = 300
+  big.astype(np.uint16).tofile(tmp_path / 'big.bin')
+  return tmp_path
+
+
+CASES = [
+    ('fields', [], ["example 5 of the train data has fields ['extra', 'n', 'x', 'y']",
+                    "example 0 has ['n', 'x', 'y']"], 'give every example the same fields'),
+    ('shape', [], ["example 7 of the train data: field 'x' is float32[29]",
+                   'in example 0 it is float32[30]'], 'make every example the same shape'),
+    ('dtype', [], ["example 3 of the train data: field 'x' is float64[30]",
+                   'in example 0 it is float32[30]'], 'make every example the same shape and dtype'),
+    ('empty', [], ['the train data is empty'], 'pass a source with at least one example'),
+    ('no_len', [], ['the train data (generator) has no __len__ and __getitem__'],
+     'pass a random-access source'),
+    ('small_eval', [], ['the eval data has 3 examples, fewer than the 8 rows each device holds'],
+     'use a smaller eval_batch_size or more eval examples'),
+    ('reserved', [], ["the train data has a field '_mask', a name disttrain reserves"],
+     'rename it in the source or a transform'),
+    ('transform', ['--config.data.workers=2'],
+     ['train transform FailsOn17 raised ValueError: cannot augment this one (example 17'],
+     'fix the transform or that example'),
+    ('good', ['--config.data.workers=100000'],
+     ['data.workers=100000 is more than this machine can run'], 'use at most'),
+]
+
+
+@pytest.mark.parametrize('case,flags,needles,fix', CASES, ids=[c[0] for c in CASES])
+def test_bad_source_is_one_line_and_exit_2(tmp_path, case, flags, needles, fix):
+  line = _one_error_line(_launch(tmp_path, case, *flags))
+  assert 'DataError' in line, line
+  for needle in needles + [fix]:
+    assert needle in line, (needle, line)
+
+
+FILE_CASES = [
+    ('glob', ['--config.data.name=array_record', '--config.data.train_files={dir}/none-*.ar'],
+     ["data.train_files='{dir}/none-*.ar' matches no file"], 'pass a glob of existing files'),
+    ('token_size', ['--config.data.name=tokens', '--config.data.train_files={dir}/odd.bin'],
+     ['odd.bin has 3 bytes, not a multiple of the 2-byte uint16 token size'],
+     'check data.tokens.dtype'),
+    ('token_id', ['--config.data.name=tokens', '--config.data.train_files={dir}/big.bin',
+                  '--config.data.eval_files={dir}/good.bin'],
+     ['big.bin: token id 300 at token 700 is >= model.vocab_size=256'],
+     'raise model.vocab_size'),
+]
+
+
+@pytest.mark.parametrize('case,flags,needles,fix', FILE_CASES, ids=[c[0] for c in FILE_CASES])
+def test_bad_files_are_one_line_and_exit_2(token_files, tmp_path, case, flags, needles, fix):
+  flags = [f.replace('{dir}', str(token_files)) for f in flags]
+  lm = ['--config.model.name=char_lm', '--config.model.hidden=16', '--config.model.num_heads=2',
+        '--config.data.seq_len=16', '--config.global_batch_size=16', '--config.num_train_steps=40',
+        '--config.data.eval_examples=8'] if case.startswith('token') else []
+  line = _one_error_line(_launch(tmp_path / 'run', 'good', *lm, *flags,
+                                 config='launch/configs/mnist_mlp.py'))
+  for needle in needles + [fix]:
+    assert needle.replace('{dir}', str(token_files)) in line, (needle, line)
+
+
+def test_a_failure_while_reading_keeps_the_checkpoint(tmp_path):
+  """A run saves at step 4; its relaunch dies in a worker's transform; step 4 is still there."""
+  proc = _launch(tmp_path, 'good')
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  before = sorted(os.listdir(tmp_path / 'checkpoints'))
+  assert '4' in before
+  line = _one_error_line(_launch(tmp_path, 'transform', '--config.data.workers=2',
+                                 '--config.num_train_steps=8'))
+  assert 'FailsOn17' in line
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == before
+  relaunch = _launch(tmp_path, 'good', '--config.num_train_steps=6')
+  assert relaunch.returncode == 0 and 'resumed from step 4' in relaunch.stdout, relaunch.stderr
