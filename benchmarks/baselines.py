@@ -137,6 +137,43 @@ class LoopSide:
     return self.steps * self.cfg.global_batch_size / record['examples_per_sec']
 
 
+class HandLoop:
+  """The loop a user writes by hand around the hand-written step: a numpy permutation per epoch,
+  one fancy-index gather per field and one device_put per batch, in the main thread.
+
+  One call = 2 x run_steps steps; the second half is timed (as LoopSide times its second
+  record) and reported as the seconds `steps` steps take at that rate.
+  """
+
+  def __init__(self, arrays: dict, batch_size: int, sharding, step, state, steps: int,
+               run_steps: int, bound: bool):
+    self.arrays, self.batch_size, self.sharding = arrays, batch_size, sharding
+    self.step, self.state, self.steps, self.run_steps, self.bound = (step, state, steps,
+                                                                     run_steps, bound)
+    self.rng = np.random.default_rng(0)
+    self.n = len(next(iter(arrays.values())))
+    self.mask = np.ones(batch_size, np.float32)
+
+  def __call__(self) -> float:
+    perm, pos, previous, start = self.rng.permutation(self.n), 0, None, None
+    for i in range(2 * self.run_steps):
+      if i == self.run_steps:
+        jax.block_until_ready(self.state)
+        start = time.perf_counter()
+      if pos + self.batch_size > self.n:
+        perm, pos = self.rng.permutation(self.n), 0
+      index = perm[pos:pos + self.batch_size]
+      pos += self.batch_size
+      batch = jax.device_put({**{k: v[index] for k, v in self.arrays.items()}, MASK: self.mask},
+                             self.sharding)
+      self.state, loss = self.step(self.state, batch)
+      if self.bound and previous is not None:
+        jax.block_until_ready(previous)
+      previous = loss
+    jax.block_until_ready(self.state)
+    return self.steps * (time.perf_counter() - start) / self.run_steps
+
+
 def numpy_batches(records, batch_size: int, count: int) -> list[dict]:
   """`count` consecutive numpy batches of the records (wrapping around), with all-ones masks."""
   batches = []

@@ -47,6 +47,8 @@ _STEPS_PER_DISPATCH = flags.DEFINE_integer(
 _WITH_DATA = flags.DEFINE_bool('with_data', False, 'Also time the whole disttrain.train loop '
                                '(grain pipeline, metrics) against the step on device data.')
 _WITH_KERAS = flags.DEFINE_bool('with_keras', False, 'Also time Keras 3 fit on mlp_small.')
+_PREFETCH = flags.DEFINE_integer('prefetch', None, "--with_data: the loop's data.prefetch "
+                                 '(default: the config default).')
 _JSON = flags.DEFINE_string('json', None, 'Write {"results": [...]} here.')
 _PROFILE = flags.DEFINE_string('profile', None, 'Write a jax.profiler trace of one window of '
                                'each side here.')
@@ -127,8 +129,15 @@ def run() -> list[dict]:
     # Whole runs, each at least ~1 s of steps, so start-up transients (the prefetch buffer
     # filling during compilation, the first record) stay out of the measured half.
     loop_side = baselines.LoopSide(cfg, model, devices, steps, run_steps=10 * steps)
-    timings.append(('train_loop', 'step_on_device_data',
-                    baselines.interleave([loop_side, disttrain_side], windows)))
+    hand_loop = baselines.HandLoop(
+        run_.train_data.read(np.arange(len(run_.train_data))), cfg.global_batch_size,
+        run_.batch_sharding, baseline_side.fn, _copy(baseline_side.state), steps,
+        run_steps=10 * steps, bound=baseline_side.bound)
+    hand_loop()  # warm-up: compiles nothing new (the baseline's step), fills caches
+    loop_secs, hand_secs, step_secs = baselines.interleave(
+        [loop_side, hand_loop, disttrain_side], windows)
+    timings.append(('train_loop', 'hand_written_loop', (loop_secs, hand_secs)))
+    timings.append(('train_loop', 'step_on_device_data', (loop_secs, step_secs)))
   if _WITH_KERAS.value:
     try:
       arrays = run_.train_data.read(np.arange(len(run_.train_data)))
@@ -211,6 +220,11 @@ def _build_sides(run_: disttrain.Setup, devices, k: int, compiles: list):
   return disttrain_side, baseline_side, info
 
 
+def _copy(tree):
+  """Arrays with the same values and shardings in buffers of their own (steps donate them)."""
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), tree)
+
+
 def _check_flags(k: int, num_devices: int) -> None:
   """Flag combinations the benchmark cannot measure, as one-line errors."""
   if _MODEL.value == 'transformer' and ('char_lm' not in models.MODELS
@@ -256,6 +270,8 @@ def _config(num_devices: int):
   cd.log_every_steps = 50 * cd.steps_per_dispatch
   cd.num_train_steps = 10**6 * cd.steps_per_dispatch
   cd.eval_every_steps = 0
+  if _PREFETCH.value is not None:
+    cd.data.prefetch = _PREFETCH.value
   if _SHARDING.value == 'fsdp':
     cd.mesh.data, cd.mesh.fsdp = 1, -1
   elif _SHARDING.value == 'tensor':

@@ -9,6 +9,7 @@ put on the devices in this process, in the same order, so the worker count is no
 data order. The iterator state is the number of batches delivered.
 """
 
+import itertools
 import os
 import sys
 import threading
@@ -133,8 +134,7 @@ class _ReadTrainBatches:
     epochs = np.repeat([b // self.batches_per_epoch for b in batches], self.rows.size)
     index = np.concatenate([self._index(b) for b in batches])
     batch = self.records.read(index, epochs)
-    batch[MASK] = np.ones(index.size, np.float32)
-    batch[ID] = index.astype(np.int32)
+    batch[ID] = index.astype(np.int32)  # no MASK: every train row is real (step.with_mask)
     if self.k == 1:
       return batch
     return {key: v.reshape((self.k, self.rows.size) + v.shape[1:]) for key, v in batch.items()}
@@ -196,14 +196,18 @@ class TrainIterator:
   """Infinite, resumable stream of shuffled global train batches (dicts of jax.Arrays)."""
 
   def __init__(self, records: Records, global_batch_size: int, seed: int,
-               sharding: NamedSharding, prefetch: int = 2, batches_per_element: int = 1,
+               sharding: NamedSharding, prefetch: int = -1, batches_per_element: int = 1,
                workers: int = 0):
     """Checks the sizes; the stream starts on the first next() (after any set_state).
 
     With batches_per_element=K each element is K consecutive global batches stacked on a new
     leading axis ([K, B, ...], for steps_per_dispatch=K); positions stay counted in batches.
-    With workers=N, reading and transforms run in N processes (grain mp_prefetch).
+    With workers=N, reading and transforms run in N processes (grain mp_prefetch). prefetch:
+    batches read ahead in a thread; -1 = 0 on CPU devices (where XLA's step already uses every
+    core, so a reader thread slows it down more than it hides) and 2 on accelerators.
     """
+    if prefetch == -1:
+      prefetch = 0 if sharding.mesh.devices.flat[0].platform == 'cpu' else 2
     if len(records) < global_batch_size:
       raise DataError(f'the train data has {len(records)} examples, fewer than global_batch_size='
                       f'{global_batch_size}; pass --config.global_batch_size=N with N <= '
@@ -222,6 +226,11 @@ class TrainIterator:
     """The grain stream from element self._next // K on."""
     k = self._k
     batch_axis = 0 if k == 1 else 1
+    if not self._workers and not self._prefetch:
+      # Read in this thread, when the step asks: no grain machinery is needed for that.
+      self._it = (self._assemble(self._read(e), batch_axis=batch_axis)
+                  for e in itertools.count(self._next // k))
+      return
     elements = grain.MapDataset.range(self._next // k, sys.maxsize // k)
     if not self._workers:
       # Reading and the host-to-device copy both happen in grain's thread: on the main thread
@@ -262,7 +271,7 @@ class TrainIterator:
     except Exception as e:  # pylint: disable=broad-except
       if not self._workers:
         raise
-      first_line = (str(e).splitlines() or [''])[0][:300]
+      first_line = next((line for line in str(e).splitlines() if line.strip()), '')[:300]
       raise DataError(f'data.workers={self._workers}: the worker processes failed '
                       f'({type(e).__name__}: {first_line}); the source and transforms must be '
                       'picklable (defined at the top level of an importable module): fix them, '

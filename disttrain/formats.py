@@ -38,7 +38,8 @@ def shard_paths(prefix: str, num_shards: int) -> list[str]:
 
 
 def write_array_record(prefix: str, examples: Iterable[dict], num_shards: int = 1,
-                       num_examples: int | None = None) -> list[str]:
+                       num_examples: int | None = None,
+                       options: str = 'group_size:1') -> list[str]:
   """Writes feature dicts to `num_shards` ArrayRecord files; returns their paths.
 
   Shard i holds a contiguous block of examples, so reading the sorted paths back (one
@@ -51,6 +52,8 @@ def write_array_record(prefix: str, examples: Iterable[dict], num_shards: int = 
       `__len__`/`__getitem__`, a dict of arrays, or an iterable of dicts).
     num_shards: files to spread the examples over; > 1 needs the number of examples.
     num_examples: the number of examples when `examples` has no len().
+    options: ArrayRecordWriter options; group_size must stay 1 (random access). The default
+      compresses with zstd; add ',uncompressed' for data that does not compress (pixels).
   """
   from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
   from disttrain import records  # pylint: disable=g-import-not-at-top  (records imports formats)
@@ -69,14 +72,14 @@ def write_array_record(prefix: str, examples: Iterable[dict], num_shards: int = 
         if writer is not None:
           writer.close()
         shard += 1
-        writer = ArrayRecordWriter(paths[shard], 'group_size:1')
+        writer = ArrayRecordWriter(paths[shard], options)
       writer.write(encode(example))
       written += 1
   finally:
     if writer is not None:
       writer.close()
   for path in paths[shard + 1:]:  # fewer examples than shards: the rest are empty files
-    ArrayRecordWriter(path, 'group_size:1').close()
+    ArrayRecordWriter(path, options).close()
   if not written:
     raise DataError(f'write_array_record({prefix!r}): no examples to write; pass a non-empty '
                     'source')

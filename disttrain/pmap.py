@@ -59,12 +59,12 @@ def build(ctx: StepContext, mesh: Mesh, lay: Layout, evaluate, batch_sharding: N
 
     def step(state, batch):
       traces[variant.name] += 1
-      return pmapped(state, split(batch))
+      return pmapped(state, split(step_lib.with_mask(batch)))
     return jax.jit(step, in_shardings=(stacked, batch_sharding),
                    out_shardings=(stacked, NamedSharding(mesh, P())), donate_argnums=0)
 
   pmapped_grads = jax.pmap(lambda s, b: local_grads(s, b)[0], axis_name='batch', devices=devices)
-  grads = jax.jit(lambda s, b: first(pmapped_grads(s, split(b))),
+  grads = jax.jit(lambda s, b: first(pmapped_grads(s, split(step_lib.with_mask(b)))),
                   in_shardings=(stacked, batch_sharding))
   place = jax.jit(lambda s: jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), s),
                   out_shardings=stacked)

@@ -104,7 +104,7 @@ def train_batch_spec(run: Setup) -> dict:
   lead = (run.cfg.global_batch_size,) if k == 1 else (k, run.cfg.global_batch_size)
   sharding = data.stacked_sharding(run.batch_sharding, k)
   return {name: jax.ShapeDtypeStruct(lead + s.shape[1:], s.dtype, sharding=sharding)
-          for name, s in spec.items()}
+          for name, s in spec.items() if name != records_lib.MASK}  # made in the step
 
 
 def loop_variants(cfg: Config, first_step: int) -> list[Variant]:

@@ -103,6 +103,7 @@ def build(model, task, tx, cfg: Config, mesh: Mesh, lay: Layout, batch_sharding:
     return step_lib.update(tx, state, grads, sums, count, new_mutable, all_metrics)
 
   def run(variant: Variant, state, batch):
+    batch = step_lib.with_mask(batch, 1 if variant.steps == 1 else 2)
     if variant.steps == 1:
       return one_step(state, batch, variant.metrics, variant.full_batch)
     quiet = lambda s, b: one_step(s, b, False, variant.full_batch)
@@ -127,7 +128,7 @@ def build(model, task, tx, cfg: Config, mesh: Mesh, lay: Layout, batch_sharding:
                    in_shardings=(lay.shardings, stacked if variant.steps > 1 else batch_sharding),
                    out_shardings=(lay.shardings, replicated), donate_argnums=0)
 
-  grads = jax.jit(lambda state, batch: grads_fn(state, batch, True, False)[0],
+  grads = jax.jit(lambda state, batch: grads_fn(state, step_lib.with_mask(batch), True, False)[0],
                   in_shardings=(lay.shardings, batch_sharding), out_shardings=lay.shardings.params)
   return Steps(make_train=make_train, evaluate=evaluate, grads=grads, place=lambda state: state,
                export=lambda state: state, traces=traces, custom=train_step is not None)

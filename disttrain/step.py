@@ -62,6 +62,16 @@ class Policy:
     return {k: v if k == MASK else self.cast(v) for k, v in batch.items()}
 
 
+def with_mask(batch: dict, lead: int = 1) -> dict:
+  """The batch with MASK: train batches come without one (every row is real), so the ones are
+  made inside the compiled step instead of crossing the host-device boundary each step.
+  `lead`: the leading axes of the batch ([B] = 1, K stacked batches [K, B] = 2)."""
+  if MASK in batch:
+    return batch
+  shape = next(iter(batch.values())).shape[:lead]
+  return {**batch, MASK: jnp.ones(shape, jnp.float32)}
+
+
 def dropout_key(state: TrainState) -> jax.Array:
   """fold_in(rng, step): the same for every layout."""
   return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)

@@ -48,7 +48,8 @@ def test_one_device_k_steps_loop_keras_profile(tmp_path):
           f'--profile={tmp_path / "prof"}']
   rows = _results(tmp_path, *args, *(['--with_keras'] if HAS_KERAS else []))
   assert [(r['disttrain'], r['baseline']) for r in rows] == [
-      ('step', 'jax_jit'), ('train_loop', 'step_on_device_data')] + (
+      ('step', 'jax_jit'), ('train_loop', 'hand_written_loop'),
+      ('train_loop', 'step_on_device_data')] + (
           [('step', 'keras_fit')] if HAS_KERAS else [])
   assert all(r['devices'] == 1 and r['global_batch_size'] == 256 for r in rows)
   assert rows[0]['steps_per_dispatch'] == 2

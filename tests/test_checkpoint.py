@@ -56,8 +56,13 @@ def _last_logged_step(workdir) -> int:
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):
     return 0
+  steps = []
   with open(path, encoding='utf-8') as f:
-    steps = [json.loads(line)['step'] for line in f if line.strip()]
+    for line in f:
+      try:
+        steps.append(json.loads(line)['step'])
+      except json.JSONDecodeError:  # the line being written right now
+        break
   return max(steps, default=0)
 
 
