@@ -126,6 +126,8 @@ class Records:
   def read(self, indices: np.ndarray, epochs: np.ndarray | int = 0) -> dict[str, np.ndarray]:
     """Examples `indices` (epoch per example, for random transforms) stacked: {field: [n, ...]}."""
     indices = np.asarray(indices)
+    if not indices.size:  # e.g. a process whose rows of the last eval batch are all padding
+      return {k: np.zeros((0,) + s.shape, s.dtype) for k, s in self.spec.items()}
     if self._fast:
       return {k: a[indices] for k, a in self._arrays.items()}
     epochs = np.broadcast_to(np.asarray(epochs), indices.shape)
