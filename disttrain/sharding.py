@@ -5,6 +5,8 @@ logical-axis names mapped through `logical_rules`; then, with `sharding='fsdp'`,
 still-unsharded dimension divisible by the fsdp axis is split over 'fsdp'.
 """
 
+import contextlib
+import contextvars
 import math
 import re
 from typing import Any
@@ -13,7 +15,7 @@ import jax
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from disttrain.config import Config
+from disttrain.config import BATCH_AXES, Config
 from disttrain.errors import ShardingError
 
 
@@ -116,3 +118,35 @@ def spec_lists(specs: Any) -> dict[str, list]:
   flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
   return {path_str(path): [list(e) if isinstance(e, tuple) else e for e in spec]
           for path, spec in flat}
+
+
+_ACTIVATIONS = contextvars.ContextVar('disttrain_activation_rules', default=None)
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh, logical_rules: tuple):
+  """While a jit-style step is traced: `constrain` maps activations' logical axes to mesh axes
+  ('batch' -> the batch axes, the rest as config logical_rules map parameters)."""
+  rules = {'batch': BATCH_AXES, **{name: axis for name, axis in logical_rules if name != 'batch'}}
+  token = _ACTIVATIONS.set((mesh, rules))
+  try:
+    yield
+  finally:
+    _ACTIVATIONS.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
+  """x split as its logical axes say under activation_rules; unchanged anywhere else (outside
+  a jit-style step, inside shard_map), so models can call it unconditionally."""
+  context = _ACTIVATIONS.get()
+  if context is None:
+    return x
+  mesh, rules = context
+  used, spec = set(), []
+  for name in logical_axes:
+    entry = rules.get(name) if name is not None else None
+    axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
+                 if a is not None and a not in used and mesh.shape[a] > 1)
+    used.update(axes)
+    spec.append(axes if len(axes) > 1 else (axes[0] if axes else None))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))

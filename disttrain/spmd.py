@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from disttrain import pmap, step as step_lib
+from disttrain import pmap, sharding as sharding_lib, step as step_lib
 from disttrain.compiled import Steps
 from disttrain.config import BATCH_AXES, Config
 from disttrain.errors import ConfigError
@@ -123,7 +123,10 @@ def build(model, task, tx, cfg: Config, mesh: Mesh, lay: Layout, batch_sharding:
   def make_train(variant: Variant):
     def counted(state, batch):
       traces[variant.name] += 1
-      return run(variant, state, batch)
+      if cfg.step_mode != 'jit':
+        return run(variant, state, batch)
+      with sharding_lib.activation_rules(mesh, cfg.logical_rules):
+        return run(variant, state, batch)
     return jax.jit(counted,
                    in_shardings=(lay.shardings, stacked if variant.steps > 1 else batch_sharding),
                    out_shardings=(lay.shardings, replicated), donate_argnums=0)

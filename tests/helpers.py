@@ -47,3 +47,13 @@ def devices(n: int):
 
 def to_numpy(tree):
   return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def assert_trees_close(actual, expected, rtol, atol, what):
+  """Leaf by leaf, paths named in the message; both trees must have the same structure."""
+  flat_actual, tree_a = jax.tree_util.tree_flatten_with_path(actual)
+  flat_expected, tree_e = jax.tree_util.tree_flatten_with_path(expected)
+  assert tree_a == tree_e, (tree_a, tree_e)
+  for (path, a), (_, e) in zip(flat_actual, flat_expected):
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol,
+                               err_msg=f'{what} {jax.tree_util.keystr(path)}')

@@ -26,7 +26,7 @@ import pytest
 
 import disttrain
 from disttrain import data
-from tests.helpers import LAYOUTS, devices, make_config, to_numpy
+from tests.helpers import LAYOUTS, assert_trees_close, devices, make_config, to_numpy
 
 DROPOUT_INVARIANT = ('replicate8', 'fsdp8', 'data4_tensor2')
 
@@ -46,15 +46,6 @@ def _one_step(cfg, n_devices: int):
   new_state, metrics = step.train(device_state, batch)
   new_state = step.export(new_state)
   return float(metrics['loss']), grads, to_numpy(new_state.params), to_numpy(new_state.mutable)
-
-
-def _assert_trees_close(actual, expected, rtol, atol, what):
-  for path, a in jax.tree_util.tree_flatten_with_path(actual)[0]:
-    e = expected
-    for key in path:
-      e = e[key.key]
-    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol,
-                               err_msg=f'{what} {jax.tree_util.keystr(path)}')
 
 
 def _assert_new_params_close(params, ref_params, ref_grads, lr):
@@ -81,10 +72,10 @@ def test_one_step_matches_one_device(layout):
   loss, grads, params, mutable = _one_step(cfg, n)
   ref_loss, ref_grads, ref_params, ref_mutable = _one_step(reference, 1)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
-  _assert_trees_close(grads, ref_grads, 1e-5, 1e-6, 'gradient')
+  assert_trees_close(grads, ref_grads, 1e-5, 1e-6, 'gradient')
   _assert_new_params_close(params, ref_params, ref_grads, lr=cfg.learning_rate)
   # BatchNorm running statistics: global-batch statistics in every style.
-  _assert_trees_close(mutable, ref_mutable, 1e-5, 1e-6, 'batch_stats')
+  assert_trees_close(mutable, ref_mutable, 1e-5, 1e-6, 'batch_stats')
 
 
 def _train_losses(cfg, workdir, n_devices: int = 8) -> list[float]:

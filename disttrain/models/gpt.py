@@ -11,7 +11,10 @@ W_qkv[D_fsdp, H_tensor, K], W_out[H_tensor, K, D_fsdp], W_in[D_fsdp, F_tensor],
 W_out[F_tensor, D_fsdp], embed[V_tensor, D_fsdp]. The vocabulary is padded to a multiple of
 `vocab_multiple` (GPT-2's 50,257 -> 50,304, as nanoGPT does) so it splits evenly; padded ids get
 a logit of -1e9, so they carry no probability and the loss is that of the real vocabulary.
-`dtype` is the compute dtype of the activations (the parameters stay float32).
+`dtype` is the compute dtype of the activations (the parameters stay float32). Activations
+name their axes too ('batch', then heads / mlp / vocab where split): under disttrain's jit
+style 'batch' maps to the batch axes, so XLA keeps activations split by example while it
+gathers fsdp-split weights, instead of splitting the width of both.
 """
 
 import dataclasses
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from disttrain import sharding
 from disttrain.models.linen import LinenModel, model_inputs
 
 _INIT = nn.initializers.normal(stddev=0.02)
@@ -57,11 +61,13 @@ class Block(nn.Module):
         (3, self.num_heads, head_dim), use_bias=self.use_bias, dtype=self.dtype, name='qkv',
         kernel_init=_weights(('embed', None, 'heads', 'head_dim')),
         bias_init=_weights((None, 'heads', 'head_dim'), nn.initializers.zeros_init()))(h)
+    qkv_BxTx3xHxK = _constrain(qkv_BxTx3xHxK, ('batch', None, None, 'heads', None))
     q_BxTxHxK, k_BxSxHxK, v_BxSxHxK = (qkv_BxTx3xHxK[:, :, i] for i in range(3))
     t = x_BxTxD.shape[1]
     logits_BxHxTxS = jnp.einsum('bthk,bshk->bhts', q_BxTxHxK, k_BxSxHxK) / jnp.sqrt(head_dim)
     causal_TxS = jnp.tril(jnp.ones((t, t), bool))
     logits_BxHxTxS = jnp.where(causal_TxS, logits_BxHxTxS.astype(jnp.float32), -1e9)
+    logits_BxHxTxS = _constrain(logits_BxHxTxS, ('batch', 'heads', None, None))
     probs_BxHxTxS = jax.nn.softmax(logits_BxHxTxS, axis=-1).astype(v_BxSxHxK.dtype)
     attended_BxTxHxK = jnp.einsum('bhts,bshk->bthk', probs_BxHxTxS, v_BxSxHxK)
     out_BxTxD = nn.DenseGeneral(d, axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
@@ -69,15 +75,21 @@ class Block(nn.Module):
                                 bias_init=_weights(('embed',), nn.initializers.zeros_init()))(
                                     attended_BxTxHxK)
     dropout = nn.Dropout(self.dropout, deterministic=not self.train)
-    x_BxTxD = x_BxTxD + dropout(out_BxTxD)
+    x_BxTxD = _constrain(x_BxTxD + dropout(out_BxTxD), ('batch', None, None))
     h = _norm(self.norm, self.dtype, 'mlp_norm')(x_BxTxD)
     h_BxTxF = nn.gelu(nn.Dense(self.mlp_dim, use_bias=self.use_bias, dtype=self.dtype,
                                name='mlp_in', kernel_init=_weights(('embed', 'mlp')),
                                bias_init=_weights(('mlp',), nn.initializers.zeros_init()))(h))
+    h_BxTxF = _constrain(h_BxTxF, ('batch', None, 'mlp'))
     out_BxTxD = nn.Dense(d, use_bias=self.use_bias, dtype=self.dtype, name='mlp_out',
                          kernel_init=_weights(('mlp', 'embed')),
                          bias_init=_weights(('embed',), nn.initializers.zeros_init()))(h_BxTxF)
-    return x_BxTxD + dropout(out_BxTxD), None
+    return _constrain(x_BxTxD + dropout(out_BxTxD), ('batch', None, None)), None
+
+
+def _constrain(x: jax.Array, axes: tuple) -> jax.Array:
+  """A logical sharding constraint (a no-op outside a jit-style step, e.g. in shard_map)."""
+  return sharding.constrain(x, axes)
 
 
 def _remat_policy(remat: str):
@@ -110,6 +122,7 @@ class GPT(nn.Module):
     positions_TxD = self.param('positions', _weights((None, 'embed'), nn.initializers.normal(0.01)),
                                (t, self.width))
     x_BxTxD = (jnp.take(embedding_VxD, tokens_BxT, axis=0) + positions_TxD).astype(self.dtype)
+    x_BxTxD = _constrain(x_BxTxD, ('batch', None, None))
     x_BxTxD = nn.Dropout(self.dropout, deterministic=not train)(x_BxTxD)
     block = Block
     if self.remat != 'none':
@@ -125,6 +138,7 @@ class GPT(nn.Module):
     else:
       logits_BxTxV = nn.Dense(self.padded_vocab, use_bias=False, dtype=self.dtype,
                               name='unembed', kernel_init=_weights(('embed', 'vocab')))(x_BxTxD)
+    logits_BxTxV = _constrain(logits_BxTxV, ('batch', None, 'vocab'))
     real_V = jnp.arange(self.padded_vocab) < self.vocab_size
     return jnp.where(real_V, logits_BxTxV.astype(jnp.float32), -1e9)
 

@@ -1,0 +1,320 @@
+"""Tools for models that do not fit: gradient accumulation, rematerialisation, bf16, the memory
+pre-flight, and a GPT-class transformer that reaches GPT-2 small.
+
+Models: the seed-004 MLP without BatchNorm or dropout (part 1's plain-function jax_mlp, on the
+8x8 digits) and launch/configs/gpt.py at a tiny size. Tolerances as in test_equivalence.py: one
+step agrees to float reassociation (summing M micro-batches reorders the sum, as devices do), so
+rtol 1e-5; new parameters after Adam's first step follow test_equivalence's noise-floor rule.
+Memory figures are XLA's compiled memory analysis on CPU (per device; nothing is run for them).
+"""
+
+import json
+import os
+import re
+import runpy
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import disttrain
+from disttrain import data, run as run_lib, spmd
+from disttrain.records import ID, MASK
+from disttrain.step import Variant
+from tests import helpers
+from tests.conftest import ROOT
+from tests.helpers import LAYOUTS, assert_trees_close, devices, to_numpy
+from tests.test_equivalence import _assert_new_params_close
+
+GPT = ROOT / 'launch' / 'configs' / 'gpt.py'
+TINY_GPT = {'model.num_layers': 2, 'model.hidden': 64, 'model.num_heads': 4, 'data.seq_len': 32,
+            'global_batch_size': 32, 'data.text.bytes': 100_000, 'data.eval_examples': 64,
+            'eval_batch_size': 64}
+ONE = ({'mesh.data': 1}, 1)
+
+
+def _mlp(**overrides) -> disttrain.Config:
+  return helpers.make_config(**{'model.name': 'jax_mlp', 'model.hidden': 64, 'model.dropout': 0.0,
+                                **overrides})
+
+
+def _gpt(size: str = 'small', **overrides) -> disttrain.Config:
+  cd = runpy.run_path(str(GPT))['get_config'](size)
+  return disttrain.from_config_dict(helpers.override(cd, overrides))
+
+
+def _tiny_gpt(**overrides) -> disttrain.Config:
+  return _gpt(**{**TINY_GPT, **overrides})
+
+
+def _one_step(cfg, n_devices: int, micro_batches=(1,)):
+  """{M: (loss, grads, new params)} of one masked-variant step from the initial state, for each
+  number of micro-batches M: one state and batch, one Steps per M."""
+  run = disttrain.setup(cfg, devices=devices(n_devices))
+  it = data.TrainIterator(run.train_data, cfg.global_batch_size, cfg.seed, run.batch_sharding)
+  batch = next(it)
+  it.close()
+  out = {}
+  for m in micro_batches:
+    steps = spmd.build(run.model, run.task, run.tx, _accumulating(cfg, m), run.mesh, run.layout,
+                       run.batch_sharding)
+    state = steps.place(jax.tree.map(jnp.copy, run.state))  # each step donates its own copy
+    grads = to_numpy(steps.grads(state, batch))
+    new_state, metrics = steps.train(state, batch)
+    out[m] = float(metrics['loss']), grads, to_numpy(steps.export(new_state).params)
+  return out
+
+
+def _accumulating(cfg: disttrain.Config, m: int) -> disttrain.Config:
+  cd = disttrain.defaults(cfg)
+  cd.grad_accum_steps = m
+  return disttrain.from_config_dict(cd)
+
+
+ACCUMULATION = [(_mlp, layout, (2, 4)) for layout in ('one', 'replicate8', 'fsdp8',
+                                                       'data4_tensor2', 'shard_map8')] + [
+    # The GPT's compiles are the slow part (~4 s per M): data x tensor is the MLP's alone.
+    pytest.param(_tiny_gpt, 'one', (2, 4), marks=pytest.mark.slow),
+    pytest.param(_tiny_gpt, 'fsdp8', (4,), marks=pytest.mark.slow),
+    pytest.param(_tiny_gpt, 'shard_map8', (2,), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize('make,layout,ms', ACCUMULATION, ids=[
+    f'{c.values[0].__name__[1:]}-{c.values[1]}' if hasattr(c, 'values') else
+    f'{c[0].__name__[1:]}-{c[1]}' for c in ACCUMULATION])
+def test_accumulated_step_equals_the_global_batch_step(make, layout, ms):
+  overrides, n = ONE if layout == 'one' else LAYOUTS[layout]
+  cfg = make(**overrides)
+  results = _one_step(cfg, n, (1, *ms))
+  ref_loss, ref_grads, ref_params = results[1]
+  for m in ms:
+    loss, grads, params = results[m]
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'gradient (M={m}, {layout})')
+    _assert_new_params_close(params, ref_params, ref_grads, lr=cfg.learning_rate)
+
+
+@pytest.mark.parametrize('step_mode', ['jit', 'shard_map'])
+def test_padded_batch_under_accumulation_is_the_global_masked_mean(step_mode):
+  """Rows 0-29 of 64 masked out (devices 0-2 hold no valid row): M=2 on 8 devices gives the loss
+  of M=1 on 1 device, i.e. sum over valid rows / their global count."""
+  def loss(cfg, n):
+    run = disttrain.setup(cfg, devices=devices(n))
+    rows = np.arange(64)
+    batch = {**run.train_data.read(rows), ID: rows.astype(np.int32),
+             MASK: (rows >= 30).astype(np.float32)}
+    _, metrics = run.steps.train(run.steps.place(run.state),
+                                 jax.device_put(batch, run.batch_sharding))
+    return float(metrics['loss']), float(metrics['count'])
+  expected, count = loss(_mlp(mesh__data=1, global_batch_size=64), 1)
+  got, got_count = loss(_mlp(mesh__data=8, global_batch_size=64, step_mode=step_mode,
+                             grad_accum_steps=2), 8)
+  assert count == got_count == 34
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_thirty_steps_with_accumulation_and_several_steps_per_call(tmp_path):
+  """M=2 with 2 steps per call (fsdp, 8 devices) trains like M=1 one step per call: training
+  amplifies the reassociation, so rtol 1e-4 over 10 steps and 1e-2 over 30."""
+  common = dict(mesh__data=1, mesh__fsdp=8, sharding='fsdp', fsdp_min_size=1024,
+                num_train_steps=30, log_every_steps=2)
+  a = disttrain.train(_mlp(**common), str(tmp_path / 'm1'), devices=devices(8))
+  b = disttrain.train(_mlp(**common, grad_accum_steps=2, steps_per_dispatch=2),
+                      str(tmp_path / 'm2'), devices=devices(8))
+  assert b.trace_count == 1
+  la = [r['loss'] for r in a.records if r['split'] == 'train']
+  lb = [r['loss'] for r in b.records if r['split'] == 'train']
+  assert len(la) == len(lb) == 15
+  np.testing.assert_allclose(lb[:5], la[:5], rtol=1e-4)
+  np.testing.assert_allclose(lb, la, rtol=1e-2)
+  assert lb[-1] < 0.8 * lb[0]  # it learns
+
+
+def test_custom_step_accumulates_too():
+  from tests.test_custom_step import alternating_step, two_optimizers  # pylint: disable=g-import-not-at-top
+
+  def step(m):
+    cfg = _mlp(mesh__data=8, grad_accum_steps=m)
+    run = disttrain.setup(cfg, devices=devices(8), tx=two_optimizers(), train_step=alternating_step)
+    it = data.TrainIterator(run.train_data, cfg.global_batch_size, cfg.seed, run.batch_sharding)
+    new_state, metrics = run.steps.train(run.state, next(it))
+    it.close()
+    return float(metrics['loss']), to_numpy(new_state.params)
+  (loss1, p1), (loss2, p2) = step(1), step(2)
+  np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+  assert_trees_close(p2, p1, 1e-5, 1e-6, 'new params')
+
+
+# ------------------------------------------------------------------------------------------
+# fsdp: gathered once per step, not once per micro-batch.
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+  """Compiled HLO text -> {computation name: its instruction lines}."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    match = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{$', line)
+    if match:
+      name = match.group(1)
+      comps[name] = []
+    elif name is not None:
+      comps[name].append(line)
+  return comps
+
+
+def _all_gathers(cfg) -> tuple[int, int]:
+  """(all-gathers inside the micro-batch loop's body, all-gathers elsewhere) of the step."""
+  run = disttrain.setup(cfg, devices=devices(8))
+  hlo = run.steps.make_train(Variant(full_batch=True)).lower(
+      run.state, run_lib.train_batch_spec(run)).compile().as_text()
+  comps = _computations(hlo)
+  bodies = {m.group(1) for lines in comps.values() for line in lines if ' while(' in line
+            for m in [re.search(r'body=%?([\w.\-]+)', line)] if m}
+  assert len(bodies) == 1, bodies  # the micro-batch loop
+  count = lambda names: sum(1 for n in names for line in comps[n] if 'all-gather' in line
+                            and '=' in line)
+  return count(bodies), count(set(comps) - bodies)
+
+
+def test_fsdp_accumulation_gathers_each_parameter_once_per_step(monkeypatch):
+  cfg = _mlp(mesh__data=1, mesh__fsdp=8, sharding='fsdp', fsdp_min_size=1024, grad_accum_steps=4)
+  inside, outside = _all_gathers(cfg)
+  assert inside == 0 and outside >= 2, (inside, outside)  # Dense_0/1 kernels (and biases)
+  # Without disttrain's gather before the loop XLA gathers in the body, once per micro-batch:
+  # what the test would see if the gather were lost.
+  real = spmd.context
+  monkeypatch.setattr(spmd, 'context', lambda *a: real(*a).__class__(
+      **{**real(*a).__dict__, 'gather': None}))
+  inside, _ = _all_gathers(cfg)
+  assert inside >= 2, inside
+
+
+# ------------------------------------------------------------------------------------------
+# Memory: accumulation and remat shrink temporaries; XLA says how much before anything runs.
+
+_COMPILED = {}
+# The GPT config's default size (4 x 128, batch 32 x 128 tokens), 1 device: activations dominate.
+_ACTIVATION_HEAVY = dict(mesh__data=1, **{'data.text.bytes': 100_000, 'num_train_steps': 3,
+                                          'log_every_steps': 1})
+
+
+def _memory(**overrides):
+  """CompileInfo of the logged step of the GPT config with these overrides (cached)."""
+  key = json.dumps(overrides, sort_keys=True)
+  if key not in _COMPILED:
+    run = disttrain.setup(_gpt(**_ACTIVATION_HEAVY, **overrides), devices=devices(1))
+    _COMPILED[key] = run.steps.compile(Variant(full_batch=True), run.state,
+                                       run_lib.train_batch_spec(run))
+  return _COMPILED[key]
+
+
+def test_accumulation_and_remat_cut_activation_memory():
+  full = _memory()
+  accumulated = _memory(grad_accum_steps=4)
+  rematerialised = _memory(**{'model.remat': 'full'})
+  assert full.temp_bytes > 20 * full.state_bytes  # activations dominate
+  assert accumulated.temp_bytes <= 0.4 * full.temp_bytes, (accumulated, full)
+  assert rematerialised.temp_bytes <= 0.5 * full.temp_bytes, (rematerialised, full)
+
+
+@pytest.mark.slow
+def test_remat_computes_the_same_step():
+  step = lambda remat: _one_step(
+      _tiny_gpt(mesh__data=1, **{'model.num_layers': 4, 'model.remat': remat}), 1)[1]
+  (loss, grads, _), (remat_loss, remat_grads, _) = step('none'), step('full')
+  np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
+  assert_trees_close(remat_grads, grads, 1e-6, 1e-8, 'gradient (remat=full)')
+
+
+def test_gpt2_small_compiles_split_over_eight_devices():
+  """124 M parameters: per-device state <= 1.1 x total / the ways the parameters are split."""
+  for mesh, ways in (({'mesh.data': 1, 'mesh.fsdp': 8}, 8),
+                     ({'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2}, 4)):
+    cfg = _gpt('gpt2_small', **mesh, global_batch_size=16)
+    shapes = {'tokens': jax.ShapeDtypeStruct((1, 1024), np.int32), ID: jax.ShapeDtypeStruct(
+        (1,), np.int32), 'targets': jax.ShapeDtypeStruct((1, 1024), np.int32)}
+    run = _abstract_setup(cfg, shapes)
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run['state'].params))
+    assert 124e6 < params < 125e6, params  # 50,257 -> 50,304 rows (vocab padded to 128)
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(run['state']))
+    info = run['steps'].compile(Variant(full_batch=True), run['state'], run['batch'])
+    assert info.state_bytes <= 1.1 * total / ways, (mesh, info.state_bytes, total / ways)
+    assert info.temp_bytes > 0 and info.compile_seconds > 0
+
+
+def _abstract_setup(cfg, spec):
+  """Layout, abstract state and compiled-on-demand steps without creating any array."""
+  from disttrain import mesh as mesh_lib, models, optim, state as state_lib  # pylint: disable=g-import-not-at-top
+  mesh = mesh_lib.build(cfg.mesh, devices(8))
+  model = models.build(cfg.model, cfg.precision.compute_dtype)
+  tx, _ = optim.build(cfg)
+  lay = state_lib.layout(model, tx, spec, cfg, mesh)
+  sharding = data.batch_sharding(mesh)
+  steps = spmd.build(model, models.task(cfg.model), tx, cfg, mesh, lay, sharding)
+  batch = {k: jax.ShapeDtypeStruct((cfg.global_batch_size,) + s.shape[1:], s.dtype,
+                                   sharding=sharding) for k, s in spec.items()}
+  return {'state': state_lib.abstract(lay, model, tx, spec, cfg.seed), 'steps': steps,
+          'batch': batch}
+
+
+# ------------------------------------------------------------------------------------------
+# The memory pre-flight.
+
+def _env() -> dict:
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  return env
+
+
+@pytest.mark.slow
+def test_preflight_refuses_a_step_that_does_not_fit_and_remat_or_accumulation_fit(tmp_path):
+  need = _memory().peak_bytes
+  fits = max(_memory(**{'model.remat': 'full'}).peak_bytes,
+             _memory(grad_accum_steps=4).peak_bytes)
+  limit = (need + fits) // 2
+  assert fits < limit < need
+  proc = subprocess.run(
+      [sys.executable, 'launch/train.py', f'--config={GPT}', f'--workdir={tmp_path / "no"}',
+       '--fake_devices=1', f'--config.memory_limit_bytes={limit}', '--config.mesh.data=1',
+       '--config.data.text.bytes=100000'],
+      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=False)
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+  for needle in ('MemoryLimitError: train step logged needs', 'memory_limit_bytes', 'fsdp',
+                 'model.remat=full', 'grad_accum_steps', 'global_batch_size'):
+    assert needle in lines[0], (needle, lines[0])
+  assert not (tmp_path / 'no' / 'metrics.jsonl').read_text().strip()  # no step ran
+  for lever in ({'model.remat': 'full'}, {'grad_accum_steps': 4}):
+    result = disttrain.train(_gpt(**_ACTIVATION_HEAVY, memory_limit_bytes=limit, **lever),
+                             str(tmp_path / str(lever)), devices=devices(1))
+    assert [r['step'] for r in result.records if r['split'] == 'train'] == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------
+# bf16 compute with float32 master weights.
+
+BF16 = {'precision.compute_dtype': 'bfloat16'}
+
+
+def test_bf16_activations_float32_state_and_first_loss():
+  for make, n in ((lambda **o: _mlp(mesh__data=8, **o), 8),
+                  (lambda **o: _tiny_gpt(mesh__data=1, **o), 1)):
+    f32_loss, _, _ = _one_step(make(), n)[1]
+    bf16_loss, bf16_grads, bf16_params = _one_step(make(**BF16), n)[1]
+    np.testing.assert_allclose(bf16_loss, f32_loss, rtol=1e-2)  # one bf16 forward pass
+    for tree in (bf16_grads, bf16_params):
+      assert {x.dtype for x in jax.tree.leaves(tree)} == {np.dtype(np.float32)}
+  # The lowered program multiplies in bf16: every dot of the GPT step takes bf16 operands.
+  run = disttrain.setup(_tiny_gpt(mesh__data=1, **BF16), devices=devices(1))
+  text = run.steps.make_train(Variant(full_batch=True)).lower(
+      run.state, run_lib.train_batch_spec(run)).as_text()
+  dots = [line for line in text.splitlines() if 'dot_general' in line and '->' in line]
+  bf16_dots = [line for line in dots if re.search(r'tensor<[^>]*xbf16> *,', line)]
+  assert dots and len(bf16_dots) >= 0.9 * len(dots), (len(bf16_dots), len(dots))
+  # run.json records float32 master state.
+  info = run_lib.run_info(run)
+  assert info['state_dtypes']['params'] == ['float32']
+  assert set(info['state_dtypes']['opt_state']) <= {'float32', 'int32'}
+  assert info['config']['precision'] == {'compute_dtype': 'bfloat16', 'param_dtype': 'float32'}
