@@ -318,3 +318,22 @@ def test_bf16_activations_float32_state_and_first_loss():
   assert info['state_dtypes']['params'] == ['float32']
   assert set(info['state_dtypes']['opt_state']) <= {'float32', 'int32'}
   assert info['config']['precision'] == {'compute_dtype': 'bfloat16', 'param_dtype': 'float32'}
+
+
+@pytest.mark.slow
+def test_bf16_trains_like_float32(tmp_path):
+  """30 steps from the same start, bf16 compute vs float32. bf16 keeps 8 bits of mantissa, so
+  every activation is off by up to 2^-8 ~ 0.4 % relative and the steps drift apart from there;
+  measured (2026-11-24): the GPT's losses within 0.17 %, the seed-004 MLP's (Dropout +
+  BatchNorm, whose batch statistics amplify the rounding) within 2.9 %. Bounds: 1e-2 and 5e-2."""
+  def losses(cfg, n, name):
+    result = disttrain.train(cfg, str(tmp_path / name), devices=devices(n))
+    return [r['loss'] for r in result.records if r['split'] == 'train']
+  for name, make, n, bound in (
+      ('mlp', lambda **o: helpers.make_config(mesh__data=8, num_train_steps=30,
+                                              log_every_steps=1, **o), 8, 5e-2),
+      ('gpt', lambda **o: _tiny_gpt(mesh__data=1, num_train_steps=30, log_every_steps=1,
+                                    eval_every_steps=30, **o), 1, 1e-2)):
+    f32, bf16 = losses(make(), n, f'{name}32'), losses(make(**BF16), n, f'{name}16')
+    np.testing.assert_allclose(bf16, f32, rtol=bound, err_msg=name)
+    assert bf16[-1] < 0.8 * bf16[0], name

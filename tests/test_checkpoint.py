@@ -291,3 +291,37 @@ def test_best_metric_needs_checkpoints_at_eval_steps():
   with pytest.raises(disttrain.ConfigError, match='must be a positive multiple of '
                                                   'eval_every_steps=300'):
     make_config(best_metric='accuracy', eval_every_steps=300, checkpoint_every_steps=100)
+
+
+ACCUMULATED_BF16 = ('--config.grad_accum_steps=2', '--config.precision.compute_dtype=bfloat16')
+
+
+@pytest.mark.slow
+def test_accumulated_bf16_run_resumes_bit_exactly_and_restores_without_accumulation(tmp_path):
+  """grad_accum_steps=2 in bf16: SIGKILL after the step-40 checkpoint, relaunch: steps 41-60
+  and the final params are bitwise those of an uninterrupted run. The micro-batch count is not
+  part of the state: the same checkpoints then continue with grad_accum_steps=1."""
+  steps = ('--config.num_train_steps=60',)
+  full = _launch(tmp_path / 'full', *ACCUMULATED_BF16, *steps)
+  out, _ = full.communicate(timeout=300)
+  assert full.returncode == 0, out
+  proc = _launch(tmp_path / 'run', *ACCUMULATED_BF16, '--config.num_train_steps=1000')
+  while not (tmp_path / 'run' / 'checkpoints' / '40').is_dir() and proc.poll() is None:
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=120)
+  saved = sorted(int(d) for d in os.listdir(tmp_path / 'run' / 'checkpoints') if d.isdigit())
+  relaunch = _launch(tmp_path / 'run', *ACCUMULATED_BF16, *steps)
+  out, _ = relaunch.communicate(timeout=300)
+  assert relaunch.returncode == 0 and f'resumed from step {saved[-1]}' in out, out
+  expected, actual = _train_losses(tmp_path / 'full'), _train_losses(tmp_path / 'run')
+  after = range(saved[-1] + 1, 61)
+  assert [actual[s] for s in after] == [expected[s] for s in after]  # bitwise
+  for a, b in zip(jax.tree.leaves(_saved_params(tmp_path / 'run', 60)),
+                  jax.tree.leaves(_saved_params(tmp_path / 'full', 60))):
+    np.testing.assert_array_equal(a, b)
+  one = _launch(tmp_path / 'run', '--config.precision.compute_dtype=bfloat16',
+                '--config.grad_accum_steps=1', '--config.num_train_steps=70')
+  out, _ = one.communicate(timeout=300)
+  assert one.returncode == 0 and 'resumed from step 60' in out, out
+  assert all(np.isfinite(_train_losses(tmp_path / 'run')[s]) for s in range(61, 71))

@@ -16,10 +16,10 @@ def test_hundreds_of_steps_on_eight_cpu_devices_do_not_deadlock(tmp_path):
   assert result.records[-1]['split'] == 'eval' and result.records[-1]['accuracy'] > 0.8
 
 
-def _mnist_accuracy(mnist_dir, n_devices, workdir) -> float:
+def _mnist_accuracy(mnist_dir, n_devices, workdir, **overrides) -> float:
   # First 8,000 images train, last 2,000 eval, pixels in [0, 1], batch 128, 5 epochs (312 steps).
   cfg = make_config(mesh__data=n_devices, data__name='mnist', data__dir=mnist_dir,
-                    global_batch_size=128, num_train_steps=312, log_every_steps=100)
+                    global_batch_size=128, num_train_steps=312, log_every_steps=100, **overrides)
   result = disttrain.train(cfg, str(workdir), devices=devices(n_devices))
   final = result.records[-1]
   assert final['split'] == 'eval' and final['num_examples'] == 2000
@@ -33,3 +33,6 @@ def test_mnist_mlp_reaches_accuracy_on_eight_devices_like_one(mnist_dir, tmp_pat
   acc1 = _mnist_accuracy(mnist_dir, 1, tmp_path / 'one')
   assert acc8 >= 0.955, acc8
   assert abs(acc8 - acc1) <= 0.005, (acc8, acc1)
+  # bf16 compute, float32 master weights: within 1 point of float32 (measured 0.9630 vs 0.9665).
+  bf16 = _mnist_accuracy(mnist_dir, 8, tmp_path / 'bf16', precision__compute_dtype='bfloat16')
+  assert abs(bf16 - acc8) <= 0.01, (bf16, acc8)
