@@ -20,6 +20,7 @@ import tempfile
 
 from absl import app, flags, logging
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -30,9 +31,18 @@ from disttrain import config as config_lib, data, models
 from disttrain.models.linen import LinenModel
 from disttrain.step import Variant
 
-_MODEL = flags.DEFINE_enum('model', 'mlp_small', ['mlp_small', 'mlp', 'transformer'],
+_MODEL = flags.DEFINE_enum('model', 'mlp_small', ['mlp_small', 'mlp', 'transformer', 'gpt'],
                            'mlp_small: seed 000 (784-64-64-10, batch 256); mlp: seed 004 '
-                           '(mnist_mlp, Dropout + BatchNorm, batch 128); transformer: char_lm.')
+                           '(mnist_mlp, Dropout + BatchNorm, batch 128); transformer: char_lm; '
+                           'gpt: launch/configs/gpt.py at --gpt_size.')
+_GPT_SIZE = flags.DEFINE_string('gpt_size', 'small', '--model=gpt: a size of launch/configs/gpt.py.')
+_PRECISION = flags.DEFINE_enum('precision', 'float32', ['float32', 'bfloat16'],
+                               'precision.compute_dtype of both sides.')
+_GRAD_ACCUM = flags.DEFINE_integer('grad_accum_steps', 1, 'Micro-batches per step, both sides '
+                                   '(the hand-written step scans them too).')
+_REMAT = flags.DEFINE_enum('remat', 'none', ['none', 'full', 'dots_saveable',
+                                             'dots_with_no_batch_dims_saveable'],
+                           '--model=gpt: model.remat (the module is shared by both sides).')
 _SHARDING = flags.DEFINE_enum('sharding', 'replicate', ['replicate', 'fsdp', 'tensor'],
                               'replicate: data parallel; fsdp: mesh.fsdp = all devices; tensor: '
                               'mesh.tensor = 2, hidden features split.')
@@ -53,8 +63,9 @@ _JSON = flags.DEFINE_string('json', None, 'Write {"results": [...]} here.')
 _PROFILE = flags.DEFINE_string('profile', None, 'Write a jax.profiler trace of one window of '
                                'each side here.')
 
-_CHAR_LM_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               'launch', 'configs', 'char_lm.py')
+_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'launch',
+                        'configs')
+_CHAR_LM_CONFIG = os.path.join(_CONFIGS, 'char_lm.py')
 _SEED = {'mlp_small': dict(batch=256, hidden=64, dropout=0.0),
          'mlp': dict(batch=128, hidden=512, dropout=0.3)}
 _WINDOW_SEC = 0.1  # auto --steps: many short paired windows average out the host's bursts
@@ -105,6 +116,7 @@ def run() -> list[dict]:
   model = (LinenModel(baselines.SmallMLP(hidden=cfg.model.hidden)) if _MODEL.value == 'mlp_small'
            else models.build(cfg.model))
   run_ = disttrain.setup(cfg, model=model, devices=devices)
+  lm = disttrain.run.throughput(run_)  # tokens and model FLOPs of language models
   compiles = [0]  # XLA compilations and persistent-cache hits: either means a step was rebuilt
 
   def count(event: str, *_, **__) -> None:
@@ -169,8 +181,23 @@ def run() -> list[dict]:
                      ms_per_step=round(1e3 * cfg.global_batch_size / med, 4),
                      baseline_ms_per_step=round(1e3 * cfg.global_batch_size / base_med, 4),
                      fraction_of_peak=round(med * info['flops_per_example'] / peak_flops, 4),
-                     peak_flops_per_sec=round(peak_flops), peak_dtype=np.dtype(peak.dtype).name))
+                     peak_flops_per_sec=round(peak_flops), peak_dtype=np.dtype(peak.dtype).name,
+                     **_lm_fields(lm, len(devices), med, peak_flops)))
   return rows
+
+
+def _lm_fields(throughput, num_devices: int, examples_per_sec: float,
+               measured_peak: float) -> dict:
+  """tokens_per_sec and MFU (model FLOPs: 6 N + attention, per token) for language models,
+  against the accelerator table's peak, or on CPU the measured dot peak of this run."""
+  if not throughput.flops_per_example:
+    return {}
+  table_peak = throughput.peak
+  peak = table_peak or measured_peak * num_devices
+  return {'tokens_per_sec': round(examples_per_sec * throughput.tokens_per_example, 1),
+          'model_flops_per_example': throughput.flops_per_example,
+          'mfu': round(examples_per_sec * throughput.flops_per_example / peak, 4),
+          'mfu_peak': 'table' if table_peak else 'measured dot peak'}
 
 
 def _build_sides(run_: disttrain.Setup, devices, k: int, compiles: list):
@@ -199,7 +226,8 @@ def _build_sides(run_: disttrain.Setup, devices, k: int, compiles: list):
   run_.state = state = None  # donated to the first step
   base_traces = [0]
   base_fn = baselines.train_step_fn(run_.model.module, run_.tx, base_traces,
-                                    run_.model.input_key, run_.task.label_key)
+                                    run_.model.input_key, run_.task.label_key,
+                                    jnp.dtype(cfg.precision.compute_dtype), cfg.grad_accum_steps)
   baseline_side = StepSide('hand-written step',
                            baselines.jit_step(base_fn, base_shardings, batch_sharding), base_state,
                            [jax.device_put(b, batch_sharding) for b in batches], 1, bound,
@@ -248,11 +276,14 @@ def _check_flags(k: int, num_devices: int) -> None:
 def _config(num_devices: int):
   """disttrain's config for the flags: the seed MLPs on synthetic 784-feature data (Adam 1e-3),
   or launch/configs/char_lm.py's transformer on its text."""
-  if _MODEL.value == 'transformer':
-    spec = importlib.util.spec_from_file_location('char_lm_config', _CHAR_LM_CONFIG)
+  if _MODEL.value in ('transformer', 'gpt'):
+    name = 'char_lm' if _MODEL.value == 'transformer' else 'gpt'
+    spec = importlib.util.spec_from_file_location(f'{name}_config',
+                                                  os.path.join(_CONFIGS, f'{name}.py'))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cd = module.get_config()
+    cd = module.get_config(_GPT_SIZE.value) if name == 'gpt' else module.get_config()
+    cd.model.remat = _REMAT.value
   else:
     seed = _SEED[_MODEL.value]
     cd = config_lib.defaults()
@@ -263,6 +294,8 @@ def _config(num_devices: int):
     if _SHARDING.value == 'fsdp':
       cd.sharding = 'fsdp'  # char_lm's rules already put its width ('embed') on fsdp
   cd.global_batch_size = _BATCH.value or cd.global_batch_size
+  cd.precision.compute_dtype = _PRECISION.value
+  cd.grad_accum_steps = _GRAD_ACCUM.value
   cd.step_mode = _STEP_MODE.value
   cd.steps_per_dispatch = _STEPS_PER_DISPATCH.value
   # Multiples of K, as the config requires; --with_data sets the loop's own. The step is timed

@@ -61,10 +61,15 @@ def test_one_device_k_steps_loop_keras_profile(tmp_path):
     ('--fake_devices=8', '--model=mlp', '--sharding=fsdp'),
     ('--fake_devices=2', '--model=mlp_small', '--step_mode=pmap'),
     ('--fake_devices=2', '--model=mlp', '--sharding=tensor'),
-    ('--fake_devices=2', '--model=transformer', '--sharding=fsdp', '--global_batch_size=4'),
+    ('--fake_devices=2', '--model=gpt', '--sharding=fsdp', '--global_batch_size=4',
+     '--precision=bfloat16', '--grad_accum_steps=2', '--remat=full'),
 ])
 def test_several_devices(tmp_path, args):
   (row,) = _results(tmp_path, *args)
+  if '--model=gpt' in args:  # language models report tokens/s and model FLOPs utilisation
+    assert row['tokens_per_sec'] == pytest.approx(row['examples_per_sec'] * 128, rel=1e-3)
+    assert 0 < row['mfu'] < 1 and row['mfu_peak'] == 'measured dot peak'
+
   assert f'--fake_devices={row["devices"]}' in args
   assert f'--model={row["model"]}' in args
   if '--model=mlp' in args and '--sharding=fsdp' in args:  # 2 big kernels split 8 ways
@@ -72,7 +77,7 @@ def test_several_devices(tmp_path, args):
 
 
 @pytest.mark.parametrize('args, message', [
-    (('--model=foo',), 'mlp_small|mlp|transformer'),
+    (('--model=foo',), 'mlp_small|mlp|transformer|gpt'),
     (('--step_mode=pmap', '--steps_per_dispatch=4'), 'train_many'),
 ])
 def test_bad_flags_fail_in_one_line(tmp_path, args, message):
