@@ -6,7 +6,9 @@
 Starts a coordinator on a free loopback port and P processes with D fake CPU devices each; every
 output line is prefixed with its process id. If one process fails, the others are stopped and
 this exits with its code and a one-line reason. SIGTERM is forwarded to every process (each saves
-a preemption checkpoint at one agreed step; exit 75). --timeout ends a hung job.
+a preemption checkpoint at one agreed step; exit 75), and so is Ctrl-C (SIGINT: the same, exit
+130; a second Ctrl-C stops everything at once). --timeout ends a hung job; the processes' own
+hang watchdog (--config.watchdog_seconds) names the process that hung.
 """
 
 import ctypes
@@ -31,6 +33,8 @@ _PROGRAM = flags.DEFINE_string(
     'program', TRAIN, 'Script every process runs; it must accept --fake_devices, '
     '--coordinator_address, --num_processes and --process_id (as launch/train.py does).')
 PREEMPTED = 75  # launch/train.py's exit code after a preemption checkpoint
+INTERRUPTED = 130  # ... after a Ctrl-C checkpoint
+_SAVED = (PREEMPTED, INTERRUPTED)
 
 
 def _die_with(parent: int):
@@ -103,17 +107,19 @@ def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
   for i, p in enumerate(procs):
     threading.Thread(target=wait_for, args=(i, p), daemon=True).start()
 
-  def forward_sigterm(*_):
+  def forward(signum, _):
     for p in procs:
       if p.poll() is None:
-        os.killpg(p.pid, signal.SIGTERM)
-  previous = signal.signal(signal.SIGTERM, forward_sigterm)
+        os.killpg(p.pid, signum)
+    if signum == signal.SIGINT:  # the next Ctrl-C takes the default way out, for everyone
+      signal.signal(signal.SIGINT, lambda *_: (_stop(procs, 0), os._exit(INTERRUPTED)))
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
   deadline = time.monotonic() + timeout
   try:
     while True:
       done = dict(exited)
       codes = [procs[i].returncode if i in done else None for i in range(num_processes)]
-      failed = sorted(((i, c) for i, c in enumerate(codes) if c not in (None, 0, PREEMPTED)),
+      failed = sorted(((i, c) for i, c in enumerate(codes) if c not in (None, 0, *_SAVED)),
                       key=lambda failure: done[failure[0]])
       # Also after SIGTERM: a process that died without its checkpoint leaves the others
       # waiting in a collective (or the roll call) until a timeout, not saving.
@@ -128,10 +134,12 @@ def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
         _finish(pumps)
         if all(c == 0 for c in codes):
           return 0
-        if all(c == PREEMPTED for c in codes):
-          print('local_cluster: preempted; every process saved its checkpoint (exit 75), '
-                'relaunch to resume', file=sys.stderr, flush=True)
-          return PREEMPTED
+        if all(c in _SAVED for c in codes):
+          code = INTERRUPTED if INTERRUPTED in codes else PREEMPTED
+          print(f'local_cluster: {"interrupted" if code == INTERRUPTED else "preempted"}; every '
+                f'process saved its checkpoint (exit {code}), relaunch to resume',
+                file=sys.stderr, flush=True)
+          return code
         index, code = min(((i, c) for i, c in enumerate(codes) if c != 0),
                           key=lambda failure: done[failure[0]])
         print(f'local_cluster: process {index} {_describe(code)}', file=sys.stderr, flush=True)
@@ -144,7 +152,8 @@ def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
         return 124
       time.sleep(0.1)
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
     _stop(procs, 0)  # never leave orphans, whatever happened above
 
 

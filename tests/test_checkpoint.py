@@ -83,7 +83,7 @@ def uninterrupted(tmp_path_factory):
   return workdir
 
 
-@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_killed_run_resumes_bit_exactly(sig, uninterrupted, tmp_path):
   proc = _launch(tmp_path)
   # Kill at a step after the second checkpoint (steps 20 and 40) has committed.
@@ -97,12 +97,15 @@ def test_killed_run_resumes_bit_exactly(sig, uninterrupted, tmp_path):
   if sig == signal.SIGTERM:
     assert proc.returncode == disttrain.Preempted.exit_code, out
     assert 'preempted: saved a checkpoint at step' in out
+  elif sig == signal.SIGINT:  # Ctrl-C: the same agreed stop and save, exit 130, no traceback
+    assert proc.returncode == disttrain.Interrupted.exit_code == 130, out
+    assert 'interrupted: saved a checkpoint at step' in out and 'Traceback' not in out, out
   else:
     assert proc.returncode == -signal.SIGKILL
   saved = sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit())
   resume_step = saved[-1]
   assert resume_step >= 40
-  if sig == signal.SIGTERM:
+  if sig != signal.SIGKILL:
     # Preemption saves at the step where it stopped (a multiple of 20 only by chance), which is
     # no earlier than the last step logged before the signal.
     stopped = int(re.search(r'saved a checkpoint at step (\d+)', out).group(1))

@@ -373,3 +373,90 @@ def test_distributed_without_a_cluster_says_so(tmp_path):
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
   assert len(errors) == 1 and 'detected no cluster' in errors[0], proc.stderr
   assert '--coordinator_address=HOST:PORT' in errors[0] and 'Traceback' not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Operating a job: a callback's stop, Ctrl-C, the hang watchdog.
+
+OPS = 'tests/configs/ops.py'  # the same config (and data) as CONFIG, plus hooks chosen by env
+
+
+def _ops_cluster(workdir, env: dict, overrides: dict, grace: float = 20) -> subprocess.Popen:
+  args = ['--', f'--config={OPS}', f'--workdir={workdir}',
+          *(f'--config.{k}={v}' for k, v in overrides.items())]
+  return subprocess.Popen(_cluster_cmd(*args, grace=grace), cwd=ROOT, env={**_env(), **env},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_callback_stop_is_agreed_saved_and_resumes_exactly(runs, tmp_path):
+  """A callback asks to stop when it sees step 17's record (fetched one step late, after step
+  18 was dispatched): both processes stop after step 18, save it, exit 0; relaunched, the run
+  continues bitwise as the uninterrupted 30-step run of the same config and data."""
+  two, _ = runs('jit')
+  overrides = {**BASE, **CASES['jit']}
+  proc = _ops_cluster(tmp_path, {'STOP_AT': '17'}, overrides)
+  out, _ = proc.communicate(timeout=JOB_TIMEOUT)
+  assert proc.returncode == 0, out[-3000:]
+  stops = [line for line in out.splitlines() if 'stopped at step 18 of 30: StopAt: saw step 17'
+           in line]
+  assert [line[:3] for line in stops] == ['[0]'], out[-3000:]  # process 0 prints for the job
+  assert 'Traceback' not in out
+  state_dir = tmp_path / 'checkpoints' / '18' / 'state'
+  assert (state_dir / 'ocdbt.process_0').is_dir() and (state_dir / 'ocdbt.process_1').is_dir()
+  assert json.loads((tmp_path / 'run.json').read_text())['stopped_by'] == 'StopAt: saw step 17'
+  proc = _ops_cluster(tmp_path, {}, overrides)
+  out, _ = proc.communicate(timeout=JOB_TIMEOUT)
+  assert proc.returncode == 0 and '[0] resumed from step 18' in out, out[-3000:]
+  got, want = _losses(tmp_path), _losses(two)
+  assert [got[s] for s in range(19, STEPS + 1)] == [want[s] for s in range(19, STEPS + 1)]
+
+
+def test_ctrl_c_saves_on_every_process_and_resumes_exactly(runs, tmp_path):
+  two, _ = runs('jit')
+  overrides = {**BASE, **CASES['jit']}
+  proc = _start_cluster(overrides, tmp_path)
+  try:
+    _wait_for_step(proc, tmp_path, 12)
+    proc.send_signal(signal.SIGINT)  # what a Ctrl-C in the launcher's terminal sends it
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == disttrain.Interrupted.exit_code == 130, out[-3000:]
+  assert 'Traceback' not in out, out[-3000:]
+  saved = {int(line.split('at step ')[1].split()[0]) for line in out.splitlines()
+           if 'interrupted: saved a checkpoint at step' in line}
+  said = [p for p in (0, 1) if f'[{p}] interrupted: saved a checkpoint' in out]
+  assert said == [0, 1] and len(saved) == 1, out[-3000:]
+  (at,) = saved
+  out = _cluster(overrides, tmp_path)
+  assert f'[0] resumed from step {at}' in out
+  got, want = _losses(tmp_path), _losses(two)
+  assert [got[s] for s in range(at + 1, STEPS + 1)] == [want[s] for s in range(at + 1, STEPS + 1)]
+
+
+def test_watchdog_names_the_process_that_hung(tmp_path):
+  """Process 1's data source blocks for good on its 4th read; process 0 then waits in the step's
+  collective. Within watchdog_seconds + 30 s the job ends non-zero, each process wrote its
+  stacks, and process 0 names process 1."""
+  seconds = 10
+  proc = _ops_cluster(tmp_path, {'HANG_AFTER': '4'},
+                      {**BASE, 'num_train_steps': 1000, 'watchdog_seconds': seconds}, grace=5)
+  start = time.monotonic()
+  try:
+    out, _ = proc.communicate(timeout=seconds + 90)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  elapsed = time.monotonic() - start
+  assert proc.returncode not in (0, None), out[-3000:]
+  assert 'watchdog: process 1 on' in out and 'is the slowest' in out, out[-3000:]
+  hung = (tmp_path / 'hang' / 'process_1.txt').read_text()
+  waiting = (tmp_path / 'hang' / 'process_0.txt').read_text()
+  assert 'sleep_forever' in hung and 'waiting for data' in hung, hung[:2000]
+  assert 'waiting for the step (a collective' in waiting, waiting[:2000]
+  # Start-up to step 3 took ~5 s here; the watchdog fires 10 s after the hang, then waits at
+  # most 15 s for the other process's report.
+  assert elapsed < 15 + seconds + 30, elapsed
+  time.sleep(0.5)
+  assert not _job_processes(tmp_path), 'orphan processes of the job remain'
