@@ -245,6 +245,10 @@ class TrainIterator:
     # device arrays must not alias, so assemble copies, in grain's prefetch thread here.
     if not flags.FLAGS.is_parsed():  # grain's workers read an absl flag of their own
       flags.FLAGS.mark_as_parsed()
+    # Batches still in flight when a run ends (an error, a stop) leave shared memory that
+    # multiprocessing's resource tracker then frees, with a warning per run on stderr that
+    # would break one-line errors. The tracker, started with the workers, reads this.
+    os.environ.setdefault('PYTHONWARNINGS', 'ignore:resource_tracker:UserWarning')
     stream = elements.map(_InWorker(self._read)).to_iter_dataset(
         grain.ReadOptions(num_threads=1, prefetch_buffer_size=1)).mp_prefetch(
             grain.MultiprocessingOptions(num_workers=self._workers,

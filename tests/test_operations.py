@@ -4,6 +4,7 @@ multi-process side: agreed stops, Ctrl-C on a cluster, a hung process named)."""
 
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -163,26 +164,29 @@ def test_profiler_window_writes_a_trace_with_the_step_scopes(tmp_path, capsys):
     assert scope in content, scope
 
 
-def test_time_breakdown_adds_up_and_points_at_the_culprit(tmp_path):
+def test_time_breakdown_adds_up_and_points_at_the_culprit(tmp_path, monkeypatch):
   """The phases plus 'other' are the wall time; a slow data source shows as data, saving every
   step shows as checkpoint."""
-  def breakdown(*flags, env=None):
-    workdir = tmp_path / str(len(os.listdir(tmp_path)))
-    proc = _launch(workdir, '--config.num_train_steps=24', '--config.log_every_steps=8', *flags,
-                   env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    time = json.loads((workdir / 'run.json').read_text())['time']
+  hooks = runpy.run_path(str(ROOT / OPS))
+
+  def breakdown(name, **overrides):
+    cfg = _mlp(**{'num_train_steps': 24, 'log_every_steps': 8, 'eval_every_steps': 0,
+                  'checkpoint_every_steps': 0, **overrides})
+    result = disttrain.train(cfg, str(tmp_path / name), devices=devices(8),
+                             **hooks['get_data'](cfg))
+    time = result.time
     phases = {k: v['seconds'] for k, v in time.items() if k not in ('wall_seconds', 'other')}
     assert abs(sum(phases.values()) - time['wall_seconds']) <= 0.05 * time['wall_seconds'], time
-    assert 'time: ' in proc.stdout.splitlines()[-1]
-    return {k: v['fraction'] for k, v in time.items() if k != 'wall_seconds'}
-  slow_data = breakdown(env=_env(SLOW_READS='0.1'))
+    assert json.loads((tmp_path / name / 'run.json').read_text())['time'] == time
+    return {k: v['fraction'] for k, v in time.items() if k != 'wall_seconds'}, result
+  monkeypatch.setenv('SLOW_READS', '0.1')
+  slow_data, result = breakdown('slow_data')
   assert max(slow_data, key=slow_data.get) == 'data' and slow_data['data'] > 0.3, slow_data
-  saving = breakdown('--config.checkpoint_every_steps=1')
+  assert all(r['data_wait_fraction'] > 0.5 for r in result.records if r['split'] == 'train')
+  monkeypatch.setenv('SLOW_READS', '0')
+  saving, _ = breakdown('saving', checkpoint_every_steps=1)
   training = {k: v for k, v in saving.items() if k not in ('setup', 'compile')}
   assert max(training, key=training.get) == 'checkpoint', saving
-  records = [json.loads(line) for line in open(tmp_path / '0' / 'metrics.jsonl')]
-  assert all(r['data_wait_fraction'] > 0.5 for r in records if r['split'] == 'train'), records
 
 
 # ------------------------------------------------------------------------------------------
@@ -224,8 +228,9 @@ def test_second_ctrl_c_is_left_to_the_default_action():
 
 
 def test_healthy_slow_steps_are_never_killed_by_the_watchdog(tmp_path):
-  proc = _launch(tmp_path, '--config.num_train_steps=8', '--config.log_every_steps=1',
-                 '--config.watchdog_seconds=2', env=_env(SLOW_READS='0.8'))
+  # 6 reads of 0.6 s each (3.6 s in all) under a 1 s watchdog: each is shorter than the limit.
+  proc = _launch(tmp_path, '--config.num_train_steps=5', '--config.log_every_steps=1',
+                 '--config.watchdog_seconds=1', env=_env(SLOW_READS='0.6'))
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert not (tmp_path / 'hang').exists() and 'watchdog' not in proc.stderr
 

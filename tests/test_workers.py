@@ -146,12 +146,12 @@ def test_token_file_example_config(tmp_path):
   stdout = _run([sys.executable, 'launch/train.py', '--config=launch/configs/lm_tokens.py',
                  f'--workdir={tmp_path / "run"}', '--fake_devices=8',
                  f'--config.data.train_files={out}/train.bin',
-                 f'--config.data.eval_files={out}/eval.bin', '--config.num_train_steps=60',
-                 '--config.eval_every_steps=60', '--config.log_every_steps=20',
-                 '--config.data.seq_len=64', '--config.global_batch_size=16'])
+                 f'--config.data.eval_files={out}/eval.bin', '--config.num_train_steps=40',
+                 '--config.eval_every_steps=40', '--config.log_every_steps=20',
+                 '--config.data.seq_len=32', '--config.global_batch_size=16'])
   records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').open()]
   train = [r for r in records if r['split'] == 'train']
   assert train[-1]['loss'] < 0.75 * train[0]['loss'], train
   assert train[-1]['tokens_per_sec'] > 0 and 'data_wait_fraction' in train[-1]
-  assert records[-1]['split'] == 'eval' and records[-1]['num_examples'] == (2**15 // 64)
+  assert records[-1]['split'] == 'eval' and records[-1]['num_examples'] == (2**15 // 32)
   assert 'final eval accuracy' in stdout.splitlines()[-1]
