@@ -153,7 +153,8 @@ def main(argv):
   result = {'memory': memory(folder), 'workers': workers(folder)}
   m, w = result['memory'], result['workers']
   print(f'memory: streamed {m["dataset_gib"]:.2f} GiB ({m["examples"]:,} examples) with 2 workers '
-        f'in {m["stream_sec"]}s ({m["stream_mib_per_sec"]} MiB/s); peak RSS {m["peak_rss_before_mib"]}'
+        f'in {m["stream_sec"]}s ({m["stream_mib_per_sec"]} MiB/s); peak RSS '
+        f'{m["peak_rss_before_mib"]}'
         f' -> {m["peak_rss_after_mib"]} MiB: grew {m["peak_rss_growth_mib"]} MiB = '
         f'{100 * m["growth_fraction_of_dataset"]:.1f}% of the data set (target < 25%)')
   print(f'workers: heavy transform {w["transform_ms_per_example"]} ms/example: '

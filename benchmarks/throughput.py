@@ -22,7 +22,6 @@ from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import baselines
 from baselines import BenchError, RecompileError, StepSide
@@ -35,7 +34,8 @@ _MODEL = flags.DEFINE_enum('model', 'mlp_small', ['mlp_small', 'mlp', 'transform
                            'mlp_small: seed 000 (784-64-64-10, batch 256); mlp: seed 004 '
                            '(mnist_mlp, Dropout + BatchNorm, batch 128); transformer: char_lm; '
                            'gpt: launch/configs/gpt.py at --gpt_size.')
-_GPT_SIZE = flags.DEFINE_string('gpt_size', 'small', '--model=gpt: a size of launch/configs/gpt.py.')
+_GPT_SIZE = flags.DEFINE_string('gpt_size', 'small',
+                                '--model=gpt: a size of launch/configs/gpt.py.')
 _PRECISION = flags.DEFINE_enum('precision', 'float32', ['float32', 'bfloat16'],
                                'precision.compute_dtype of both sides.')
 _GRAD_ACCUM = flags.DEFINE_integer('grad_accum_steps', 1, 'Micro-batches per step, both sides '

@@ -12,3 +12,10 @@ from disttrain.state import TrainState
 from disttrain.step import StepContext
 from disttrain.models import FunctionalModel, LinenModel, NNXModel
 from disttrain.task import Classification, LossWithAux, PerDeviceLoss
+
+__all__ = ['STOP', 'Callback', 'CheckpointError', 'Classification', 'Config', 'ConfigError',
+           'CsvLogger', 'Data', 'DataConfig', 'DataError', 'DisttrainError', 'EarlyStopping',
+           'FunctionalModel', 'Interrupted', 'LinenModel', 'LossWithAux', 'MeshConfig',
+           'ModelConfig', 'NNXModel', 'NonFiniteError', 'PerDeviceLoss', 'Preempted', 'Result',
+           'Setup', 'ShardingError', 'Stop', 'StepContext', 'TrainState', 'defaults', 'evaluate',
+           'from_config_dict', 'setup', 'train']

@@ -11,7 +11,7 @@ The loop (disttrain/loop.py) calls them in order each step; callbacks hang off t
 import dataclasses
 import glob
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
@@ -299,6 +299,12 @@ class Profiler:
       with self.phases('profile'):
         jax.profiler.start_trace(self.workdir)
       self.tracing = True
+
+  def close(self) -> None:
+    """Ends a trace that an error interrupted (jax allows one trace at a time per process)."""
+    if self.tracing:
+      jax.profiler.stop_trace()
+      self.tracing = False
 
   def maybe_stop(self, step_no: int, device_state, force: bool = False) -> None:
     """After dispatching the call that ends at step_no: stops once the window's steps ran."""

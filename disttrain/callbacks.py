@@ -15,13 +15,12 @@ every process with the same records; hooks never see device arrays, so they add 
 import csv
 import dataclasses
 import json
-import math
 import os
 from typing import Any
 
 import jax
 
-from disttrain.errors import ConfigError, DisttrainError
+from disttrain.errors import ConfigError, DisttrainError, first_line
 
 _HOOKS = ('on_train_record', 'on_eval', 'on_checkpoint', 'on_end')
 
@@ -164,9 +163,9 @@ class Callbacks:
       try:
         answer = fn(*args)
       except Exception as e:  # pylint: disable=broad-except
-        first_line = (str(e).splitlines() or [''])[0][:300]
         raise CallbackError(f'callback {self.name(callback)}.{hook} raised {type(e).__name__}: '
-                            f'{first_line}; fix the callback (the last checkpoint is kept)') from e
+                            f'{first_line(e)}; fix the callback (the last checkpoint is '
+                            'kept)') from e
       if isinstance(answer, Stop):
         self.requests.append((self.name(callback), answer.reason))
 
@@ -193,7 +192,3 @@ class Callbacks:
       if key in states and hasattr(callback, 'restore'):
         callback.restore(states[key])
 
-
-def finite_or_none(value: float) -> float | None:
-  """JSON has no NaN: metrics saved with checkpoints use None instead."""
-  return value if math.isfinite(value) else None

@@ -5,7 +5,8 @@ A save torn by a kill stays an orbax temporary directory, is never listed as a s
 cleaned up when the next run opens the manager. Restores build the abstract state with the
 *current* mesh's shardings and let orbax reshard. A latest checkpoint that fails to restore while
 an older one restores is moved aside to DIR/checkpoints/corrupt/ (kept for inspection, never
-deleted) and the older one is used; if none restores, nothing is moved and the error is raised. Nothing here deletes a complete checkpoint: only keep-N retention does.
+deleted) and the older one is used; if none restores, nothing is moved and the error is raised.
+Nothing here deletes a complete checkpoint: only keep-N retention does.
 """
 
 import os
@@ -20,7 +21,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
 from disttrain import sharding as sharding_lib
 from disttrain.config import Config
-from disttrain.errors import CheckpointError
+from disttrain.errors import CheckpointError, first_line
 
 ITEMS = ('state', 'data', 'meta')
 
@@ -90,7 +91,7 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except
-        failures.append((step, f'{type(e).__name__}: {str(e).splitlines()[0][:200]}'))
+        failures.append((step, f'{type(e).__name__}: {first_line(e, 200)}'))
         continue
       if failures:
         self._quarantine([s for s, _ in failures])

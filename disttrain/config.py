@@ -268,7 +268,8 @@ class Config:
                         'a number of seconds; pass one of them')
     if bool(self.profile.start_step) != bool(self.profile.num_steps):
       raise ConfigError(f'profile.start_step={self.profile.start_step} profile.num_steps='
-                        f'{self.profile.num_steps}: set both (> 0) to trace, or both 0 for no trace')
+                        f'{self.profile.num_steps}: set both (> 0) to trace, or both 0 for no '
+                        'trace')
     if self.step_mode == 'pmap' and (self.mesh.fsdp != 1 or self.mesh.tensor != 1
                                      or self.sharding != 'replicate'):
       raise ConfigError(

@@ -23,9 +23,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from disttrain.config import BATCH_AXES
-from disttrain.errors import DataError
+from disttrain.errors import DataError, first_line
 from disttrain.formats import array_record_source, decode, encode, write_array_record, write_tokens
 from disttrain.records import ID, MASK, RESERVED, Data, Records
+
+# Public: the pipeline, and (re-exported) the record layer and on-disk formats users call.
+__all__ = ['Batch', 'Data', 'ID', 'MASK', 'RESERVED', 'Records', 'TrainIterator',
+           'array_record_source', 'batch_sharding', 'check_eval_size', 'check_workers', 'decode',
+           'element_spec', 'encode', 'eval_batches', 'local_rows', 'stacked_sharding',
+           'write_array_record', 'write_tokens']
 
 Batch = dict[str, jax.Array]
 _STATE_VERSION = 2
@@ -171,9 +177,8 @@ class _InWorker:
     except DataError:
       raise
     except Exception as e:  # pylint: disable=broad-except
-      first_line = (str(e).splitlines() or [''])[0][:300]
       raise DataError(f'reading train batch {element} in a worker process raised '
-                      f'{type(e).__name__}: {first_line}; fix the source or set data.workers=0 '
+                      f'{type(e).__name__}: {first_line(e)}; fix the source or set data.workers=0 '
                       'to see the full traceback') from None
 
 
@@ -275,9 +280,8 @@ class TrainIterator:
     except Exception as e:  # pylint: disable=broad-except
       if not self._workers:
         raise
-      first_line = next((line for line in str(e).splitlines() if line.strip()), '')[:300]
       raise DataError(f'data.workers={self._workers}: the worker processes failed '
-                      f'({type(e).__name__}: {first_line}); the source and transforms must be '
+                      f'({type(e).__name__}: {first_line(e)}); the source and transforms must be '
                       'picklable (defined at the top level of an importable module): fix them, '
                       'or set data.workers=0 to read in this process') from e
     self._next += self._k

@@ -1,6 +1,11 @@
 """Typed, one-line errors that users can catch; the launcher prints them without a traceback."""
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+  """The first non-empty line of an exception's message, for one-line errors that quote it."""
+  return next((line for line in str(error).splitlines() if line.strip()), '')[:limit]
+
+
 class DisttrainError(Exception):
   """Base class: bad input from the user (config, flags, data, checkpoint)."""
 

@@ -108,7 +108,7 @@ def array_record_source(paths: str | Sequence[str]) -> grain.MapDataset:
 
 
 class TokenWindows:
-  """Windows of a flat token file: example k = {'tokens': ids[kL:kL+L], 'targets': ids[kL+1:kL+L+1]}.
+  """Windows of flat token files: example k = {'tokens': ids[kL:kL+L], 'targets': the next ids}.
 
   Several files are read one after the other (windows never straddle two files). The files are
   memory-mapped on first read (also in each worker process: only paths are pickled). With
@@ -124,9 +124,10 @@ class TokenWindows:
     for path in self.paths:
       size = os.path.getsize(path)
       if size % self.dtype.itemsize:
-        raise DataError(f'{path} has {size} bytes, not a multiple of the {self.dtype.itemsize}-byte '
-                        f'{self.dtype.name} token size; it is truncated or not a {self.dtype.name} '
-                        'token file (check data.tokens.dtype)')
+        raise DataError(f'{path} has {size} bytes, not a multiple of the '
+                        f'{self.dtype.itemsize}-byte {self.dtype.name} token size; it is '
+                        f'truncated or not a {self.dtype.name} token file (check '
+                        'data.tokens.dtype)')
       counts.append(max(size // self.dtype.itemsize - 1, 0) // seq_len)
     self._ends = np.cumsum(counts)
     self._maps: list[np.ndarray] | None = None

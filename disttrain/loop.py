@@ -90,7 +90,9 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
     writer.write_run(info)
     guard = watchdog.Watchdog(watchdog.default_seconds(cfg.watchdog_seconds), phases, workdir)
     stack.callback(guard.close)
-    acts = _Actions.build(run, workdir, ckpt, batches, signals, hooks, writer, phases, throughput)
+    acts = _Actions.build(run, workdir=workdir, ckpt=ckpt, batches=batches, signals=signals,
+                          hooks=hooks, writer=writer, phases=phases, throughput=throughput)
+    stack.callback(acts.profiler.close)  # a trace left open by an error
     result = _loop(run, first_step, device_state, batches, acts, phases)
     info['time'] = result.time
     info['stopped_by'] = result.stopped_by
@@ -130,7 +132,7 @@ class _Actions:
   profiler: actions.Profiler
 
   @classmethod
-  def build(cls, run: Setup, workdir, ckpt, batches, signals, hooks, writer, phases,
+  def build(cls, run: Setup, *, workdir, ckpt, batches, signals, hooks, writer, phases,
             throughput) -> '_Actions':
     cfg = run.cfg
     out = actions.Output(writer, [], hooks)

@@ -21,7 +21,7 @@ import grain
 import jax
 import numpy as np
 
-from disttrain.errors import DataError
+from disttrain.errors import DataError, first_line
 
 MASK = '_mask'  # float32 [B]: 1 for real examples, 0 for eval padding
 ID = '_id'  # int32 [B]: the example's index in its source; -1 for eval padding
@@ -159,10 +159,9 @@ class Records:
       except DataError:
         raise
       except Exception as e:  # pylint: disable=broad-except
-        first_line = (str(e).splitlines() or [''])[0][:200]
         raise DataError(f'{self.name} transform {_transform_name(t)} raised {type(e).__name__}: '
-                        f'{first_line} (example {index}, epoch {epoch}); fix the transform or '
-                        'that example') from e
+                        f'{first_line(e, 200)} (example {index}, epoch {epoch}); fix the '
+                        'transform or that example') from e
     return example
 
   def _stack(self, examples: list, indices: np.ndarray) -> dict[str, np.ndarray]:
@@ -227,7 +226,7 @@ def num_examples(source: Any) -> int | None:
 
 
 def examples(source: Any) -> Iterator[dict]:
-  """Every example of a source (a dict of arrays, a random-access source or an iterable), in order."""
+  """Every example of a source (dict of arrays, random-access source or iterable), in order."""
   if isinstance(source, Data):
     raise DataError('examples() reads a source, not Data with transforms; pass Data.source')
   if isinstance(source, dict):

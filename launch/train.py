@@ -36,7 +36,8 @@ _COORDINATOR = flags.DEFINE_string(
 _NUM_PROCESSES = flags.DEFINE_integer(
     'num_processes', _env_int('JAX_NUM_PROCESSES'), 'Processes in the job. Env: JAX_NUM_PROCESSES.')
 _PROCESS_ID = flags.DEFINE_integer(
-    'process_id', _env_int('JAX_PROCESS_ID'), 'This process, 0..num_processes-1. Env: JAX_PROCESS_ID.')
+    'process_id', _env_int('JAX_PROCESS_ID'),
+    'This process, 0..num_processes-1. Env: JAX_PROCESS_ID.')
 _INIT_TIMEOUT = flags.DEFINE_integer(
     'distributed_init_timeout', 300, 'Seconds to wait for every process to join.')
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(

@@ -10,7 +10,8 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Tests build many identical steps (same model, config and devices), in this process and in the
 # launcher and cluster subprocesses they start. One persistent compilation cache for the session,
 # set in the environment so that those subprocesses share it, turns the repeats into cache reads
-# (benchmarks/throughput.py sets a fresh cache of its own, so its compile_sec stays a cold compile) (measured: test_jax_mlp + test_equivalence 105 s -> 76 s in-process alone). A cached
+# (benchmarks/throughput.py sets a fresh cache of its own, so its compile_sec stays a cold
+# compile) (measured: test_jax_mlp + test_equivalence 105 s -> 76 s in-process alone). A cached
 # executable is the one a fresh compile builds, so bitwise comparisons between runs hold; trace
 # counts, which tests assert, are unaffected (tracing still happens). Two workers may write one
 # entry at once (jax writes entries in place, unlocked); an entry read half-written is a warning

@@ -28,7 +28,7 @@ def override(cd, overrides: dict):
   return cd
 
 
-def config_file(path) -> 'ml_collections.ConfigDict':
+def config_file(path):
   """get_config() of a launch/configs/*.py file, as launch/train.py loads it."""
   return runpy.run_path(str(path))['get_config']()
 

@@ -15,26 +15,20 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 import disttrain
 from disttrain import config as config_lib, formats
 from tests import helpers
 from tests.conftest import ROOT
+from tests.test_user_data import EVAL, _breast_cancer
 
 CONFIG = ROOT / 'tests' / 'configs' / 'user_data.py'
-EVAL = 69
 
 
 def _write_shards(folder) -> tuple[str, str]:
-  from sklearn import datasets  # pylint: disable=g-import-not-at-top
-  raw = datasets.load_breast_cancer()
-  x = raw.data.astype(np.float32)
-  cut = len(x) - EVAL
-  x = (x - x[:cut].mean(0)) / x[:cut].std(0)
-  arrays = {'features': x, 'target': raw.target.astype(np.int32)}
-  formats.write_array_record(str(folder / 'train'), {k: v[:cut] for k, v in arrays.items()}, 4)
-  formats.write_array_record(str(folder / 'eval'), {k: v[cut:] for k, v in arrays.items()}, 2)
+  train, held_out = _breast_cancer()
+  formats.write_array_record(str(folder / 'train'), train, 4)
+  formats.write_array_record(str(folder / 'eval'), held_out, 2)
   return str(folder / 'train-*.array_record'), str(folder / 'eval-*.array_record')
 
 

@@ -16,7 +16,6 @@ import pytest
 
 import disttrain
 from disttrain import distributed, sources
-from disttrain.records import MASK
 from tests.conftest import ROOT
 from tests.helpers import devices, make_config, to_numpy
 

@@ -59,7 +59,8 @@ def test_rule_naming_a_missing_mesh_axis_is_rejected():
 
 
 def test_rule_that_does_not_divide_is_one_line_error():
-  cfg = make_config(mesh__data=1, mesh__tensor=8, param_rules=(('Dense_2/kernel', (None, 'tensor')),))
+  cfg = make_config(mesh__data=1, mesh__tensor=8,
+                    param_rules=(('Dense_2/kernel', (None, 'tensor')),))
   with pytest.raises(ShardingError, match='not divisible') as err:
     _state(cfg)
   assert '\n' not in str(err.value)

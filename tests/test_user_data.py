@@ -18,6 +18,7 @@ import disttrain
 from disttrain import data, formats
 from disttrain.records import ID, Records
 from disttrain.transforms import RandomShift
+from tests.configs import user_data
 from tests.helpers import devices, make_config, to_numpy
 
 EVAL = 69
@@ -33,17 +34,7 @@ def _breast_cancer() -> tuple[dict, dict]:
   return ({k: v[:cut] for k, v in arrays.items()}, {k: v[cut:] for k, v in arrays.items()})
 
 
-def _mlp_init(rng, x):
-  k1, k2 = jax.random.split(rng)
-  return {'w1': jax.random.normal(k1, (x.shape[-1], 64)) / np.sqrt(x.shape[-1]),
-          'b1': jnp.zeros(64), 'w2': jax.random.normal(k2, (64, 2)) / 8.0, 'b2': jnp.zeros(2)}
-
-
-def _mlp_apply(params, x):
-  return jax.nn.relu(x @ params['w1'] + params['b1']) @ params['w2'] + params['b2']
-
-
-MODEL = disttrain.FunctionalModel(_mlp_init, _mlp_apply, input_key='features')
+MODEL = user_data.get_model(None)  # a plain-function MLP over 'features'
 TASK = disttrain.Classification(label_key='target')
 
 
@@ -89,7 +80,7 @@ def test_own_feature_names_on_eight_devices_match_one_and_learn(cancer, referenc
   assert final['accuracy'] > 0.9, final
   # The eval is exact over the padded batch: numpy on the final parameters gives the same.
   params = to_numpy(eight.state.params)
-  logits = np.asarray(_mlp_apply(params, held_out['features']))
+  logits = np.asarray(user_data.mlp_apply(params, held_out['features']))
   assert final['accuracy'] == pytest.approx(
       np.mean(np.argmax(logits, -1) == held_out['target']), abs=1e-6)
 
@@ -190,8 +181,8 @@ def test_several_model_inputs_by_key(cancer, tmp_path):
   split = lambda a: {'head': a['features'][:, :10], 'tail': a['features'][:, 10:],
                      'target': a['target']}
   two_inputs = disttrain.FunctionalModel(
-      lambda rng, head, tail: _mlp_init(rng, jnp.concatenate([head, tail], -1)),
-      lambda params, head, tail: _mlp_apply(params, jnp.concatenate([head, tail], -1)),
+      lambda rng, head, tail: user_data.mlp_init(rng, jnp.concatenate([head, tail], -1)),
+      lambda params, head, tail: user_data.mlp_apply(params, jnp.concatenate([head, tail], -1)),
       input_key=('head', 'tail'))
   result = disttrain.train(_config(1, num_train_steps=3), str(tmp_path), model=two_inputs,
                            task=TASK, devices=devices(1), train_data=split(train),

@@ -62,14 +62,7 @@ class Block(nn.Module):
         kernel_init=_weights(('embed', None, 'heads', 'head_dim')),
         bias_init=_weights((None, 'heads', 'head_dim'), nn.initializers.zeros_init()))(h)
     qkv_BxTx3xHxK = _constrain(qkv_BxTx3xHxK, ('batch', None, None, 'heads', None))
-    q_BxTxHxK, k_BxSxHxK, v_BxSxHxK = (qkv_BxTx3xHxK[:, :, i] for i in range(3))
-    t = x_BxTxD.shape[1]
-    logits_BxHxTxS = jnp.einsum('bthk,bshk->bhts', q_BxTxHxK, k_BxSxHxK) / jnp.sqrt(head_dim)
-    causal_TxS = jnp.tril(jnp.ones((t, t), bool))
-    logits_BxHxTxS = jnp.where(causal_TxS, logits_BxHxTxS.astype(jnp.float32), -1e9)
-    logits_BxHxTxS = _constrain(logits_BxHxTxS, ('batch', 'heads', None, None))
-    probs_BxHxTxS = jax.nn.softmax(logits_BxHxTxS, axis=-1).astype(v_BxSxHxK.dtype)
-    attended_BxTxHxK = jnp.einsum('bhts,bshk->bthk', probs_BxHxTxS, v_BxSxHxK)
+    attended_BxTxHxK = causal_attention(*(qkv_BxTx3xHxK[:, :, i] for i in range(3)))
     out_BxTxD = nn.DenseGeneral(d, axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
                                 name='out', kernel_init=_weights(('heads', 'head_dim', 'embed')),
                                 bias_init=_weights(('embed',), nn.initializers.zeros_init()))(
@@ -85,6 +78,18 @@ class Block(nn.Module):
                          kernel_init=_weights(('mlp', 'embed')),
                          bias_init=_weights(('embed',), nn.initializers.zeros_init()))(h_BxTxF)
     return _constrain(x_BxTxD + dropout(out_BxTxD), ('batch', None, None)), None
+
+
+def causal_attention(q_BxTxHxK: jax.Array, k_BxSxHxK: jax.Array,
+                     v_BxSxHxK: jax.Array) -> jax.Array:
+  """softmax(q k^T / sqrt(K), masked to s <= t) v, the softmax in float32."""
+  t, head_dim = q_BxTxHxK.shape[1], q_BxTxHxK.shape[-1]
+  logits_BxHxTxS = jnp.einsum('bthk,bshk->bhts', q_BxTxHxK, k_BxSxHxK) / jnp.sqrt(head_dim)
+  causal_TxS = jnp.tril(jnp.ones((t, t), bool))
+  logits_BxHxTxS = jnp.where(causal_TxS, logits_BxHxTxS.astype(jnp.float32), -1e9)
+  logits_BxHxTxS = _constrain(logits_BxHxTxS, ('batch', 'heads', None, None))
+  probs_BxHxTxS = jax.nn.softmax(logits_BxHxTxS, axis=-1).astype(v_BxSxHxK.dtype)
+  return jnp.einsum('bhts,bshk->bthk', probs_BxHxTxS, v_BxSxHxK)
 
 
 def _constrain(x: jax.Array, axes: tuple) -> jax.Array:

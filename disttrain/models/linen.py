@@ -78,6 +78,7 @@ class LinenModel:
     fields = {f.name for f in dataclasses.fields(self.module)}
     if set(variables) - {'params'} and 'axis_name' not in fields:
       raise ConfigError(
-          f'{type(self.module).__name__} has mutable collections {sorted(set(variables) - {"params"})} '
+          f'{type(self.module).__name__} has mutable collections '
+          f'{sorted(set(variables) - {"params"})} '
           'but no axis_name field, so shard_map/pmap would compute per-device statistics; add '
           'axis_name (passed to BatchNorm) or use step_mode=jit')

@@ -8,8 +8,9 @@ W_out[F_tensor, D_fsdp]. Pre-norm blocks, learned positions, no biases, causal s
 """
 
 import jax
-import jax.numpy as jnp
 from flax import linen as nn
+
+from disttrain.models.gpt import causal_attention
 
 _INIT = nn.initializers.normal(stddev=0.02)
 _ONES = nn.initializers.ones_init()
@@ -36,13 +37,7 @@ class Block(nn.Module):
     qkv = [nn.DenseGeneral((self.num_heads, head_dim), use_bias=False, name=name,
                            kernel_init=_weights(('embed', 'heads', 'head_dim')))(h)
            for name in ('query', 'key', 'value')]
-    q_BxTxHxK, k_BxSxHxK, v_BxSxHxK = qkv
-    t = x_BxTxD.shape[1]
-    logits_BxHxTxS = jnp.einsum('bthk,bshk->bhts', q_BxTxHxK, k_BxSxHxK) / jnp.sqrt(head_dim)
-    causal_TxS = jnp.tril(jnp.ones((t, t), bool))
-    logits_BxHxTxS = jnp.where(causal_TxS, logits_BxHxTxS.astype(jnp.float32), -1e9)
-    probs_BxHxTxS = jax.nn.softmax(logits_BxHxTxS, axis=-1).astype(v_BxSxHxK.dtype)
-    attended_BxTxHxK = jnp.einsum('bhts,bshk->bthk', probs_BxHxTxS, v_BxSxHxK)
+    attended_BxTxHxK = causal_attention(*qkv)
     x_BxTxD = x_BxTxD + nn.DenseGeneral(
         d, axis=(-2, -1), use_bias=False, name='out',
         kernel_init=_weights(('heads', 'head_dim', 'embed')))(attended_BxTxHxK)

@@ -10,7 +10,6 @@ import os
 import time
 
 import jax
-import numpy as np
 
 import disttrain
 from disttrain import sources

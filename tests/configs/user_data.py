@@ -53,19 +53,19 @@ def get_data(config):
   return {'train_data': Recording(files['train_data'], path), 'eval_data': files['eval_data']}
 
 
-def _init(rng, x):
+def mlp_init(rng, x):
   k1, k2 = jax.random.split(rng)
   return {'w1': jax.random.normal(k1, (x.shape[-1], 64)) / np.sqrt(x.shape[-1]),
           'b1': jnp.zeros(64), 'w2': jax.random.normal(k2, (64, 2)) / 8.0, 'b2': jnp.zeros(2)}
 
 
-def _apply(params, x):
+def mlp_apply(params, x):
   return jax.nn.relu(x @ params['w1'] + params['b1']) @ params['w2'] + params['b2']
 
 
 def get_model(config):
   del config
-  return disttrain.FunctionalModel(_init, _apply, input_key='features')
+  return disttrain.FunctionalModel(mlp_init, mlp_apply, input_key='features')
 
 
 def get_task(config):
