@@ -101,8 +101,7 @@ class _Assembler:
     if jax.process_count() == 1 and not piecewise:
       # This process holds the whole batch: one batched device_put, the cheapest host-to-device
       # path. may_alias: the arrays are fresh gathers nobody writes again, so the runtime may
-      # use them in place (measured on CPU: 0.3 ms instead of 9.9 ms for a [8, 256, 784] float32
-      # stack, 36 instead of 48 us for one 256-row batch).
+      # use them in place (README, Performance).
       return jax.device_put(local, sharding, may_alias=True)
     if self.contiguous and not piecewise:
       # One call for the whole dict.

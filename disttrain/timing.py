@@ -58,7 +58,7 @@ class Phases:
 
 
 def summary(breakdown: dict) -> str:
-  """'step 71% (8.1s), data 9%, ...': the phases that took at least 0.5 % of the wall time."""
+  """'step 71%, data 9%, ...': the phases that took at least 0.5 % of the wall time."""
   parts = [f'{name} {100 * v["fraction"]:.0f}%' for name, v in breakdown.items()
            if name != 'wall_seconds' and v['fraction'] >= 0.005]
   return ', '.join(parts)
