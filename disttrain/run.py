@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -19,6 +20,7 @@ from disttrain import data, metrics, models, optim, records as records_lib, sour
 from disttrain import mesh as mesh_lib
 from disttrain import sharding as sharding_lib
 from disttrain import state as state_lib
+from disttrain import step as step_lib
 from disttrain.compiled import CompileInfo, Steps, shard_bytes
 from disttrain.config import Config
 from disttrain.errors import ConfigError, DisttrainError
@@ -154,6 +156,57 @@ def preflight(run: Setup, device_state: Any, variants: list[Variant],
           'recompute activations (model.remat=full), split the batch (grad_accum_steps=4) or '
           'use a smaller global_batch_size')
   return infos, limit
+
+
+@dataclasses.dataclass
+class Plan:
+  """A run's compiled-on-demand steps over abstract state and batch: nothing is created."""
+  cfg: Config
+  steps: Steps
+  state: state_lib.TrainState  # ShapeDtypeStructs with shardings
+  batch: dict  # the train batch [B, ...] as ShapeDtypeStructs with the batch sharding
+
+  def compile(self, variant: Variant = Variant(full_batch=True)) -> CompileInfo:
+    """Compile seconds and per-device memory of a train-step variant (the loop's by default)."""
+    return self.steps.compile(variant, self.state, self.batch)
+
+
+def plan(cfg: Config, spec: dict, devices: Sequence[jax.Device] | None = None, model: Any = None,
+         task: Any = None, tx: Any = None) -> Plan:
+  """The steps of `cfg` for data of element spec `spec` ({field: ShapeDtypeStruct((1, ...))}),
+  with an abstract state: the memory of a model too large to create on this host."""
+  mesh = mesh_lib.build(cfg.mesh, devices)
+  mesh_lib.check_batch_sizes(cfg, mesh)
+  model = model or models.build(cfg.model, cfg.precision.compute_dtype)
+  task = task or models.task(cfg.model)
+  tx = tx or optim.build(cfg)[0]
+  lay = state_lib.layout(model, tx, spec, cfg, mesh)
+  batch_sharding = data.batch_sharding(mesh)
+  steps = spmd.build(model, task, tx, cfg, mesh, lay, batch_sharding)
+  batch = {k: jax.ShapeDtypeStruct((cfg.global_batch_size,) + s.shape[1:], s.dtype,
+                                   sharding=batch_sharding)
+           for k, s in spec.items() if k != records_lib.MASK}
+  return Plan(cfg, steps, state_lib.abstract(lay, model, tx, spec, cfg.seed), batch)
+
+
+def saved_activation_bytes(run: Setup) -> int:
+  """Bytes the train step's forward pass keeps for its backward pass, over all devices: the
+  residuals of jax.vjp of the loss of one micro-batch (the global batch / grad_accum_steps)
+  under the precision policy, from shapes only. Unlike XLA's temp bytes this does not depend on
+  the backend (XLA:CPU computes bf16 dots in float32)."""
+  policy = step_lib.Policy(jnp.dtype(run.cfg.precision.compute_dtype))
+  micro = run.cfg.global_batch_size // run.cfg.grad_accum_steps
+  batch = {k: jax.ShapeDtypeStruct((micro,) + v.shape[1:], v.dtype)
+           for k, v in train_batch_spec(run).items()}
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.state.params)
+  mutable = run.state.mutable
+
+  def loss(params, batch):
+    outputs, _, _ = run.model.apply({'params': policy.cast(params), **mutable},
+                                    policy.cast_batch(batch), train=True, rng=jax.random.key(0))
+    return jnp.mean(run.task.per_example(outputs, step_lib.with_mask(batch))['loss'])
+  vjp_fn = jax.eval_shape(lambda p, b: jax.vjp(lambda q: loss(q, b), p)[1], params, batch)
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(vjp_fn))
 
 
 def _dtypes(tree: Any) -> list[str]:

@@ -23,7 +23,7 @@ import pytest
 import disttrain
 from disttrain import data, run as run_lib, spmd
 from disttrain.records import ID, MASK
-from disttrain.step import Policy, Variant
+from disttrain.step import Variant
 from tests import helpers
 from tests.conftest import ROOT
 from tests.helpers import LAYOUTS, assert_trees_close, devices, to_numpy
@@ -242,28 +242,13 @@ def test_gpt2_small_compiles_split_over_eight_devices():
     cfg = _gpt('gpt2_small', **mesh, global_batch_size=16)
     shapes = {'tokens': jax.ShapeDtypeStruct((1, 1024), np.int32), ID: jax.ShapeDtypeStruct(
         (1,), np.int32), 'targets': jax.ShapeDtypeStruct((1, 1024), np.int32)}
-    run = _abstract_setup(cfg, shapes)
-    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run['state'].params))
+    run = run_lib.plan(cfg, shapes, devices(8))
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.state.params))
     assert 124e6 < params < 125e6, params  # 50,257 -> 50,304 rows (vocab padded to 128)
-    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(run['state']))
-    info = run['steps'].compile(Variant(full_batch=True), run['state'], run['batch'])
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(run.state))
+    info = run.compile()
     assert info.state_bytes <= 1.1 * total / ways, (mesh, info.state_bytes, total / ways)
     assert info.temp_bytes > 0 and info.compile_seconds > 0
-
-
-def _abstract_setup(cfg, spec):
-  """Layout, abstract state and compiled-on-demand steps without creating any array."""
-  from disttrain import mesh as mesh_lib, models, optim, state as state_lib  # pylint: disable=g-import-not-at-top
-  mesh = mesh_lib.build(cfg.mesh, devices(8))
-  model = models.build(cfg.model, cfg.precision.compute_dtype)
-  tx, _ = optim.build(cfg)
-  lay = state_lib.layout(model, tx, spec, cfg, mesh)
-  sharding = data.batch_sharding(mesh)
-  steps = spmd.build(model, models.task(cfg.model), tx, cfg, mesh, lay, sharding)
-  batch = {k: jax.ShapeDtypeStruct((cfg.global_batch_size,) + s.shape[1:], s.dtype,
-                                   sharding=sharding) for k, s in spec.items()}
-  return {'state': state_lib.abstract(lay, model, tx, spec, cfg.seed), 'steps': steps,
-          'batch': batch}
 
 
 # ------------------------------------------------------------------------------------------
@@ -327,24 +312,6 @@ def test_bf16_activations_float32_state_and_first_loss():
   assert info['config']['precision'] == {'compute_dtype': 'bfloat16', 'param_dtype': 'float32'}
 
 
-def _saved_for_backward_bytes(**overrides) -> int:
-  """Bytes of the activations the GPT config's forward pass keeps for its backward pass (the
-  residuals of jax.vjp of the loss, under the step's precision policy; shapes only)."""
-  cfg = _gpt(**_ACTIVATION_HEAVY, **overrides)
-  run = disttrain.setup(cfg, devices=devices(1))
-  policy = Policy(jnp.dtype(cfg.precision.compute_dtype))
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
-           for k, v in run_lib.train_batch_spec(run).items()}
-  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.state.params)
-
-  def loss(params, batch):
-    outputs, _, _ = run.model.apply({'params': policy.cast(params), **run.state.mutable},
-                                    policy.cast_batch(batch), train=True, rng=jax.random.key(0))
-    return jnp.mean(run.task.per_example(outputs, batch)['loss'])
-  vjp_fn = jax.eval_shape(lambda p, b: jax.vjp(lambda q: loss(q, b), p)[1], params, batch)
-  return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(vjp_fn))
-
-
 def test_bf16_halves_the_activations_kept_for_the_backward_pass():
   """The GPT config at an activation-dominated batch: bf16 keeps <= 0.65 x the bytes float32
   keeps for the backward pass (measured 2026-11-25: 244.7 vs 383.3 MiB = 0.64; what stays float32
@@ -354,7 +321,9 @@ def test_bf16_halves_the_activations_kept_for_the_backward_pass():
   (its compiled HLO converts the operands), so there the step's temporaries do not shrink
   (415 MiB float32 vs 426 MiB bf16, same config); accelerators keep bf16 buffers in bf16.
   """
-  f32, bf16 = _saved_for_backward_bytes(), _saved_for_backward_bytes(**BF16)
+  saved = lambda **o: run_lib.saved_activation_bytes(
+      disttrain.setup(_gpt(**_ACTIVATION_HEAVY, **o), devices=devices(1)))
+  f32, bf16 = saved(), saved(**BF16)
   assert f32 > 20 * _memory().state_bytes  # activations dominate
   assert bf16 <= 0.65 * f32, (bf16 / 2**20, f32 / 2**20)
 

@@ -1,0 +1,104 @@
+"""Per-device memory of train steps from XLA's compiled memory analysis: nothing is run.
+
+  python benchmarks/memory.py [--json=out.json]
+
+1. The GPT config's default size (launch/configs/gpt.py: 4 x 128, batch 32 x 128 tokens) on one
+   device, where activations dominate: float32, grad_accum_steps=4, model.remat=full, bf16.
+   `kept` is what the forward pass keeps for the backward pass (run.saved_activation_bytes):
+   XLA:CPU computes bf16 dots in float32, so its temp bytes cannot show what bf16 saves.
+2. GPT-2 small (124 M parameters, batch 16 x 1,024 tokens) over 8 fake CPU devices, fsdp=8 and
+   data 2 x fsdp 2 x tensor 2: compile seconds, and state bytes per device against the total
+   divided by the ways the parameters are split.
+"""
+
+import json
+import os
+import runpy
+import sys
+
+from absl import app, flags
+
+_JSON = flags.DEFINE_string('json', None, 'Write the rows here.')
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_GPT = os.path.join(_ROOT, 'launch', 'configs', 'gpt.py')
+_SMALL = (('float32', {}), ('grad_accum_steps=4', {'grad_accum_steps': 4}),
+          ('model.remat=full', {'model.remat': 'full'}),
+          ('bfloat16', {'precision.compute_dtype': 'bfloat16'}),
+          ('bfloat16, remat=full', {'precision.compute_dtype': 'bfloat16', 'model.remat': 'full'}))
+_GPT2_MESHES = (('fsdp=8', {'mesh.data': 1, 'mesh.fsdp': 8}, 8),
+                ('data 2 x fsdp 2 x tensor 2', {'mesh.data': 2, 'mesh.fsdp': 2,
+                                                'mesh.tensor': 2}, 4))
+
+
+def _config(size: str, overrides: dict):
+  import disttrain  # pylint: disable=g-import-not-at-top
+  cd = runpy.run_path(_GPT)['get_config'](size)
+  for key, value in overrides.items():
+    node = cd
+    *parents, leaf = key.split('.')
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return disttrain.from_config_dict(cd)
+
+
+def rows() -> list[dict]:
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import disttrain  # pylint: disable=g-import-not-at-top
+  from disttrain import run as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.records import ID  # pylint: disable=g-import-not-at-top
+  from disttrain.step import Variant  # pylint: disable=g-import-not-at-top
+  out = []
+  for name, overrides in _SMALL:
+    cfg = _config('small', {'mesh.data': 1, 'data.text.bytes': 100_000, **overrides})
+    run = disttrain.setup(cfg, devices=jax.devices()[:1])
+    info = run.steps.compile(Variant(full_batch=True), run.state, run_lib.train_batch_spec(run))
+    out.append({'model': 'gpt small, 1 device', 'setting': name, **info.to_json(),
+                'kept_for_backward_bytes': run_lib.saved_activation_bytes(run)})
+  window = jax.ShapeDtypeStruct((1, 1024), np.int32)
+  spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
+  for name, mesh, ways in _GPT2_MESHES:
+    plan = run_lib.plan(_config('gpt2_small', {'global_batch_size': 16, **mesh}), spec,
+                        jax.devices())
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(plan.state))
+    info = plan.compile()
+    out.append({'model': 'gpt2_small, 8 devices', 'setting': name, **info.to_json(),
+                'state_total_bytes': total, 'split_ways': ways,
+                'state_vs_even_split': round(info.state_bytes / (total / ways), 3)})
+  return out
+
+
+def _mib(n: float) -> str:
+  return f'{n / 2**20:,.1f}'
+
+
+def table(results: list[dict]) -> str:
+  lines = ['| model | setting | compile s | state MiB | temp MiB | peak MiB | kept for backward '
+           'MiB | state / (total / ways) |', '| --- | --- | --- | --- | --- | --- | --- | --- |']
+  for r in results:
+    kept = _mib(r['kept_for_backward_bytes']) if 'kept_for_backward_bytes' in r else ''
+    split = f'{r["state_vs_even_split"]} (/{r["split_ways"]})' if 'split_ways' in r else ''
+    lines.append(f'| {r["model"]} | {r["setting"]} | {r["compile_seconds"]:.1f} | '
+                 f'{_mib(r["state_bytes"])} | {_mib(r["temp_bytes"])} | {_mib(r["peak_bytes"])} | '
+                 f'{kept} | {split} |')
+  return '\n'.join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
+    sys.exit(2)
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update('jax_platforms', 'cpu')
+  jax.config.update('jax_num_cpu_devices', 8)
+  results = rows()
+  print(table(results))
+  if _JSON.value:
+    with open(_JSON.value, 'w', encoding='utf-8') as f:
+      json.dump({'results': results}, f, indent=2)
+
+
+if __name__ == '__main__':
+  sys.path.insert(0, _ROOT)
+  app.run(main)
