@@ -109,12 +109,23 @@ def interleave(sides: list, windows: int) -> list[list[float]]:
   return secs
 
 
+class _Clock:
+  """A callback that notes the wall time of every train record (each one fetched its window)."""
+
+  def __init__(self):
+    self.times: list[tuple[int, float]] = []
+
+  def on_train_record(self, record: dict) -> None:
+    self.times.append((record['step'], time.perf_counter()))
+
+
 class LoopSide:
   """The whole disttrain.train loop (grain pipeline, metrics, records): one run = one window.
 
-  Each run does 2 x run_steps steps with a train record every run_steps; the second record's
-  examples/s (the loop's own meter, device work of exactly those steps) is the window, reported
-  as the seconds `steps` steps take at that rate (so it pairs with `steps`-step windows).
+  Each run does 2 x run_steps steps with a train record every run_steps; the wall time between
+  the two records (each taken after its window's metrics were fetched, so the device finished
+  those steps) is the window: every step's data, dispatch and the loop's own bookkeeping, and one
+  record written. It is reported as the seconds `steps` steps take at that rate.
   """
 
   def __init__(self, cfg, model, devices, steps: int, run_steps: int):
@@ -128,13 +139,15 @@ class LoopSide:
     """Seconds `steps` steps take at the rate of the second half of a fresh run."""
     self.runs += 1
     workdir = f'{self.workdirs.name}/run{self.runs}'  # fresh: train() resumes from checkpoints
+    clock = _Clock()
     with contextlib.redirect_stdout(io.StringIO()):
-      result = disttrain.train(self.cfg, workdir, model=self.model, devices=self.devices)
+      result = disttrain.train(self.cfg, workdir, model=self.model, devices=self.devices,
+                               callbacks=[clock])
     if result.trace_count != 1:
       raise RecompileError(f'the train loop traced its step {result.trace_count} times in one '
                            'run; it must compile once')
-    record = [r for r in result.records if r['split'] == 'train'][-1]
-    return self.steps * self.cfg.global_batch_size / record['examples_per_sec']
+    (first, start), (last, end) = clock.times[-2:]
+    return self.steps * (end - start) / (last - first)
 
 
 class HandLoop:

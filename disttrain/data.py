@@ -96,13 +96,13 @@ class _Assembler:
         raise DataError(f'batch field {key!r} has {value.shape[batch_axis]} local rows, expected '
                         f'{self.rows.size}; the pipeline read rows for another sharding')
     sharding = self.sharding if batch_axis == 0 else stacked_sharding(self.sharding, 2)
-    shapes = {k: v.shape[:batch_axis] + (self.batch_size,) + v.shape[batch_axis + 1:]
-              for k, v in local.items()}
     if jax.process_count() == 1 and not piecewise:
       # This process holds the whole batch: one batched device_put, the cheapest host-to-device
       # path. may_alias: the arrays are fresh gathers nobody writes again, so the runtime may
       # use them in place (README, Performance).
       return jax.device_put(local, sharding, may_alias=True)
+    shapes = {k: v.shape[:batch_axis] + (self.batch_size,) + v.shape[batch_axis + 1:]
+              for k, v in local.items()}
     if self.contiguous and not piecewise:
       # One call for the whole dict.
       return jax.make_array_from_process_local_data(sharding, local, shapes)
@@ -124,6 +124,9 @@ class _ReadTrainBatches:
     self.records, self.batch_size, self.seed, self.rows, self.k = records, batch_size, seed, rows, k
     self.batches_per_epoch = len(records) // batch_size
     self._perm = (-1, None)  # (epoch, permutation); one tuple so a reader never sees a mix
+    # One block of rows (one process, or one host's slice of the batch axis): a slice will do.
+    block = rows.size and rows[-1] - rows[0] + 1 == rows.size
+    self._block = (int(rows[0]), int(rows[-1]) + 1) if block else None
 
   def permutation(self, epoch: int) -> np.ndarray:
     """The epoch's example order, a function of (seed, epoch) only."""
@@ -136,8 +139,11 @@ class _ReadTrainBatches:
   def __call__(self, element: int) -> dict[str, np.ndarray]:
     """[rows, ...] per field for K = 1, else [K, rows, ...]: one read for all K batches."""
     batches = range(int(element) * self.k, (int(element) + 1) * self.k)
-    epochs = np.repeat([b // self.batches_per_epoch for b in batches], self.rows.size)
-    index = np.concatenate([self._index(b) for b in batches])
+    index = self._index(batches[0]) if self.k == 1 else np.concatenate(
+        [self._index(b) for b in batches])
+    epochs = 0
+    if self.records.uses_epochs:
+      epochs = np.repeat([b // self.batches_per_epoch for b in batches], self.rows.size)
     batch = self.records.read(index, epochs)
     batch[ID] = index.astype(np.int32)  # no MASK: every train row is real (step.with_mask)
     if self.k == 1:
@@ -147,6 +153,9 @@ class _ReadTrainBatches:
   def _index(self, b: int) -> np.ndarray:
     """Example indices of this process's rows of global batch b."""
     epoch, step = divmod(b, self.batches_per_epoch)
+    if self._block is not None:
+      start = step * self.batch_size
+      return self.permutation(epoch)[start + self._block[0]:start + self._block[1]]
     return self.permutation(epoch)[step * self.batch_size + self.rows]
 
 

@@ -167,20 +167,17 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
         jax.block_until_ready(previous)  # at most two multi-device steps in flight (see above)
     previous = step_metrics
     emitted = len(acts.out.records)
-    with phases('records'):
-      acts.records.maybe_write(step_no, step_metrics)  # the previous step's record, fetched now
+    acts.records.maybe_write(step_no, step_metrics)  # the previous step's record, fetched now
     acts.profiler.maybe_stop(step_no, device_state)
     eval_due = last or (cfg.eval_every_steps and step_no % cfg.eval_every_steps == 0)
     save_due = last or (cfg.checkpoint_every_steps and step_no % cfg.checkpoint_every_steps == 0)
     if eval_due or save_due:
-      with phases('records'):
-        acts.records.flush()  # every step up to here is checked finite before anything is saved
+      acts.records.flush()  # every step up to here is checked finite before anything is saved
     evals = acts.evaluator.maybe_eval(step_no, device_state, force=last)
     # Records and evals are emitted at the same steps on every process: a matched agreement.
     stop = acts.stopper.maybe_stop(step_no, hooks_ran=len(acts.out.records) > emitted)
     if stop is not None:
-      with phases('records'):
-        acts.records.flush()
+      acts.records.flush()
       if stop.kind == 'callback':  # a callback ends training here: a final eval as at the end
         evals = acts.evaluator.maybe_eval(step_no, device_state, force=True) or evals
     acts.saver.maybe_save(step_no, device_state, force=last or stop is not None,

@@ -91,6 +91,8 @@ class Records:
                         'RandomMap or function of one example; filters and batching would change '
                         'the number of examples, do them in the source')
     self._random = any(isinstance(t, grain.transforms.RandomMap) for t in self.transforms)
+    # read() needs each example's epoch for transforms only (random draws, error messages).
+    self.uses_epochs = bool(self.transforms)
     self._arrays = _in_memory(self.source, name) if isinstance(self.source, dict) else None
     if self._arrays is None and not (hasattr(self.source, '__len__')
                                      and hasattr(self.source, '__getitem__')):

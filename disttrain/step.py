@@ -9,6 +9,7 @@ disttrain/pmap.py build the compiled steps from these pieces).
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ class Variant:
   steps: int = 1
   full_batch: bool = False
 
-  @property
+  @functools.cached_property  # looked up every step
   def name(self) -> str:
     """'logged', 'quiet', 'masked' (+ '_xK'): the key in run.json's `compiled`."""
     kind = 'masked' if not self.full_batch else ('logged' if self.metrics else 'quiet')
