@@ -56,15 +56,19 @@ _FLAG_VALUE_ERROR = re.compile(r'^flag --(\S+?)=(.*?): (.*)$')
 
 def main(argv):
   del argv  # _parse_flags rejected positional arguments
+  import disttrain  # pylint: disable=g-import-not-at-top  (names load on first use)
+  try:
+    # A bad config fails here, before jax loads and before joining a job.
+    cfg = disttrain.from_config_dict(_CONFIG.value)
+  except disttrain.DisttrainError as e:
+    _fail(f'{type(e).__name__}: {e}')
   import jax  # pylint: disable=g-import-not-at-top
   if _FAKE_DEVICES.value is not None:
     # Must happen before the first backend use; on CPU this gives N devices in this process.
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', _FAKE_DEVICES.value)
-  import disttrain  # pylint: disable=g-import-not-at-top
   from disttrain import distributed  # pylint: disable=g-import-not-at-top
   try:
-    cfg = disttrain.from_config_dict(_CONFIG.value)  # bad config: fail before joining a job
     if _DISTRIBUTED.value or _COORDINATOR.value:
       distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                              init_timeout=_INIT_TIMEOUT.value,

@@ -33,6 +33,7 @@ def test_mnist_mlp_reaches_accuracy_on_eight_devices_like_one(mnist_dir, tmp_pat
   acc1 = _mnist_accuracy(mnist_dir, 1, tmp_path / 'one')
   assert acc8 >= 0.955, acc8
   assert abs(acc8 - acc1) <= 0.005, (acc8, acc1)
-  # bf16 compute, float32 master weights: within 1 point of float32 (measured 0.9630 vs 0.9665).
-  bf16 = _mnist_accuracy(mnist_dir, 8, tmp_path / 'bf16', precision__compute_dtype='bfloat16')
-  assert abs(bf16 - acc8) <= 0.01, (bf16, acc8)
+  # bf16 compute, float32 master weights: within 1 point of float32 (1 device, where it runs
+  # fastest; measured 0.9630 vs 0.9665 on 8 devices).
+  bf16 = _mnist_accuracy(mnist_dir, 1, tmp_path / 'bf16', precision__compute_dtype='bfloat16')
+  assert abs(bf16 - acc1) <= 0.01, (bf16, acc1)
