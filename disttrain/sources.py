@@ -8,6 +8,7 @@ array_record and tokens stream from files (disttrain.formats).
 """
 
 import gzip
+import importlib.util
 import os
 import sysconfig
 import zlib
@@ -54,12 +55,25 @@ def _split_tail(arrays: dict, eval_examples: int, what: str) -> dict:
           'eval_data': {k: v[cut:] for k, v in arrays.items()} if eval_examples else None}
 
 
+def digits() -> tuple[np.ndarray, np.ndarray]:
+  """scikit-learn's 1,797 8x8 digits (pixels 0..16 [N, 8, 8], labels [N]) as load_digits gives
+  them, read from its data file: importing sklearn.datasets costs every run a second."""
+  spec = importlib.util.find_spec('sklearn')
+  path = os.path.join((spec and spec.submodule_search_locations or [''])[0], 'datasets', 'data',
+                      'digits.csv.gz')
+  if not os.path.isfile(path):  # another layout: the public loader
+    from sklearn import datasets  # pylint: disable=g-import-not-at-top
+    raw = datasets.load_digits()
+    return raw.images, raw.target
+  rows = np.loadtxt(path, delimiter=',')
+  return rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(np.int64)
+
+
 def _digits(cfg: Config) -> dict:
   """The 1797 real 8x8 scikit-learn digits, scaled from 0..16 to [0, 1]."""
-  from sklearn import datasets  # pylint: disable=g-import-not-at-top  (slow import, digits only)
-  raw = datasets.load_digits()
-  arrays = {'image': (raw.images.astype(np.float32) / 16.0)[..., None],
-            'label': raw.target.astype(np.int32)}
+  images, labels = digits()
+  arrays = {'image': (images.astype(np.float32) / 16.0)[..., None],
+            'label': labels.astype(np.int32)}
   return _split_tail(arrays, _eval_examples(cfg, _DIGITS_EVAL), 'digits')
 
 

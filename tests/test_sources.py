@@ -69,6 +69,14 @@ def test_digits_shapes_ranges_and_split():
   assert (len(small['train_data']['label']), len(small['eval_data']['label'])) == (1697, 100)
 
 
+def test_digits_read_from_the_file_equal_sklearns_loader():
+  from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  images, labels = sources.digits()
+  raw = datasets.load_digits()
+  np.testing.assert_array_equal(images, raw.images)
+  np.testing.assert_array_equal(labels, raw.target)
+
+
 def test_mnist_t10k_only_splits_8000_2000(mnist_dir):
   ds = _mnist(mnist_dir)
   train, held_out = ds['train_data'], ds['eval_data']
