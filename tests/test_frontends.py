@@ -20,7 +20,8 @@ from disttrain import state as state_lib
 from disttrain.errors import ConfigError
 from disttrain.config import ModelConfig
 from disttrain.models import FunctionalModel, LinenModel, NNXModel
-from disttrain.models.mlp import MnistMLP, NnxMLP, jax_mlp_apply, jax_mlp_init
+from disttrain.models.mlp import MnistMLP, jax_mlp_apply, jax_mlp_init
+from disttrain.models.nnx_mlp import NnxMLP
 from disttrain.task import Classification, PerDeviceLoss
 from tests.helpers import devices, make_config, to_numpy
 

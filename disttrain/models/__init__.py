@@ -1,9 +1,9 @@
 """Model front ends behind one protocol, and the models that configs name.
 
 Front ends (the protocol is described in linen.py): LinenModel (Flax Linen), NNXModel (Flax
-NNX), FunctionalModel (plain init/apply functions over a params pytree) and KerasModel (Keras 3,
-an optional extra: `from disttrain.models.keras import KerasModel`, imported on demand so that
-disttrain runs without keras installed).
+NNX; flax.nnx is imported on first use), FunctionalModel (plain init/apply functions over a
+params pytree) and KerasModel (Keras 3, an optional extra: `from disttrain.models.keras import
+KerasModel`, imported on demand so that disttrain runs without keras installed).
 """
 
 import dataclasses
@@ -16,10 +16,15 @@ from disttrain.errors import ConfigError
 from disttrain.models.functional import FunctionalModel
 from disttrain.models.gpt import GPT, LanguageModel
 from disttrain.models.linen import LinenModel
-from disttrain.models.mlp import (JAX_MLP_LOGICAL, BobbinMLP, MnistMLP, NnxMLP, jax_mlp_apply,
-                                  jax_mlp_init)
-from disttrain.models.nnx import NNXModel
+from disttrain.models.mlp import JAX_MLP_LOGICAL, BobbinMLP, MnistMLP, jax_mlp_apply, jax_mlp_init
 from disttrain.task import Classification
+
+
+def __getattr__(name: str):
+  if name == 'NNXModel':  # flax.nnx is imported when an NNX model is used
+    from disttrain.models.nnx import NNXModel  # pylint: disable=g-import-not-at-top
+    return NNXModel
+  raise AttributeError(f'module disttrain.models has no attribute {name!r}')
 
 
 # Builders take the model config and the compute dtype; the MLPs compute in whatever dtype
@@ -35,8 +40,10 @@ def _bobbin_mlp(cfg: ModelConfig, dtype) -> LinenModel:
                               dropout=cfg.dropout))
 
 
-def _nnx_mlp(cfg: ModelConfig, dtype) -> NNXModel:
+def _nnx_mlp(cfg: ModelConfig, dtype):
   del dtype
+  from disttrain.models.nnx import NNXModel  # pylint: disable=g-import-not-at-top
+  from disttrain.models.nnx_mlp import NnxMLP  # pylint: disable=g-import-not-at-top
   return NNXModel(lambda rngs, input_shape: NnxMLP(input_shape, cfg.num_classes, cfg.hidden,
                                                    cfg.dropout, rngs=rngs))
 

@@ -1,10 +1,10 @@
 """The seeds' MNIST MLPs, side by side in the front ends they were written for.
 
   MnistMLP   seed 004 part 2, Flax Linen: (Dense 512 -> ReLU -> Dropout -> BatchNorm) x 2 -> Dense
-  NnxMLP     the same model in Flax NNX (same initialisers and logical axis names)
   jax_mlp_*  seed 004 part 1, raw JAX: a list of (w, b) pairs and a vmapped one-example forward
   BobbinMLP  seed 001, Linen: Dense 1024 -> sigmoid -> Dropout(0.5) -> Dense
-Seed 000's Keras model is in keras_mlp.py (keras is an optional extra).
+Seed 000's Keras model is in keras_mlp.py (keras is an optional extra), the NNX version of
+seed 004's in nnx_mlp.py (imported when used: flax.nnx takes a while to import).
 """
 
 import math
@@ -13,11 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from flax import nnx
 
-_KERNEL = nn.initializers.lecun_normal()
-_ZEROS = nn.initializers.zeros_init()
-_ONES = nn.initializers.ones_init()
+KERNEL = nn.initializers.lecun_normal()
+ZEROS = nn.initializers.zeros_init()
+ONES = nn.initializers.ones_init()
 
 
 class MnistMLP(nn.Module):
@@ -33,17 +32,17 @@ class MnistMLP(nn.Module):
     in_axis = 'pixels'
     for _ in range(2):
       x = nn.Dense(self.hidden,
-                   kernel_init=nn.with_logical_partitioning(_KERNEL, (in_axis, 'hidden')),
-                   bias_init=nn.with_logical_partitioning(_ZEROS, ('hidden',)))(x)
+                   kernel_init=nn.with_logical_partitioning(KERNEL, (in_axis, 'hidden')),
+                   bias_init=nn.with_logical_partitioning(ZEROS, ('hidden',)))(x)
       x = nn.relu(x)
       x = nn.Dropout(self.dropout, deterministic=not train)(x)
       x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name,
-                       scale_init=nn.with_logical_partitioning(_ONES, ('hidden',)),
-                       bias_init=nn.with_logical_partitioning(_ZEROS, ('hidden',)))(x)
+                       scale_init=nn.with_logical_partitioning(ONES, ('hidden',)),
+                       bias_init=nn.with_logical_partitioning(ZEROS, ('hidden',)))(x)
       in_axis = 'hidden_in'
     return nn.Dense(self.num_classes,
-                    kernel_init=nn.with_logical_partitioning(_KERNEL, ('hidden_in', 'classes')),
-                    bias_init=nn.with_logical_partitioning(_ZEROS, ('classes',)))(x)
+                    kernel_init=nn.with_logical_partitioning(KERNEL, ('hidden_in', 'classes')),
+                    bias_init=nn.with_logical_partitioning(ZEROS, ('classes',)))(x)
 
 
 class BobbinMLP(nn.Module):
@@ -56,43 +55,12 @@ class BobbinMLP(nn.Module):
   def __call__(self, x_BxHxWxC: jnp.ndarray, train: bool) -> jnp.ndarray:
     x = x_BxHxWxC.reshape(x_BxHxWxC.shape[0], -1)
     x = nn.sigmoid(nn.Dense(self.hidden,
-                            kernel_init=nn.with_logical_partitioning(_KERNEL, ('pixels', 'hidden')),
-                            bias_init=nn.with_logical_partitioning(_ZEROS, ('hidden',)))(x))
+                            kernel_init=nn.with_logical_partitioning(KERNEL, ('pixels', 'hidden')),
+                            bias_init=nn.with_logical_partitioning(ZEROS, ('hidden',)))(x))
     x = nn.Dropout(self.dropout, deterministic=not train)(x)
     return nn.Dense(self.num_classes,
-                    kernel_init=nn.with_logical_partitioning(_KERNEL, ('hidden_in', 'classes')),
-                    bias_init=nn.with_logical_partitioning(_ZEROS, ('classes',)))(x)
-
-
-def _linear(din: int, dout: int, axes: tuple[str, str], rngs: nnx.Rngs) -> nnx.Linear:
-  return nnx.Linear(din, dout, kernel_init=nnx.with_partitioning(_KERNEL, axes),
-                    bias_init=nnx.with_partitioning(_ZEROS, axes[1:]), rngs=rngs)
-
-
-def _batch_norm(features: int, rngs: nnx.Rngs) -> nnx.BatchNorm:
-  # momentum 0.9 as the Linen model (NNX's default is 0.99).
-  return nnx.BatchNorm(features, momentum=0.9, rngs=rngs,
-                       scale_init=nnx.with_partitioning(_ONES, ('hidden',)),
-                       bias_init=nnx.with_partitioning(_ZEROS, ('hidden',)))
-
-
-class NnxMLP(nnx.Module):
-  """Logical axes: 'hidden' marks the hidden features (the tensor-parallel dimension)."""
-
-  def __init__(self, input_shape: tuple, num_classes: int = 10, hidden: int = 512,
-               dropout: float = 0.3, *, rngs: nnx.Rngs):
-    self.dense_0 = _linear(math.prod(input_shape), hidden, ('pixels', 'hidden'), rngs)
-    self.norm_0 = _batch_norm(hidden, rngs)
-    self.dense_1 = _linear(hidden, hidden, ('hidden_in', 'hidden'), rngs)
-    self.norm_1 = _batch_norm(hidden, rngs)
-    self.dropout = nnx.Dropout(dropout, rngs=rngs)
-    self.head = _linear(hidden, num_classes, ('hidden_in', 'classes'), rngs)
-
-  def __call__(self, x_BxHxWxC: jax.Array) -> jax.Array:
-    x = x_BxHxWxC.reshape(x_BxHxWxC.shape[0], -1)
-    x = self.norm_0(self.dropout(nnx.relu(self.dense_0(x))))
-    x = self.norm_1(self.dropout(nnx.relu(self.dense_1(x))))
-    return self.head(x)
+                    kernel_init=nn.with_logical_partitioning(KERNEL, ('hidden_in', 'classes')),
+                    bias_init=nn.with_logical_partitioning(ZEROS, ('classes',)))(x)
 
 
 def jax_mlp_init(rng: jax.Array, x: jax.Array, hidden: int = 512,
