@@ -293,31 +293,45 @@ def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
   assert not alive, f'{len(alive)} worker(s) outlived the launcher'
 
 
-def test_sigterm_saves_on_every_process_and_resumes_exactly(runs, tmp_path):
-  two, _ = runs('jit')  # the uninterrupted 2 x 4 run of the same config
-  overrides = {**BASE, **CASES['jit']}
-  proc = _start_cluster(overrides, tmp_path)
+def _interrupt(overrides: dict, workdir, after: int, sig: int, exit_code: int, said: str) -> int:
+  """Starts the job, sends `sig` to the launcher once step `after` is logged, checks that every
+  process saved one checkpoint at one agreed step and exited with `exit_code`; returns the step."""
+  proc = _start_cluster(overrides, workdir)
   try:
-    _wait_for_step(proc, tmp_path, 12)  # after the step-10 checkpoint was started
-    proc.send_signal(signal.SIGTERM)
+    _wait_for_step(proc, workdir, after)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
   finally:
     if proc.poll() is None:
       proc.kill()
-  assert proc.returncode == disttrain.Preempted.exit_code, out[-3000:]
+  assert proc.returncode == exit_code, out[-3000:]
+  assert 'Traceback' not in out, out[-3000:]
   saved = {int(line.split('at step ')[1].split()[0]) for line in out.splitlines()
-           if 'preempted: saved a checkpoint at step' in line}
-  said = [p for p in (0, 1) if f'[{p}] preempted: saved a checkpoint' in out]
-  assert said == [0, 1] and len(saved) == 1, out[-3000:]  # both processes, one agreed step
+           if f'{said}: saved a checkpoint at step' in line}
+  processes = [p for p in (0, 1) if f'[{p}] {said}: saved a checkpoint' in out]
+  assert processes == [0, 1] and len(saved) == 1, out[-3000:]  # both processes, one agreed step
   (at,) = saved
-  assert 12 <= at < STEPS
-  state_dir = tmp_path / 'checkpoints' / str(at) / 'state'
+  assert after <= at < STEPS, (after, at)
+  state_dir = workdir / 'checkpoints' / str(at) / 'state'
   assert (state_dir / 'ocdbt.process_0').is_dir() and (state_dir / 'ocdbt.process_1').is_dir()
+  return at
 
+
+def test_sigterm_then_ctrl_c_save_on_every_process_and_resume_exactly(runs, tmp_path):
+  """SIGTERM to the launcher (forwarded to every process: exit 75), relaunch, Ctrl-C (SIGINT to
+  the launcher: exit 130, no traceback), relaunch: the steps after each resume are bitwise the
+  uninterrupted 2 x 4 run's, and so is the final eval."""
+  two, _ = runs('jit')  # the uninterrupted 2 x 4 run of the same config
+  overrides = {**BASE, **CASES['jit']}
+  first = _interrupt(overrides, tmp_path, 12, signal.SIGTERM, disttrain.Preempted.exit_code,
+                     'preempted')  # after the step-10 checkpoint was started
+  second = _interrupt(overrides, tmp_path, first + 3, signal.SIGINT,
+                      disttrain.Interrupted.exit_code, 'interrupted')
+  assert disttrain.Interrupted.exit_code == 130
   out = _cluster(overrides, tmp_path)
-  assert f'[0] resumed from step {at}' in out
+  assert f'[0] resumed from step {second}' in out
   got, want = _losses(tmp_path), _losses(two)
-  after = range(at + 1, STEPS + 1)
+  after = range(first + 1, STEPS + 1)
   assert [got[s] for s in after] == [want[s] for s in after]  # bitwise
   assert _records(tmp_path, 'eval')[-1] == _records(two, 'eval')[-1]
 
@@ -409,30 +423,6 @@ def test_callback_stop_is_agreed_saved_and_resumes_exactly(runs, tmp_path):
   assert proc.returncode == 0 and '[0] resumed from step 18' in out, out[-3000:]
   got, want = _losses(tmp_path), _losses(two)
   assert [got[s] for s in range(19, STEPS + 1)] == [want[s] for s in range(19, STEPS + 1)]
-
-
-def test_ctrl_c_saves_on_every_process_and_resumes_exactly(runs, tmp_path):
-  two, _ = runs('jit')
-  overrides = {**BASE, **CASES['jit']}
-  proc = _start_cluster(overrides, tmp_path)
-  try:
-    _wait_for_step(proc, tmp_path, 12)
-    proc.send_signal(signal.SIGINT)  # what a Ctrl-C in the launcher's terminal sends it
-    out, _ = proc.communicate(timeout=120)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-  assert proc.returncode == disttrain.Interrupted.exit_code == 130, out[-3000:]
-  assert 'Traceback' not in out, out[-3000:]
-  saved = {int(line.split('at step ')[1].split()[0]) for line in out.splitlines()
-           if 'interrupted: saved a checkpoint at step' in line}
-  said = [p for p in (0, 1) if f'[{p}] interrupted: saved a checkpoint' in out]
-  assert said == [0, 1] and len(saved) == 1, out[-3000:]
-  (at,) = saved
-  out = _cluster(overrides, tmp_path)
-  assert f'[0] resumed from step {at}' in out
-  got, want = _losses(tmp_path), _losses(two)
-  assert [got[s] for s in range(at + 1, STEPS + 1)] == [want[s] for s in range(at + 1, STEPS + 1)]
 
 
 def test_watchdog_names_the_process_that_hung(tmp_path):
