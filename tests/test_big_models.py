@@ -334,6 +334,7 @@ def test_bf16_halves_the_activations_kept_for_the_backward_pass():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_bf16_trains_like_float32(tmp_path):
   """30 steps from the same start, bf16 compute vs float32. bf16 keeps 8 bits of mantissa, so
   every activation is off by up to 2^-8 ~ 0.4 % relative and the steps drift apart from there;

@@ -1,5 +1,7 @@
 """Long multi-device runs on CPU and the real-data accuracy bar."""
 
+import pytest
+
 import disttrain
 from tests.helpers import devices, make_config
 
@@ -26,6 +28,7 @@ def _mnist_accuracy(mnist_dir, n_devices, workdir, **overrides) -> float:
   return final['accuracy']
 
 
+@pytest.mark.slow
 def test_mnist_mlp_reaches_accuracy_on_eight_devices_like_one(mnist_dir, tmp_path):
   # Reference: a hand-written Flax loop of the same model, split and schedule reaches
   # 0.9645-0.9665 over seeds 0-2 on this machine; the bar is 0.955.

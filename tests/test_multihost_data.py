@@ -15,11 +15,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import disttrain
 from disttrain import config as config_lib, formats
 from tests import helpers
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # a 2-process cluster and its 1 x 8 reference
 from tests.test_user_data import EVAL, _breast_cancer
 
 CONFIG = ROOT / 'tests' / 'configs' / 'user_data.py'

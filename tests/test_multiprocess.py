@@ -30,6 +30,8 @@ from disttrain import distributed
 from tests import helpers
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # each test starts a cluster of processes
+
 CONFIG = 'launch/configs/mnist_mlp.py'
 STEPS = 30
 DIGITS_EVAL = 297  # not a multiple of 2 processes x eval batch 64: the last batch is padded

@@ -85,17 +85,20 @@ def _check(name, mnist_dir, tmp_path, floor: float, task=None, whole_schedule=Fa
   return train8, train1
 
 
+@pytest.mark.slow
 def test_keras_mlp(mnist_dir, tmp_path):
   # 1,250 steps take ~10 s on 8 CPU devices, so the floor is checked on 8 devices.
   pytest.importorskip('keras')
   _check('keras_mlp', mnist_dir, tmp_path, floor=0.94)
 
 
+@pytest.mark.slow
 def test_jax_mlp(mnist_dir, tmp_path):
   # The learning rate decays over the whole run: the reference has the run's length and stops.
   _check('jax_mlp', mnist_dir, tmp_path, floor=0.93, whole_schedule=True)
 
 
+@pytest.mark.slow
 def test_nnx_mlp(mnist_dir, tmp_path):
   _check('nnx_mlp', mnist_dir, tmp_path, floor=0.955)
 
@@ -109,6 +112,7 @@ def _bobbin_loss(logits_BxC, batch):
   return loss_B, aux
 
 
+@pytest.mark.slow
 def test_bobbin_mlp_with_aux_outputs_and_per_device_losses(mnist_dir, tmp_path):
   task = PerDeviceLoss(LossWithAux(_bobbin_loss), num_devices=8)
   train8, train1 = _check('bobbin_mlp', mnist_dir, tmp_path, floor=0.70, task=task)
