@@ -32,6 +32,16 @@ def _handlers() -> dict:
           'meta': ocp.JsonCheckpointHandler()}
 
 
+class _Manager(ocp.CheckpointManager):
+  """Orbax's manager without its own preemption check: disttrain agrees on stops itself
+  (distributed.StopSignals counts calls to jax's preemption sync point; orbax would pass it step
+  numbers, and after a resume a signal's agreed call would never come)."""
+
+  def reached_preemption(self, step: int) -> bool:
+    del step
+    return False
+
+
 def abstract_like(shardings: Any, shapes: Any) -> Any:
   """ShapeDtypeStructs carrying the current layout's shardings: orbax reshards into them."""
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -52,7 +62,7 @@ class Checkpointer:
         preservation_policy=policies.AnyPreservationPolicy(keep),
         cleanup_tmp_directories=True,  # torn saves from killed runs
         enable_async_checkpointing=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
+    self._manager = _Manager(self.directory, options=options,
                                           item_handlers=_handlers())
 
   def steps(self) -> list[int]:
@@ -159,7 +169,7 @@ def restore_params(path: str, abstract_state: Any) -> tuple[Any, Any, int]:
   if not os.path.isdir(directory):
     raise CheckpointError(f'restore_from={path!r} does not exist; pass a checkpoints directory '
                           'or one of its step directories')
-  manager = ocp.CheckpointManager(directory, item_handlers=_handlers(),
+  manager = _Manager(directory, item_handlers=_handlers(),
                                   options=ocp.CheckpointManagerOptions(read_only=True))
   step = manager.latest_step() if step is None else step
   if step is None or step not in manager.all_steps():

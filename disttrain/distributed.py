@@ -154,8 +154,9 @@ class StopSignals:
   def _on_interrupt(self, *_) -> None:
     self._interrupted.set()
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # the second Ctrl-C ends the process at once
-    print('interrupted: saving a checkpoint at the next step, then stopping (Ctrl-C again to '
-          'exit at once, without one)', file=sys.stderr, flush=True)
+    when = 'a step every process agrees on' if self._multi else 'the next step'
+    print(f'interrupted: saving a checkpoint at {when}, then stopping (Ctrl-C again to exit at '
+          'once, without one)', file=sys.stderr, flush=True)
     if self._multi:
       os.kill(os.getpid(), signal.SIGTERM)  # jax's preemption service tells every process
 

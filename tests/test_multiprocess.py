@@ -33,6 +33,7 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.slow  # each test starts a cluster of processes
 
 CONFIG = 'launch/configs/mnist_mlp.py'
+OPS = 'tests/configs/ops.py'  # the same config (and data) as CONFIG, plus hooks chosen by env
 STEPS = 30
 DIGITS_EVAL = 297  # not a multiple of 2 processes x eval batch 64: the last batch is padded
 BASE = {'model.hidden': 64, 'global_batch_size': 64, 'eval_batch_size': 64,
@@ -62,8 +63,8 @@ def _cluster_cmd(*args: str, grace: float = 20) -> list[str]:
           '--devices_per_process=4', f'--timeout={JOB_TIMEOUT}', f'--grace={grace}', *args]
 
 
-def _train_flags(overrides: dict, workdir) -> list[str]:
-  return ['--', f'--config={CONFIG}', f'--workdir={workdir}',
+def _train_flags(overrides: dict, workdir, config: str = CONFIG) -> list[str]:
+  return ['--', f'--config={config}', f'--workdir={workdir}',
           *(f'--config.{k}={v}' for k, v in overrides.items())]
 
 
@@ -76,9 +77,16 @@ def _cluster(overrides: dict, workdir) -> str:
   return out
 
 
-def _start_cluster(overrides: dict, workdir, grace: float = 20) -> subprocess.Popen:
-  return subprocess.Popen(_cluster_cmd(*_train_flags(overrides, workdir), grace=grace), cwd=ROOT,
-                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _start_cluster(overrides: dict, workdir, grace: float = 20, config: str = CONFIG,
+                   env: dict | None = None) -> subprocess.Popen:
+  return subprocess.Popen(_cluster_cmd(*_train_flags(overrides, workdir, config), grace=grace),
+                          cwd=ROOT, env={**_env(), **(env or {})}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def _ops_cluster(workdir, env: dict, overrides: dict, grace: float = 20) -> subprocess.Popen:
+  """A job of OPS with its test hooks chosen by `env`."""
+  return _start_cluster(overrides, workdir, grace, OPS, env)
 
 
 def _config(overrides: dict) -> disttrain.Config:
@@ -297,8 +305,12 @@ def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
 
 def _interrupt(overrides: dict, workdir, after: int, sig: int, exit_code: int, said: str) -> int:
   """Starts the job, sends `sig` to the launcher once step `after` is logged, checks that every
-  process saved one checkpoint at one agreed step and exited with `exit_code`; returns the step."""
-  proc = _start_cluster(overrides, workdir)
+  process saved one checkpoint at one agreed step and exited with `exit_code`; returns the step.
+
+  Batches are read slowly (0.25 s each, the same data): agreeing on a stop took jax's
+  preemption service 0.5-1.3 s here (it polls for SIGTERM once a second; 2-10 steps later), and
+  a run that reaches its last step first ends normally (exit 0), as 12 steps of 0.1 s once did."""
+  proc = _ops_cluster(workdir, {'SLOW_READS': '0.25'}, overrides)
   try:
     _wait_for_step(proc, workdir, after)
     proc.send_signal(sig)
@@ -322,9 +334,13 @@ def _interrupt(overrides: dict, workdir, after: int, sig: int, exit_code: int, s
 def test_sigterm_then_ctrl_c_save_on_every_process_and_resume_exactly(runs, tmp_path):
   """SIGTERM to the launcher (forwarded to every process: exit 75), relaunch, Ctrl-C (SIGINT to
   the launcher: exit 130, no traceback), relaunch: the steps after each resume are bitwise the
-  uninterrupted 2 x 4 run's, and so is the final eval."""
+  uninterrupted 2 x 4 run's, and so is the final eval.
+
+  A checkpoint every step (the same numerics): orbax's save passes its step number to jax's
+  preemption sync, which counts calls; after a resume the two differ, and a signal that reached
+  the job just after a save was agreed for a call that never came (the job trained on)."""
   two, _ = runs('jit')  # the uninterrupted 2 x 4 run of the same config
-  overrides = {**BASE, **CASES['jit']}
+  overrides = {**BASE, **CASES['jit'], 'checkpoint_every_steps': 1}
   first = _interrupt(overrides, tmp_path, 12, signal.SIGTERM, disttrain.Preempted.exit_code,
                      'preempted')  # after the step-10 checkpoint was started
   second = _interrupt(overrides, tmp_path, first + 3, signal.SIGINT,
@@ -393,16 +409,6 @@ def test_distributed_without_a_cluster_says_so(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # 6. Operating a job: a callback's stop, Ctrl-C, the hang watchdog.
-
-OPS = 'tests/configs/ops.py'  # the same config (and data) as CONFIG, plus hooks chosen by env
-
-
-def _ops_cluster(workdir, env: dict, overrides: dict, grace: float = 20) -> subprocess.Popen:
-  args = ['--', f'--config={OPS}', f'--workdir={workdir}',
-          *(f'--config.{k}={v}' for k, v in overrides.items())]
-  return subprocess.Popen(_cluster_cmd(*args, grace=grace), cwd=ROOT, env={**_env(), **env},
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
 
 def test_callback_stop_is_agreed_saved_and_resumes_exactly(runs, tmp_path):
   """A callback asks to stop when it sees step 17's record (fetched one step late, after step
