@@ -31,6 +31,7 @@ import pytest
 import disttrain
 from disttrain.task import LossWithAux, PerDeviceLoss
 from tests import helpers
+from tests.configs.ops import StopAt
 from tests.conftest import ROOT
 from tests.helpers import devices
 
@@ -42,16 +43,6 @@ def _config(name: str, mnist_dir: str, **overrides) -> disttrain.Config:
   cd.data.name, cd.data.dir = 'mnist', mnist_dir
   cd.log_every_steps, cd.eval_every_steps = 1, 0
   return disttrain.from_config_dict(helpers.override(cd, overrides))
-
-
-class _StopAfter(disttrain.Callback):
-  """Stops a run once the record of step `step` is out (the run ends one step later)."""
-
-  def __init__(self, step: int):
-    self.step = step
-
-  def on_train_record(self, record):
-    return disttrain.STOP if record['step'] >= self.step else None
 
 
 def _run(cfg, workdir, n_devices: int, task=None, callbacks=()) -> tuple[list[dict], dict]:
@@ -70,7 +61,7 @@ def _check(name, mnist_dir, tmp_path, floor: float, task=None, whole_schedule=Fa
   assert len(train8) == cfg.num_train_steps
   if whole_schedule:  # the schedule spans the whole run: the reference stops after 30 steps
     train1, _ = _run(_config(name, mnist_dir, mesh__data=1), tmp_path / 'one', 1, task,
-                     callbacks=[_StopAfter(30)])
+                     callbacks=[StopAt(30)])
   else:
     train1, _ = _run(_config(name, mnist_dir, mesh__data=1, num_train_steps=30),
                      tmp_path / 'one', 1, task)

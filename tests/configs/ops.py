@@ -20,6 +20,8 @@ get_config = __import__('runpy').run_path(
 
 
 class StopAt(disttrain.Callback):
+  """Asks to stop on the first train record at or after `step` (the run ends one step later)."""
+
   def __init__(self, step: int):
     self.step = step
 
