@@ -318,9 +318,11 @@ def test_bf16_activations_float32_state_and_first_loss():
 
 
 def test_bf16_halves_the_activations_kept_for_the_backward_pass():
-  """The GPT config at an activation-dominated batch: bf16 keeps <= 0.65 x the bytes float32
-  keeps for the backward pass (measured 2026-11-25: 244.7 vs 383.3 MiB = 0.64; what stays float32
-  is the attention softmax, computed in float32 on purpose, and the loss's logits).
+  """The GPT config at an activation-dominated batch: bf16 keeps <= 0.66 x the bytes float32
+  keeps for the backward pass (measured 2026-11-25: jax 0.10 244.7 vs 383.3 MiB = 0.64, jax 0.12
+  228.7 vs 351.3 MiB = 0.651, both smaller; what stays float32 is the attention softmax, computed
+  in float32 on purpose, the norms' float32 inputs and the loss's logits). Raise the bound only
+  with a measurement that says which residual became float32.
 
   Measured on residuals, not on XLA:CPU's temp bytes: XLA:CPU computes every bf16 dot in float32
   (its compiled HLO converts the operands), so there the step's temporaries do not shrink
@@ -330,7 +332,7 @@ def test_bf16_halves_the_activations_kept_for_the_backward_pass():
       disttrain.setup(_gpt(**_ACTIVATION_HEAVY, **o), devices=devices(1)))
   f32, bf16 = saved(), saved(**BF16)
   assert f32 > 20 * _memory().state_bytes  # activations dominate
-  assert bf16 <= 0.65 * f32, (bf16 / 2**20, f32 / 2**20)
+  assert bf16 <= 0.66 * f32, (bf16 / 2**20, f32 / 2**20)
 
 
 @pytest.mark.slow
