@@ -22,7 +22,8 @@ _EXPORTS = {
     'TrainState': 'state',
     'StepContext': 'step',
     'FunctionalModel': 'models', 'LinenModel': 'models', 'NNXModel': 'models',
-    'Classification': 'task', 'LossWithAux': 'task', 'PerDeviceLoss': 'task',
+    'Classification': 'task', 'LossWithAux': 'task', 'NextToken': 'task', 'PerDeviceLoss': 'task',
+    'generate': 'generate',
 }
 __all__ = sorted(_EXPORTS)
 

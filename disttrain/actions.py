@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from disttrain import checkpoint, data, distributed, metrics, step as step_lib, timing
+from disttrain import checkpoint, data, distributed, metrics, optim, step as step_lib, timing
 from disttrain.callbacks import Callbacks
 from disttrain.compiled import Steps
 from disttrain.config import Config
@@ -168,8 +168,14 @@ def evaluate(steps: Steps, state, records: Records, batch_size: int, batch_shard
     pending = sums
   add(pending)
   count = totals.pop('count')
+  examples = totals.pop('num_examples', count)
+  tokens = totals.pop('num_tokens', None)
   out = {k: v / count for k, v in totals.items()}
-  out['num_examples'] = int(count)
+  out['num_examples'] = int(examples)
+  if tokens is not None:  # a per-token task: the loss is nats per counted token
+    out['num_tokens'] = int(tokens)
+    if 'loss' in out:
+      out['perplexity'] = float(np.exp(min(out['loss'], 700.0)))
   return out
 
 
@@ -189,6 +195,8 @@ class Evaluator:
     if not due or not self.sources or self.at == step_no:
       return None
     state = self.steps.export(device_state)
+    if self.cfg.ema_decay and self.cfg.ema_eval:  # the moving average, sharded as the params
+      state = state.replace(params=optim.ema_params(state.opt_state))
     with self.phases('eval'):
       results = {split: evaluate(self.steps, state, records, self.cfg.eval_batch,
                                  self.batch_sharding, self.phases.beat)
@@ -196,8 +204,9 @@ class Evaluator:
     self.at, self.last = step_no, results
     for split, result in results.items():
       self.out.emit({'step': step_no, 'split': split, **result}, 'on_eval')
+      tokens = f', {result["num_tokens"]:,} tokens' if 'num_tokens' in result else ''
       self.out.writer.print(f'{split:<5} step {step_no}: {summary(result)} '
-                            f'({result["num_examples"]} examples)')
+                            f'({result["num_examples"]} examples{tokens})')
     return results
 
   def checkpoint_metrics(self) -> dict | None:
@@ -212,7 +221,7 @@ class Evaluator:
 
 def summary(result: dict) -> str:
   """'accuracy 0.9650, loss 0.1140': accuracy first when the task has it, then the rest."""
-  names = sorted(k for k in result if k != 'num_examples')
+  names = sorted(k for k in result if k not in ('num_examples', 'num_tokens'))
   names.sort(key=lambda k: k != 'accuracy')
   return ', '.join(f'{k} {result[k]:.4f}' for k in names)
 

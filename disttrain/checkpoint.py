@@ -180,3 +180,36 @@ def restore_params(path: str, abstract_state: Any) -> tuple[Any, Any, int]:
       state=ocp.args.StandardRestore(abstract_state)))
   manager.close()
   return restored['state'].params, restored['state'].mutable, step
+
+
+def _steps_dir(workdir: str) -> str:
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  if not os.path.isdir(directory):
+    raise CheckpointError(f'--workdir={workdir!r} has no checkpoints directory; pass the workdir '
+                          'of a run that saved a checkpoint')
+  return directory
+
+
+def run_config(workdir: str, step: int | None = None) -> tuple[dict, int]:
+  """(the config dict a run's checkpoint was saved with, its step): the latest, or `step`."""
+  directory = _steps_dir(workdir)
+  manager = _Manager(directory, item_handlers=_handlers(),
+                     options=ocp.CheckpointManagerOptions(read_only=True))
+  steps = sorted(manager.all_steps())
+  if not steps or (step is not None and step not in steps):
+    raise CheckpointError(f'{directory} has no complete checkpoint'
+                          + (f' at step {step} (it has {steps})' if steps else '')
+                          + '; pass the workdir of a run that saved one, or one of its steps')
+  step = steps[-1] if step is None else step
+  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  manager.close()
+  return meta['config'], step
+
+
+def restore_subtree(workdir: str, step: int, abstract: dict) -> dict:
+  """Part of a saved TrainState, e.g. {'params': ShapeDtypeStructs with shardings}: only those
+  arrays are read (no optimizer state), resharded onto the given shardings."""
+  path = os.path.join(_steps_dir(workdir), str(step), 'state')
+  restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+  return ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+      item=abstract, restore_args=restore_args, partial_restore=True))

@@ -20,12 +20,14 @@ MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')  # the global batch is split over these axes
 SHARDINGS = ('replicate', 'fsdp')
 STEP_MODES = ('jit', 'shard_map', 'pmap')
-FILE_SOURCES = ('array_record', 'tokens')  # data.name values that read data.train_files
+FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft')  # read data.train_files
+PACKING = ('concat', 'documents')
 TOKEN_DTYPES = ('uint16', 'uint32')
 REMAT = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
          'everything_saveable')
-OPTIMIZERS = ('adam', 'adamw', 'sgd')
-LR_SCHEDULES = ('constant', 'cosine', 'linear')
+OPTIMIZERS = ('adam', 'adamw', 'sgd', 'adafactor', 'lion')
+ATTENTION = ('auto', 'xla', 'cudnn', 'blockwise')
+LR_SCHEDULES = ('constant', 'cosine', 'linear', 'wsd')
 
 
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -86,6 +88,14 @@ class TokensConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SftConfig:
+  """data.name='sft': JSON lines of prompt/completion pairs or chat turns (disttrain/text.py)."""
+  prompt_field: str = 'prompt'
+  completion_field: str = 'completion'  # trained: the loss counts these tokens only
+  messages_field: str = 'messages'  # [{"role", "content"}, ...]; assistant turns are trained
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Which data, where it lives, how it is split and read. Per-source fields sit in groups."""
   name: str = 'digits'  # a builder in disttrain.sources.SOURCES
@@ -102,11 +112,18 @@ class DataConfig:
   # Global batches read ahead of the step in a thread; -1 = 0 on CPU devices (XLA's step uses
   # every core: a reader thread slowed it down, measured), 2 on accelerators.
   prefetch: int = -1
+  # documents / sft: raw text tokenized with a Hugging Face tokenizer.json or a SentencePiece
+  # .model ('' = bytes, end of sequence 257th id); documents, sft, tokens: how rows are formed.
+  tokenizer: str = ''
+  packing: str = 'concat'  # concat (join, cut into windows) or documents (whole, best fit)
+  text_field: str = 'text'  # documents: the JSONL field / Parquet column holding the text
   synthetic: SyntheticConfig = SyntheticConfig()
   text: TextConfig = TextConfig()
   tokens: TokensConfig = TokensConfig()
+  sft: SftConfig = SftConfig()
 
   def __post_init__(self):
+    _one_of('data.packing', self.packing, PACKING)
     # data.name is checked against disttrain.sources.SOURCES when the data is built.
     if self.name == 'mnist' and not self.dir:
       raise ConfigError("data.name='mnist' needs data.dir; pass --config.data.dir=PATH/TO/MNIST")
@@ -122,21 +139,47 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScalingConfig:
+  """llama: Llama 3's rotary frequency scaling (config.json rope_scaling, rope_type 'llama3')."""
+  kind: str = ''  # '' = none, or 'llama3'
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_len: int = 8192  # original_max_position_embeddings
+
+  def __post_init__(self):
+    _one_of('model.rope_scaling.kind', self.kind, ('', 'llama3'))
+    _positive('model.rope_scaling.factor', self.factor)
+    if self.kind and not 0 < self.low_freq_factor < self.high_freq_factor:
+      raise ConfigError(f'model.rope_scaling: low_freq_factor={self.low_freq_factor} must be > 0 '
+                        f'and below high_freq_factor={self.high_freq_factor}')
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Which model and its hyper-parameters."""
+  """Which model and its hyper-parameters. A field keeps one meaning in every family that
+  reads it; README's Config fields table says which families read which."""
   name: str = 'mnist_mlp'  # a builder in disttrain.models.MODELS
   hidden: int = 512  # MLP width / transformer width
   dropout: float = 0.3  # rate; 0 disables dropout
   num_layers: int = 2  # transformer blocks
   num_heads: int = 4  # attention heads; must divide model.hidden
-  mlp_dim: int = 0  # transformer MLP width; 0 = 4 x hidden
+  mlp_dim: int = 0  # transformer MLP width; 0 = the family's default (gpt 4 x hidden)
   num_classes: int = 10  # classifiers' outputs
   vocab_size: int = 256  # language models' vocabulary (256 = bytes)
   input_key: str = ''  # batch field the model reads; '' = the model's default (image, tokens)
   target_key: str = ''  # batch field the task learns; '' = the model's default (label, targets)
   remat: str = 'none'  # transformer blocks: none, full, or a jax.checkpoint_policies name
-  tied_embeddings: bool = True  # gpt: the unembedding is the token embedding's transpose
-  norm: str = 'layernorm'  # gpt: layernorm or rmsnorm
+  tied_embeddings: bool = True  # language models: the unembedding is the token embedding's T
+  norm: str = ''  # gpt: layernorm (default) or rmsnorm; llama: rmsnorm
+  num_kv_heads: int = 0  # llama: K/V heads shared by groups of query heads; 0 = num_heads
+  rope_theta: float = 10000.0  # llama: rotary embedding base
+  rope_scaling: RopeScalingConfig = RopeScalingConfig()
+  norm_eps: float = 1e-5  # language models' LayerNorm / RMSNorm epsilon
+  max_seq_len: int = 0  # gpt: rows of the learned positions table; generation's context;
+  # 0 = data.seq_len
+  attention: str = 'auto'  # auto, xla, cudnn, blockwise (disttrain/models/attention.py)
+  attention_block: int = 512  # blockwise attention: query and key block length
 
   def __post_init__(self):
     _positive('model.hidden', self.hidden)
@@ -146,7 +189,13 @@ class ModelConfig:
     _positive('model.num_classes', self.num_classes)
     _positive('model.vocab_size', self.vocab_size)
     _one_of('model.remat', self.remat, REMAT)
-    _one_of('model.norm', self.norm, ('layernorm', 'rmsnorm'))
+    _one_of('model.norm', self.norm, ('', 'layernorm', 'rmsnorm'))
+    _positive('model.num_kv_heads', self.num_kv_heads, allow_zero=True)
+    _positive('model.rope_theta', self.rope_theta)
+    _positive('model.norm_eps', self.norm_eps)
+    _positive('model.max_seq_len', self.max_seq_len, allow_zero=True)
+    _one_of('model.attention', self.attention, ATTENTION)
+    _positive('model.attention_block', self.attention_block)
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f'model.dropout={self.dropout} must be in [0, 1); pass a rate in [0, 1) '
                         '(0 disables dropout)')
@@ -200,8 +249,17 @@ class Config:
   optimizer: str = 'adam'
   lr_schedule: str = 'constant'
   warmup_steps: int = 0
-  weight_decay: float = 0.0  # adamw only
+  weight_decay: float = 0.0  # adamw, lion, adafactor: weight matrices only (optim.py)
+  weight_decay_embeddings: bool = False  # also decay embedding tables (token, positions)
   momentum: float = 0.0  # sgd only
+  b1: float = -1.0  # adam/adamw/lion first-moment decay (adafactor: momentum); -1 = default
+  b2: float = -1.0  # adam/adamw/lion second-moment decay; -1 = the optimizer's default
+  mu_dtype: str = ''  # first moment's dtype: '' = float32, or bfloat16 (half its memory)
+  grad_clip_norm: float = 0.0  # clip gradients to this global norm before the update; 0 = off
+  min_lr_ratio: float = 0.0  # cosine, linear, wsd: the schedule ends at this x learning_rate
+  wsd_decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
+  ema_decay: float = 0.0  # keep an exponential moving average of the parameters; 0 = off
+  ema_eval: bool = True  # with ema_decay: evals use the moving average
   mesh: MeshConfig = MeshConfig()
   sharding: str = 'replicate'
   fsdp_min_size: int = 2**14  # fsdp leaves parameters with fewer elements replicated
@@ -243,6 +301,18 @@ class Config:
     _one_of('optimizer', self.optimizer, OPTIMIZERS)
     _one_of('lr_schedule', self.lr_schedule, LR_SCHEDULES)
     _positive('warmup_steps', self.warmup_steps, allow_zero=True)
+    _positive('weight_decay', self.weight_decay, allow_zero=True)
+    _positive('grad_clip_norm', self.grad_clip_norm, allow_zero=True)
+    _one_of('mu_dtype', self.mu_dtype, ('', 'float32', 'bfloat16'))
+    for name in ('b1', 'b2'):
+      value = getattr(self, name)
+      if value != -1.0 and not 0.0 <= value < 1.0:
+        raise ConfigError(f'{name}={value} must be in [0, 1), or -1 for the optimizer default')
+    for name in ('min_lr_ratio', 'ema_decay'):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ConfigError(f'{name}={getattr(self, name)} must be in [0, 1); pass a fraction')
+    if not 0.0 < self.wsd_decay_fraction <= 1.0:
+      raise ConfigError(f'wsd_decay_fraction={self.wsd_decay_fraction} must be in (0, 1]')
     _one_of('sharding', self.sharding, SHARDINGS)
     _positive('fsdp_min_size', self.fsdp_min_size, allow_zero=True)
     _one_of('step_mode', self.step_mode, STEP_MODES)

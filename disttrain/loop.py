@@ -9,7 +9,8 @@ import jax
 from jax.sharding import Mesh
 
 import disttrain
-from disttrain import actions, callbacks as callbacks_lib, checkpoint, data, distributed, metrics
+from disttrain import actions, callbacks as callbacks_lib, checkpoint, data, distributed, hf
+from disttrain import metrics
 from disttrain import mesh as mesh_lib
 from disttrain import run as run_lib
 from disttrain import state as state_lib
@@ -113,6 +114,11 @@ def _restore_or_init(ckpt, run: Setup, batches, hooks, writer):
     hooks.restore(meta.get('callbacks', {}))
     writer.print(f'resumed from step {at}: {ckpt.directory}/{at}')
     return state
+  if cfg.restore_from and hf.is_hf_dir(cfg.restore_from):
+    params = hf.restore(cfg.restore_from, run.model, cfg.model, abstract.params)
+    writer.print(f'warm start: params from the Hugging Face model in {cfg.restore_from}; '
+                 'optimizer, step and data order start fresh')
+    return state.replace(params=params)
   if cfg.restore_from:
     params, mutable, at = checkpoint.restore_params(cfg.restore_from, abstract)
     writer.print(f'warm start: params from {cfg.restore_from} (step {at}); optimizer, step and '

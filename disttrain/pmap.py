@@ -15,7 +15,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from disttrain import step as step_lib
 from disttrain.compiled import Steps
 from disttrain.errors import ConfigError
-from disttrain.records import MASK
 from disttrain.state import Layout, TrainState
 from disttrain.step import StepContext, Variant
 
@@ -27,7 +26,7 @@ def build(ctx: StepContext, mesh: Mesh, lay: Layout, evaluate, batch_sharding: N
   n = len(devices)
   local = StepContext(**{**ctx.__dict__, 'model': step_lib.with_batch_axes(
       ctx.model, 'batch', state_mutable=lay.shardings.mutable)})
-  full_count = np.float32(global_batch_size)
+  full_count = np.float32(global_batch_size) if step_lib.weighs_rows(ctx.task) else None
   traces = collections.Counter()
   # pmap returns arrays sharded over a mesh named after its axis; placing inputs on that same
   # mesh keeps the second call from compiling again.
@@ -38,7 +37,8 @@ def build(ctx: StepContext, mesh: Mesh, lay: Layout, evaluate, batch_sharding: N
 
   def local_grads(state: TrainState, batch: dict, all_metrics: bool = True,
                   full_batch: bool = False):
-    count = full_count if full_batch else jax.lax.psum(jnp.sum(batch[MASK]), 'batch')
+    count = full_count if full_batch and full_count is not None else jax.lax.psum(
+        step_lib.total_weight(ctx.task, batch), 'batch')
     grads, sums, new_mutable = step_lib.per_device_grads(
         local, state.params, state.mutable, batch, step_lib.dropout_key(state), count, 'batch', n,
         all_metrics)

@@ -76,7 +76,7 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
       raise ConfigError(f'the {records.name} data has fields {sorted(records.spec)} but the train '
                         f'data has {sorted(train.spec)}; give both the same fields')
   _check_metric_names(cfg, evals)
-  model = model or models.build(cfg.model, cfg.precision.compute_dtype)
+  model = model or models.build(cfg.model, cfg.precision.compute_dtype, cfg.data.seq_len)
   task = task or models.task(cfg.model)
   config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
   tx = tx or config_tx
@@ -177,7 +177,7 @@ def plan(cfg: Config, spec: dict, devices: Sequence[jax.Device] | None = None, m
   with an abstract state: the memory of a model too large to create on this host."""
   mesh = mesh_lib.build(cfg.mesh, devices)
   mesh_lib.check_batch_sizes(cfg, mesh)
-  model = model or models.build(cfg.model, cfg.precision.compute_dtype)
+  model = model or models.build(cfg.model, cfg.precision.compute_dtype, cfg.data.seq_len)
   task = task or models.task(cfg.model)
   tx = tx or optim.build(cfg)[0]
   lay = state_lib.layout(model, tx, spec, cfg, mesh)
@@ -224,6 +224,7 @@ def run_info(run: Setup) -> dict:
       'step_mode': cfg.step_mode,
       'param_specs': sharding_lib.spec_lists(lay.param_specs),
       'fsdp_replicated': lay.replicated,
+      'weight_decay_paths': optim.decayed_paths(cfg, run.state.params),
       'state_dtypes': {name: _dtypes(getattr(run.state, name))
                        for name in ('params', 'opt_state', 'mutable')},
       'state_bytes_per_device': shard_bytes(run.state),

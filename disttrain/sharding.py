@@ -51,7 +51,13 @@ def _check_spec(path: str, shape: tuple[int, ...], spec: tuple, mesh: Mesh, orig
                           f'{entry}={_axis_size(mesh, entry)}; change the rule or the mesh')
 
 
-def _rule_spec(path: str, shape, logical: P | None, cfg: Config, mesh: Mesh) -> tuple:
+# Logical axes split only where the mesh axis divides them, else kept whole (and listed): a
+# model's K/V head count is often below the tensor axis (grouped-query attention).
+WHEN_DIVISIBLE = ('kv_heads',)
+
+
+def _rule_spec(path: str, shape, logical: P | None, cfg: Config, mesh: Mesh,
+               whole: list) -> tuple:
   for pattern, spec in cfg.param_rules:
     if re.search(pattern, path):
       spec = tuple(tuple(e) if isinstance(e, list) else e for e in spec)
@@ -59,7 +65,15 @@ def _rule_spec(path: str, shape, logical: P | None, cfg: Config, mesh: Mesh) -> 
       return spec
   if logical is not None and len(logical) == len(shape):
     mapping = dict(cfg.logical_rules)
-    spec = tuple(mapping.get(name) if isinstance(name, str) else None for name in logical)
+    spec = []
+    for name, dim in zip(logical, shape):
+      axis = mapping.get(name) if isinstance(name, str) else None
+      if name in WHEN_DIVISIBLE and axis is not None and dim % _axis_size(mesh, axis):
+        whole.append(f'{path} {shape}: {name}={dim} is not divisible by {axis}='
+                     f'{_axis_size(mesh, axis)}, kept whole')
+        axis = None
+      spec.append(axis)
+    spec = tuple(spec)
     _check_spec(path, shape, spec, mesh, f'logical_rules for {tuple(logical)}')
     return spec
   return (None,) * len(shape)
@@ -84,7 +98,8 @@ def _add_fsdp(path, shape, spec, fsdp: int, min_size: int, replicated: list) -> 
 
 def specs_for(tree: Any, cfg: Config, mesh: Mesh, logical: Any = None,
               prefix: str = '') -> tuple[Any, list[str]]:
-  """PartitionSpecs for every leaf of `tree` (arrays or ShapeDtypeStructs) and what stayed whole."""
+  """PartitionSpecs for every leaf of `tree` (arrays or ShapeDtypeStructs) and what stayed whole
+  (fsdp's small or indivisible leaves, WHEN_DIVISIBLE axes the mesh does not divide)."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   logical_leaves = ([None] * len(leaves) if logical is None else
                     jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, P) or x is None))
@@ -94,7 +109,7 @@ def specs_for(tree: Any, cfg: Config, mesh: Mesh, logical: Any = None,
   replicated, specs = [], []
   for (path, leaf), names in zip(leaves, logical_leaves):
     name = prefix + path_str(path)
-    spec = _rule_spec(name, tuple(leaf.shape), names, cfg, mesh)
+    spec = _rule_spec(name, tuple(leaf.shape), names, cfg, mesh, replicated)
     if fsdp > 1:
       spec = _add_fsdp(name, tuple(leaf.shape), spec, fsdp, cfg.fsdp_min_size, replicated)
     specs.append(P(*spec))
@@ -143,10 +158,12 @@ def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
     return x
   mesh, rules = context
   used, spec = set(), []
-  for name in logical_axes:
+  for name, dim in zip(logical_axes, x.shape):
     entry = rules.get(name) if name is not None else None
     axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
                  if a is not None and a not in used and mesh.shape[a] > 1)
+    if dim % math.prod(mesh.shape[a] for a in axes):
+      axes = ()  # a hint, not a layout: a dimension the axes do not divide stays whole
     used.update(axes)
     spec.append(axes if len(axes) > 1 else (axes[0] if axes else None))
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))

@@ -11,11 +11,14 @@ import gzip
 import importlib.util
 import os
 import sysconfig
+import tempfile
 import zlib
 
+import jax
 import numpy as np
 
-from disttrain import formats, records
+from disttrain import formats, packing, records, text
+from disttrain import tokenizer as tokenizer_lib
 from disttrain.config import Config
 from disttrain.errors import DataError
 
@@ -236,10 +239,67 @@ def _array_record(cfg: Config) -> dict:
 
 
 def _tokens(cfg: Config) -> dict:
-  """Flat token files, windows of data.seq_len + 1 tokens; ids checked < model.vocab_size."""
+  """Flat token files, windows of data.seq_len + 1 tokens (packing='concat'), or the documents
+  of the converter's files packed into rows (packing='documents'); ids checked < vocab_size."""
+  if cfg.data.packing == 'documents':
+    return _packed(cfg, lambda patterns, field: packing.TokenFileDocuments(
+        formats.resolve_files(patterns, field), cfg.data.tokens.dtype, cfg.model.vocab_size))
   return _files_split(cfg, lambda patterns, field: formats.TokenWindows(
       formats.resolve_files(patterns, field), cfg.data.seq_len, cfg.data.tokens.dtype,
       vocab_size=cfg.model.vocab_size))
+
+
+_TOKEN_CACHE = []  # this process's temporary token files, removed when it exits
+
+
+def _tokenized(cfg: Config, docs, field: str):
+  """Documents tokenized once with data.tokenizer into a temporary token file of this process
+  (memory-mapped by its workers, so the ids are never copied into each of them)."""
+  if not _TOKEN_CACHE:
+    _TOKEN_CACHE.append(tempfile.TemporaryDirectory(prefix='disttrain_tokens_'))
+  path = os.path.join(_TOKEN_CACHE[0].name, f'{field.replace(".", "_")}.bin')
+  return packing.tokenize(docs, tokenizer_lib.load(cfg.data.tokenizer), field,
+                          cfg.model.vocab_size, path, verbose=jax.process_index() == 0)
+
+
+def _documents(cfg: Config) -> dict:
+  """Raw text documents (.txt, .jsonl, .parquet) tokenized with data.tokenizer, then packed."""
+  return _packed(cfg, lambda patterns, field: _tokenized(
+      cfg, text.Documents(text.resolve(patterns, field), cfg.data.text_field), field))
+
+
+def _sft(cfg: Config) -> dict:
+  """Prompt/completion (or chat) JSON lines with loss masks on the completions, then packed."""
+  fields = cfg.data.sft
+  return _packed(cfg, lambda patterns, field: _tokenized(cfg, text.Conversations(
+      formats.resolve_files(patterns, field), fields.prompt_field, fields.completion_field,
+      fields.messages_field), field))
+
+
+def _packed(cfg: Config, open_docs) -> dict:
+  """Documents of data.train_files (eval: data.eval_files, or the last data.eval_examples
+  documents) in rows of data.seq_len by data.packing."""
+  train = open_docs(cfg.data.train_files, 'data.train_files')
+  if cfg.data.eval_files:
+    held_out = open_docs(cfg.data.eval_files, 'data.eval_files')
+  else:
+    n = _eval_examples(cfg, 0)
+    if n >= len(train):
+      raise DataError(f'data.eval_examples={n} holds out every one of the {len(train)} documents '
+                      'in data.train_files; pass fewer, or data.eval_files')
+    train, held_out = (packing.DocRange(train, 0, len(train) - n),
+                       packing.DocRange(train, len(train) - n, len(train)) if n else None)
+  rows = packing.PackedDocuments if cfg.data.packing == 'documents' else packing.ConcatWindows
+  out = {'train_data': rows(train, cfg.data.seq_len),
+         'eval_data': rows(held_out, cfg.data.seq_len) if held_out is not None else None}
+  if jax.process_index() == 0:
+    for split, source in out.items():
+      if source is not None:
+        tokens = int(source.docs.lengths.sum())
+        print(f'{split}: {len(source.docs):,} documents, {tokens:,} tokens -> {len(source):,} rows '
+              f'of {cfg.data.seq_len} ({cfg.data.packing}; {100 * source.padding_fraction:.1f}% '
+              'padding)', flush=True)
+  return out
 
 
 # data.name -> builder(config) -> {'train_data', 'eval_data'}. A plain dict: a config names its
@@ -251,6 +311,8 @@ SOURCES = {
     'text': _text,  # byte windows of text files (in memory)
     'array_record': _array_record,  # ArrayRecord shards in data.train_files / eval_files
     'tokens': _tokens,  # flat token files in data.train_files / eval_files
+    'documents': _documents,  # raw text files, tokenized and packed
+    'sft': _sft,  # prompt/completion or chat JSON lines with loss masks, tokenized and packed
 }
 
 

@@ -19,7 +19,6 @@ from disttrain import pmap, sharding as sharding_lib, step as step_lib
 from disttrain.compiled import Steps
 from disttrain.config import BATCH_AXES, Config
 from disttrain.errors import ConfigError
-from disttrain.records import MASK
 from disttrain.state import Layout, TrainState
 from disttrain.step import StepContext, Variant
 
@@ -69,10 +68,12 @@ def build(model, task, tx, cfg: Config, mesh: Mesh, lay: Layout, batch_sharding:
     return pmap.build(ctx, mesh, lay, evaluate, batch_sharding, cfg.global_batch_size)
 
   traces = collections.Counter()
-  full_count = np.float32(cfg.global_batch_size)  # a literal in the compiled step
+  # Full batches of a task without weights of its own weigh their rows: a literal in the step.
+  full_count = np.float32(cfg.global_batch_size) if step_lib.weighs_rows(task) else None
   if cfg.step_mode == 'jit':
     def grads_fn(state: TrainState, batch: dict, all_metrics: bool, full_batch: bool):
-      count = full_count if full_batch else jnp.sum(batch[MASK])
+      count = full_count if full_batch and full_count is not None else step_lib.total_weight(
+          task, batch)
       grads, sums, new_mutable = step_lib.accumulated_grads(
           model, task, state.params, state.mutable, batch, step_lib.dropout_key(state), count,
           ctx.policy, ctx.micro_batches, all_metrics=all_metrics, gather=ctx.gather)
@@ -83,7 +84,8 @@ def build(model, task, tx, cfg: Config, mesh: Mesh, lay: Layout, batch_sharding:
     ways = mesh.shape['data'] * mesh.shape['fsdp']
 
     def local_grads(params, mutable, batch, key, all_metrics, full_batch):
-      count = full_count if full_batch else jax.lax.psum(jnp.sum(batch[MASK]), BATCH_AXES)
+      count = full_count if full_batch and full_count is not None else jax.lax.psum(
+          step_lib.total_weight(task, batch), BATCH_AXES)
       grads, sums, new_mutable = step_lib.per_device_grads(local, params, mutable, batch, key,
                                                            count, BATCH_AXES, ways, all_metrics)
       return grads, sums, count, new_mutable
@@ -98,7 +100,7 @@ def build(model, task, tx, cfg: Config, mesh: Mesh, lay: Layout, batch_sharding:
 
   def one_step(state, batch, all_metrics: bool, full_batch: bool):
     if train_step is not None:
-      return step_lib.with_defaults(*train_step(ctx, state, batch), batch)
+      return step_lib.with_defaults(task, *train_step(ctx, state, batch), batch)
     grads, sums, count, new_mutable = grads_fn(state, batch, all_metrics, full_batch)
     return step_lib.update(tx, state, grads, sums, count, new_mutable, all_metrics)
 

@@ -53,15 +53,30 @@ def _init_fn(model, tx: optax.GradientTransformation, spec: dict, seed: int):
   return init
 
 
+def params_specs(model, params, spec: dict, cfg: Config, mesh: Mesh) -> tuple[Any, list[str]]:
+  """PartitionSpecs of the parameters (abstract `params`) by the config's rules, and what stayed
+  whole."""
+  logical = model.logical_specs(spec)
+  return sharding_lib.specs_for(params, cfg, mesh,
+                                logical=logical.get('params') if logical else None)
+
+
+def abstract_params(model, spec: dict, cfg: Config, mesh: Mesh) -> Any:
+  """The parameters' ShapeDtypeStructs with their shardings (no optimizer): for inference."""
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), _zeros(spec)))['params']
+  specs, _ = params_specs(model, shapes, spec, cfg, mesh)
+  return jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                        sharding=NamedSharding(mesh, p)),
+                      shapes, specs, is_leaf=lambda x: isinstance(x, P))
+
+
 def layout(model, tx, spec: dict, cfg: Config, mesh: Mesh) -> Layout:
   """Shardings for every leaf of the state, derived from abstract shapes and the rules.
 
   `spec`: a one-example batch as jax.ShapeDtypeStructs (disttrain.data.element_spec).
   """
   abstract = jax.eval_shape(_init_fn(model, tx, spec, cfg.seed))
-  logical = model.logical_specs(spec)
-  param_specs, replicated = sharding_lib.specs_for(
-      abstract.params, cfg, mesh, logical=logical.get('params') if logical else None)
+  param_specs, replicated = params_specs(model, abstract.params, spec, cfg, mesh)
   mutable_specs, _ = sharding_lib.specs_for(abstract.mutable, cfg, mesh)
   replicate = NamedSharding(mesh, P())
   param_shardings = sharding_lib.named(mesh, param_specs)

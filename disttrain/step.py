@@ -1,7 +1,8 @@
 """The pure pieces of a train step: loss and gradients (with micro-batches and a precision policy),
 the optimizer update, eval sums, and the StepContext that custom steps recombine.
 
-Losses are sum(loss x mask) / global count, so every style and every micro-batch split gives the
+Losses are sum(loss x mask) / global weight (valid examples, or a task's own weights such as
+counted tokens), so every style and every micro-batch split gives the
 global-batch mean. Dropout keys: fold_in(rng, step) for the whole global batch (jit style; threefry
 is partitionable, so the mask does not depend on the layout), folded with the micro-batch index
 under gradient accumulation, and with the device index in shard_map/pmap (disttrain/spmd.py,
@@ -14,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from disttrain.errors import ConfigError
@@ -71,6 +73,19 @@ def with_mask(batch: dict, lead: int = 1) -> dict:
     return batch
   shape = next(iter(batch.values())).shape[:lead]
   return {**batch, MASK: jnp.ones(shape, jnp.float32)}
+
+
+def total_weight(task, batch: dict) -> jax.Array:
+  """The normaliser of sums over `batch`: the task's example weights summed (NextToken: counted
+  tokens), by default the row mask (valid examples)."""
+  weights = getattr(task, 'weights', None)
+  return jnp.sum(weights(batch) if weights is not None else batch[MASK])
+
+
+def weighs_rows(task) -> bool:
+  """True when every full train batch weighs its row count (a literal in the compiled step): the
+  task has no weights of its own."""
+  return not hasattr(task, 'weights')
 
 
 def dropout_key(state: TrainState) -> jax.Array:
@@ -183,16 +198,21 @@ def update(tx, state: TrainState, grads, sums, count, new_mutable,
   metrics = {k: v / count for k, v in sums.items()}
   if all_metrics:
     metrics.update(count=count, grad_norm=optax.tree.norm(grads))
+  elif not isinstance(count, np.floating):  # a weight summed from the batch: records need it
+    metrics['count'] = count
   return new_state, metrics
 
 
 def eval_sums(model, task, state: TrainState, batch: dict, policy: Policy) -> Metrics:
-  """Masked sums of the task's per-example values over an eval batch, with 'count'."""
+  """Masked sums of the task's per-example values over an eval batch, with 'count' (the summed
+  weights), and for per-token tasks 'num_examples' and 'num_tokens'."""
   outputs, _, model_loss = model.apply({'params': policy.cast(state.params), **state.mutable},
                                        policy.cast_batch(batch), train=False, rng=None)
   sums = {k: jnp.sum(v.astype(jnp.float32) * batch[MASK])
           for k, v in task.per_example(outputs, batch).items()}
-  sums['count'] = jnp.sum(batch[MASK])
+  sums['count'] = total_weight(task, batch)
+  if getattr(task, 'per_token', False):
+    sums.update(num_examples=jnp.sum(batch[MASK]), num_tokens=sums['count'])
   if 'loss' in sums:
     sums['loss'] = sums['loss'] + jnp.asarray(model_loss, jnp.float32) * sums['count']
   return sums
@@ -225,8 +245,8 @@ class StepContext:
     return dropout_key(state)
 
   def loss_and_grads(self, state: TrainState, batch: dict, params: Any = None):
-    """(grads, masked sums, global valid count, new mutable) of the global-batch mean loss."""
-    count = jnp.sum(batch[MASK])
+    """(grads, masked sums, global weight, new mutable) of the global-batch mean loss."""
+    count = total_weight(self.task, batch)
     grads, sums, new_mutable = accumulated_grads(
         self.model, self.task, state.params if params is None else params, state.mutable, batch,
         dropout_key(state), count, self.policy, self.micro_batches, gather=self.gather)
@@ -252,13 +272,13 @@ class StepContext:
     return jnp.sum(values_B.astype(jnp.float32) * batch[MASK])
 
 
-def with_defaults(state: TrainState, metrics: Metrics, batch: dict):
+def with_defaults(task, state: TrainState, metrics: Metrics, batch: dict):
   """A custom step's metrics, completed with what logging and the NaN guard read."""
   if 'loss' not in metrics:
     raise ConfigError(f'the custom train_step returned metrics {sorted(metrics)} without a '
                       "scalar 'loss'; return (state, {'loss': ..., ...})")
   metrics = dict(metrics)
-  metrics.setdefault('count', jnp.sum(batch[MASK]))
+  metrics.setdefault('count', total_weight(task, batch))
   return state, metrics
 
 

@@ -2,7 +2,11 @@
 
 A task is any object with `per_example(outputs, batch) -> {'loss': [B], <metric>: [B], ...}`.
 The step reduces every per-example value as sum(value * mask) over the *global* batch, divided by
-the global number of valid examples: never a mean of per-device means.
+the global sum of the examples' weights: never a mean of per-device means. Without a
+`weights(batch) -> [B]` method an example weighs its mask (1 for real rows, 0 for padding) and
+per-example values are means over the example; a task with `weights` returns per-example sums
+and the weight each example carries (NextToken: its counted tokens), so the result is the
+token-weighted mean whatever the packing, loss masks, devices or micro-batches.
 """
 
 import dataclasses
@@ -11,6 +15,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+
+from disttrain.records import MASK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +43,44 @@ class Classification:
 def _mean_per_example(values: jax.Array) -> jax.Array:
   """[B, ...] -> [B]: the mean over everything but the batch axis."""
   return values.reshape(values.shape[0], -1).mean(axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class NextToken:
+  """Next-token cross-entropy of logits [B, T, V] against batch[target_key] [B, T], token-weighted.
+
+  A token counts where its target is >= 0 (-100 and other negative ids are ignored, as in Hugging
+  Face) and, when the batch has `mask_key` (supervised fine-tuning's loss_mask), where that is
+  nonzero. `weights` is each example's count of such tokens (times its row mask) and
+  `per_example` the sums over them, so the step's loss is sum over counted tokens / their global
+  count. A counted target >= V makes the loss NaN (a gather would silently clamp it), so the run's
+  NaN guard stops at that step. Eval records add `num_tokens` and `perplexity` (per_token).
+  """
+  target_key: str = 'targets'
+  mask_key: str = 'loss_mask'
+  per_token = True
+
+  def token_weights(self, batch: dict) -> jax.Array:
+    """[B, T] float32: 1 where a token's loss counts."""
+    weights = (batch[self.target_key] >= 0).astype(jnp.float32)
+    if self.mask_key in batch:
+      weights = weights * (batch[self.mask_key] != 0)
+    return weights
+
+  def weights(self, batch: dict) -> jax.Array:
+    return self.token_weights(batch).sum(axis=-1) * batch[MASK]
+
+  def per_example(self, logits_BxTxV: jax.Array, batch: dict) -> dict[str, jax.Array]:
+    targets_BxT = batch[self.target_key]
+    weights_BxT = self.token_weights(batch)
+    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+    safe_BxT = jnp.clip(targets_BxT, 0, logits_BxTxV.shape[-1] - 1)
+    loss_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, safe_BxT)
+    loss_BxT = jnp.where(weights_BxT > 0, loss_BxT, 0.0)
+    loss_BxT = jnp.where((weights_BxT > 0) & (targets_BxT >= logits_BxTxV.shape[-1]), jnp.nan,
+                         loss_BxT)
+    correct_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT) * weights_BxT
+    return {'loss': loss_BxT.sum(-1), 'accuracy': correct_BxT.sum(-1)}
 
 
 @dataclasses.dataclass(frozen=True)

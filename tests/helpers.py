@@ -33,6 +33,11 @@ def config_file(path):
   return runpy.run_path(str(path))['get_config']()
 
 
+def config_file_arg(path, arg: str):
+  """get_config(arg) of a config file: what --config=FILE:arg gives."""
+  return runpy.run_path(str(path))['get_config'](arg)
+
+
 def make_config(**overrides) -> config_lib.Config:
   """The mnist_mlp example config on digits with `a__b=value` meaning field a.b."""
   cd = config_lib.defaults()

@@ -97,7 +97,7 @@ FILE_CASES = [
 @pytest.mark.parametrize('case,flags,needles,fix', FILE_CASES, ids=[c[0] for c in FILE_CASES])
 def test_bad_files_are_one_line_and_exit_2(token_files, tmp_path, case, flags, needles, fix):
   flags = [f.replace('{dir}', str(token_files)) for f in flags]
-  lm = ['--config.model.name=char_lm', '--config.model.hidden=16', '--config.model.num_heads=2',
+  lm = ['--config.model.name=gpt', '--config.model.hidden=16', '--config.model.num_heads=2',
         '--config.data.seq_len=16', '--config.global_batch_size=16', '--config.num_train_steps=40',
         '--config.data.eval_examples=8'] if case.startswith('token') else []
   line = _one_error_line(_launch(tmp_path / 'run', 'good', *lm, *flags,

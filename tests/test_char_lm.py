@@ -61,7 +61,7 @@ def test_too_little_text_is_a_data_error(tmp_path):
 
 def _state(cfg, n_devices):
   mesh = mesh_lib.build(cfg.mesh, devices(n_devices))
-  model = models.build(cfg.model)
+  model = models.build(cfg.model, 'float32', cfg.data.seq_len)
   tx, _ = optim.build(cfg)
   spec = {'tokens': jax.ShapeDtypeStruct((1, cfg.data.seq_len), np.int32)}
   return state_lib.create(model, tx, spec, cfg, mesh)
@@ -69,17 +69,17 @@ def _state(cfg, n_devices):
 
 def test_fsdp_and_tensor_split_attention_and_mlp_weights():
   state, lay = _state(_config(**{'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2}), 8)
-  specs = sharding.spec_lists(lay.param_specs)
-  assert specs['block_0/query/kernel'] == ['fsdp', 'tensor', None]
-  assert specs['block_0/out/kernel'] == ['tensor', None, 'fsdp']
-  assert specs['block_1/mlp_in/kernel'] == ['fsdp', 'tensor']
-  assert specs['block_1/mlp_out/kernel'] == ['tensor', 'fsdp']
-  assert specs['embed/embedding'] == ['tensor', 'fsdp']
+  specs = sharding.spec_lists(lay.param_specs)  # blocks: a leading (scanned) layers axis
+  assert specs['blocks/attention/qkv/kernel'] == [None, 'fsdp', None, 'tensor', None]
+  assert specs['blocks/attention/out/kernel'] == [None, 'tensor', None, 'fsdp']
+  assert specs['blocks/mlp/mlp_in/kernel'] == [None, 'fsdp', 'tensor']
+  assert specs['blocks/mlp/mlp_out/kernel'] == [None, 'tensor', 'fsdp']
+  assert specs['embed'] == ['tensor', 'fsdp']
   assert specs['unembed/kernel'] == ['fsdp', 'tensor']
   leaves = jax.tree.leaves(state.params)
   per_device = sum(x.addressable_shards[0].data.nbytes for x in leaves)
   total = sum(x.nbytes for x in leaves)
-  # Only the norms' scales ([D], split over fsdp alone) and positions are not split 4 ways.
+  # Only the norms, biases and positions (split over fsdp or tensor alone) are not split 4 ways.
   assert 0.25 <= per_device / total < 0.27, per_device / total
 
 

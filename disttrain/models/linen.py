@@ -42,17 +42,22 @@ class LinenModel:
   module: nn.Module
   input_key: InputKey = 'image'
 
+  def inputs(self, batch: dict) -> tuple[tuple, dict]:
+    """The module's positional and keyword inputs from a batch."""
+    return model_inputs(batch, self.input_key), {}
+
   def init(self, rng: jax.Array, batch: dict) -> dict:
     params_rng, dropout_rng = jax.random.split(rng)
-    variables = self.module.init({'params': params_rng, 'dropout': dropout_rng},
-                                 *model_inputs(batch, self.input_key), train=False)
+    args, kwargs = self.inputs(batch)
+    variables = self.module.init({'params': params_rng, 'dropout': dropout_rng}, *args,
+                                 train=False, **kwargs)
     return nn.unbox(variables)
 
   def apply(self, variables: dict, batch: dict, *, train: bool, rng: jax.Array | None):
     mutable = [name for name in variables if name != 'params'] if train else False
     rngs = {'dropout': rng} if rng is not None else {}
-    out = self.module.apply(variables, *model_inputs(batch, self.input_key), train=train,
-                            rngs=rngs, mutable=mutable)
+    args, kwargs = self.inputs(batch)
+    out = self.module.apply(variables, *args, train=train, rngs=rngs, mutable=mutable, **kwargs)
     outputs, new_mutable = out if train else (out, {})
     return outputs, new_mutable, 0.0
 
@@ -61,10 +66,11 @@ class LinenModel:
 
     `batch` may hold arrays or jax.ShapeDtypeStructs (shapes are all that is traced).
     """
-    boxed = jax.eval_shape(
-        lambda b: self.module.init({'params': jax.random.key(0), 'dropout': jax.random.key(0)},
-                                   *model_inputs(b, self.input_key), train=False), batch)
-    return nn.get_partition_spec(boxed)
+    def init(b):
+      args, kwargs = self.inputs(b)
+      return self.module.init({'params': jax.random.key(0), 'dropout': jax.random.key(0)}, *args,
+                              train=False, **kwargs)
+    return nn.get_partition_spec(jax.eval_shape(init, batch))
 
   def with_batch_axes(self, axes) -> 'LinenModel':
     """For shard_map/pmap: BatchNorm statistics must reduce over the batch axes, not one device."""

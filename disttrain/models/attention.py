@@ -1,0 +1,194 @@
+"""One attention for every transformer here: causal, per-document segments, GQA, a KV cache.
+
+  attention(q[B, T, N, K], k[B, S, G, K], v[B, S, G, K], ...) -> [B, T, N, K]
+
+Query t sits at absolute position `q_offset + t` of the key sequence (0 in training; the cache
+index when decoding) and attends to key s iff s <= q_offset + t and, with segment ids, the two
+tokens belong to the same segment (a packed document; 0 marks padding). N query heads share
+G = N / R key/value heads (grouped-query attention; G = N is multi-head). Logits and the softmax
+are float32 whatever the inputs' dtype. Implementations:
+  xla        jax.nn.dot_product_attention's XLA form: holds [B, N, T, S] float32 logits.
+  cudnn      jax.nn.dot_product_attention(implementation='cudnn'): cuDNN's fused kernel (GPUs,
+             bf16/fp16, head dim <= 128 and a multiple of 8).
+  blockwise  flash attention in plain JAX (online softmax over key blocks, a custom VJP that
+             recomputes the probabilities): never more than [B, N, block, block] logits at once.
+  auto       cudnn where it applies, else blockwise once T x S > 1024^2, else xla.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'blockwise')
+_DENSE_MAX_KEYS = 1024  # auto: beyond 1024 x 1024 logits per head, blockwise
+_NEG = -1e30  # masked logits (finite: a fully masked block must not make NaNs)
+
+
+def attention(q_BxTxNxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, *,
+              q_segments_BxT: jax.Array | None = None, kv_segments_BxS: jax.Array | None = None,
+              q_offset: jax.Array | int = 0, implementation: str = 'auto',
+              block_size: int = 512) -> jax.Array:
+  """softmax(q k^T / sqrt(K) masked causally and by segment) v; see the module docstring."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f'attention implementation {implementation!r} is not one of '
+                     f'{IMPLEMENTATIONS}')
+  t, s = q_BxTxNxK.shape[1], k_BxSxGxK.shape[1]
+  if (q_segments_BxT is None) != (kv_segments_BxS is None):
+    raise ValueError('give both q_segments and kv_segments, or neither')
+  if implementation == 'auto':
+    implementation = 'blockwise' if t * s > _DENSE_MAX_KEYS**2 else 'xla'
+    if _cudnn_applies(q_BxTxNxK, q_offset, t, s):
+      implementation = 'cudnn'
+  if implementation == 'blockwise':
+    return _blockwise(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, kv_segments_BxS,
+                      jnp.asarray(q_offset, jnp.int32), min(block_size, max(t, s)))
+  static_causal = isinstance(q_offset, int) and q_offset == 0 and t == s
+  mask = None
+  if q_segments_BxT is not None or not static_causal:
+    mask = _mask(t, s, q_segments_BxT, kv_segments_BxS, q_offset)[:, None]  # [B, 1, T, S]
+  return jax.nn.dot_product_attention(
+      q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, mask=mask, is_causal=static_causal and mask is None,
+      implementation=implementation)
+
+
+def _cudnn_applies(q: jax.Array, q_offset, t: int, s: int) -> bool:
+  head_dim = q.shape[-1]
+  return (jax.devices()[0].platform == 'gpu' and q.dtype in (jnp.bfloat16, jnp.float16)
+          and head_dim <= 128 and head_dim % 8 == 0 and t == s
+          and isinstance(q_offset, int) and q_offset == 0)
+
+
+def _mask(t: int, s: int, q_seg, kv_seg, q_offset) -> jax.Array:
+  """[B or 1, T, S] booleans: causal (query t at q_offset + t) and same segment."""
+  q_pos = jnp.asarray(q_offset, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
+  mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= q_pos[:, None])[None]
+  if q_seg is not None:
+    mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
+  return mask
+
+
+def _pad_to(x: jax.Array | None, length: int, axis: int = 1, value=0):
+  if x is None or x.shape[axis] == length:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, length - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def _blockwise(q, k, v, q_seg, kv_seg, q_offset, block: int):
+  """Pads T and S to multiples of `block` (padded keys never attended), runs the flash kernel."""
+  b, t, n, d = q.shape
+  s, g = k.shape[1], k.shape[2]
+  tp, sp = -(-t // block) * block, -(-s // block) * block
+  if q_seg is None:  # one segment per row; padded keys get segment -1 below
+    q_seg, kv_seg = jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)
+  q_seg = _pad_to(q_seg.astype(jnp.int32), tp, value=-2)
+  kv_seg = _pad_to(kv_seg.astype(jnp.int32), sp, value=-1)
+  qg = _pad_to(q, tp).reshape(b, tp, g, n // g, d)
+  out = _flash(qg, _pad_to(k, sp), _pad_to(v, sp), q_seg, kv_seg, q_offset, block)
+  return out.reshape(b, tp, n, d)[:, :t]
+
+
+def _block_logits(q_i, k_j, seg_i, seg_j, pos_i, pos_j, scale):
+  """Masked float32 logits [B, G, R, bq, bk] of one (query block, key block) pair."""
+  logits = jnp.einsum('btgrk,bsgk->bgrts', q_i, k_j, preferred_element_type=jnp.float32) * scale
+  mask = (pos_j[None, :] <= pos_i[:, None])[None] & (seg_i[:, :, None] == seg_j[:, None, :])
+  return jnp.where(mask[:, None, None], logits, _NEG), mask[:, None, None]
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+  """[B, L, ...] -> [L / block, B, block, ...] (scan over the leading axis)."""
+  return jnp.moveaxis(x.reshape((x.shape[0], x.shape[1] // block, block) + x.shape[2:]), 1, 0)
+
+
+def _unblocks(x: jax.Array) -> jax.Array:
+  """Inverse of _blocks."""
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+
+
+def _forward(q, k, v, q_seg, kv_seg, q_offset, block):
+  """(out [B, T, G, R, K] in q's dtype, logsumexp [B, G, R, T] float32)."""
+  scale = 1.0 / np.sqrt(q.shape[-1])
+  kb, vb, segb = _blocks(k, block), _blocks(v, block), _blocks(kv_seg, block)
+  key_pos = jnp.arange(k.shape[1], dtype=jnp.int32).reshape(-1, block)
+
+  def query_block(args):
+    q_i, seg_i, i = args
+    pos_i = q_offset + i * block + jnp.arange(block, dtype=jnp.int32)
+    b, _, g, r, d = q_i.shape
+    init = (jnp.full((b, g, r, block), _NEG, jnp.float32), jnp.zeros((b, g, r, block), jnp.float32),
+            jnp.zeros((b, g, r, block, d), jnp.float32))
+
+    def key_block(carry, xs):
+      m, l, o = carry
+      k_j, v_j, seg_j, pos_j = xs
+      logits, mask = _block_logits(q_i, k_j, seg_i, seg_j, pos_i, pos_j, scale)
+      m_new = jnp.maximum(m, logits.max(-1))
+      p = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.0)
+      correction = jnp.exp(m - m_new)
+      o = o * correction[..., None] + jnp.einsum('bgrts,bsgk->bgrtk', p.astype(v_j.dtype), v_j,
+                                                 preferred_element_type=jnp.float32)
+      return (m_new, l * correction + p.sum(-1), o), None
+    (m, l, o), _ = jax.lax.scan(key_block, init, (kb, vb, segb, key_pos))
+    safe_l = jnp.where(l > 0, l, 1.0)
+    out = jnp.moveaxis(o / safe_l[..., None], 3, 1)  # [B, bq, G, R, K]
+    return out.astype(q.dtype), m + jnp.log(safe_l)
+  n_q = q.shape[1] // block
+  out, lse = jax.lax.map(query_block, (_blocks(q, block), _blocks(q_seg, block),
+                                       jnp.arange(n_q, dtype=jnp.int32)))
+  return _unblocks(out), jnp.moveaxis(lse, 0, 3).reshape(lse.shape[1:4] + (-1,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_seg, kv_seg, q_offset, block):
+  return _forward(q, k, v, q_seg, kv_seg, q_offset, block)[0]
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, q_offset, block):
+  out, lse = _forward(q, k, v, q_seg, kv_seg, q_offset, block)
+  return out, (q, k, v, q_seg, kv_seg, q_offset, out, lse)
+
+
+def _flash_bwd(block, residuals, d_out):
+  """FlashAttention-2's backward: per key block, probabilities recomputed from the logsumexp."""
+  q, k, v, q_seg, kv_seg, q_offset, out, lse = residuals
+  scale = 1.0 / np.sqrt(q.shape[-1])
+  # delta_t = sum_k dO * O: the softmax Jacobian's row term.
+  delta = jnp.einsum('btgrk,btgrk->bgrt', d_out.astype(jnp.float32), out.astype(jnp.float32))
+  kb, vb, segb = _blocks(k, block), _blocks(v, block), _blocks(kv_seg, block)
+  key_pos = jnp.arange(k.shape[1], dtype=jnp.int32).reshape(-1, block)
+  n_q = q.shape[1] // block
+  lse_b = jnp.moveaxis(lse.reshape(lse.shape[:3] + (n_q, block)), 3, 0)
+  delta_b = jnp.moveaxis(delta.reshape(delta.shape[:3] + (n_q, block)), 3, 0)
+
+  def query_block(carry, xs):
+    dk, dv = carry  # float32 [n_k, B, bk, G, K]
+    q_i, do_i, seg_i, lse_i, delta_i, i = xs
+    pos_i = q_offset + i * block + jnp.arange(block, dtype=jnp.int32)
+    do_i = do_i.astype(jnp.float32)
+
+    def key_block(dq_i, xs):
+      k_j, v_j, seg_j, pos_j = xs
+      logits, mask = _block_logits(q_i, k_j, seg_i, seg_j, pos_i, pos_j, scale)
+      p = jnp.where(mask, jnp.exp(logits - lse_i[..., None]), 0.0)
+      dv_j = jnp.einsum('bgrts,btgrk->bsgk', p, do_i)
+      dp = jnp.einsum('btgrk,bsgk->bgrts', do_i, v_j, preferred_element_type=jnp.float32)
+      ds = p * (dp - delta_i[..., None]) * scale
+      dq_i = dq_i + jnp.einsum('bgrts,bsgk->btgrk', ds, k_j, preferred_element_type=jnp.float32)
+      dk_j = jnp.einsum('bgrts,btgrk->bsgk', ds, q_i, preferred_element_type=jnp.float32)
+      return dq_i, (dk_j, dv_j)
+    dq_i, (dk_i, dv_i) = jax.lax.scan(key_block, jnp.zeros(q_i.shape, jnp.float32),
+                                      (kb, vb, segb, key_pos))
+    return (dk + dk_i, dv + dv_i), dq_i
+  zeros = jnp.zeros(kb.shape, jnp.float32)
+  (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros),
+                              (_blocks(q, block), _blocks(d_out, block), _blocks(q_seg, block),
+                               lse_b, delta_b, jnp.arange(n_q, dtype=jnp.int32)))
+  return (_unblocks(dq).astype(q.dtype), _unblocks(dk).astype(k.dtype),
+          _unblocks(dv).astype(v.dtype), None, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

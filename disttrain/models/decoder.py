@@ -1,0 +1,168 @@
+"""The decoder-only transformer every language model here is (GPT-2 and Llama families), and its
+adapter to disttrain's model protocol.
+
+  tokens [B, T] -> embed (+ learned positions) -> L x block -> norm -> logits [B, T, V]
+  block: x + attention(norm(x)); x + mlp(norm(x))
+
+The blocks are one `nn.scan` over a leading 'layers' axis of every block weight, so a model of
+any depth compiles as fast as one block; `remat` wraps the block in `nn.remat` with a
+jax.checkpoint policy ('full' saves nothing). Packed rows carry `segment_ids` (tokens attend only
+inside their own document) and `positions` (restarting per document). The vocabulary is padded to
+a multiple of `vocab_multiple` (GPT-2's 50,257 -> 50,304) so it splits evenly; padded ids get a
+logit of -1e9, so they carry no probability. `dtype` is the activations' compute dtype; the
+parameters stay float32. Decoding passes a KV cache through the layers (generate.py); it is an
+argument and a result, never a Flax collection, so it never reaches a checkpoint.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from disttrain.models import layers
+from disttrain.models.layers import Decode, constrain, weights
+from disttrain.models.linen import LinenModel, model_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+  """One family's choices (gpt.py and llama.py build these from the run's model config)."""
+  vocab_size: int
+  width: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  mlp_dim: int
+  mlp: str  # 'gelu' or 'swiglu'
+  norm: str  # 'layernorm' or 'rmsnorm'
+  norm_eps: float
+  use_bias: bool
+  fused_qkv: bool
+  learned_positions: int  # table rows (GPT-2's n_positions); 0 = rotary embeddings instead
+  rope: tuple | None  # inverse frequencies, or None
+  tied_embeddings: bool
+  dropout: float = 0.0
+  remat: str = 'none'
+  attention: str = 'auto'
+  attention_block: int = 512
+  dtype: Any = jnp.float32
+  vocab_multiple: int = 128
+
+  @property
+  def head_dim(self) -> int:
+    return self.width // self.num_heads
+
+  @property
+  def padded_vocab(self) -> int:
+    return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+
+class Block(nn.Module):
+  """One pre-norm block; (x, shared, layer cache) -> (x, new layer cache) for nn.scan."""
+  cfg: DecoderConfig
+  train: bool
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, segments_BxT, decode, cache):
+    cfg = self.cfg
+    dropout = nn.Dropout(cfg.dropout, deterministic=not self.train)
+    h = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'attention_norm')(x_BxTxD)
+    attended, cache = layers.Attention(
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.use_bias, cfg.fused_qkv, cfg.dtype,
+        rope=cfg.rope, implementation=cfg.attention, block_size=cfg.attention_block,
+        name='attention')(h, positions_BxT, segments_BxT, decode, cache)
+    x_BxTxD = constrain(x_BxTxD + dropout(attended), ('batch', None, None))
+    h = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'mlp_norm')(x_BxTxD)
+    h = layers.Mlp(cfg.mlp, cfg.mlp_dim, cfg.use_bias, cfg.dtype, name='mlp')(h)
+    return constrain(x_BxTxD + dropout(h), ('batch', None, None)), cache
+
+
+def _remat_policy(remat: str):
+  return None if remat == 'full' else getattr(jax.checkpoint_policies, remat)
+
+
+class Decoder(nn.Module):
+  """Token ids [B, T] -> next-token logits [B, T, padded vocab] (float32, padding at -1e9).
+
+  With `cache` (init_cache's layout) and `decode`, returns (logits, new cache) instead.
+  """
+  cfg: DecoderConfig
+
+  @nn.compact
+  def __call__(self, tokens_BxT: jax.Array, train: bool = False, *, positions=None,
+               segment_ids=None, decode: Decode | None = None, cache=None):
+    cfg = self.cfg
+    b, t = tokens_BxT.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    embedding_VxD = self.param('embed', weights(('vocab', 'embed')), (cfg.padded_vocab, cfg.width))
+    x_BxTxD = jnp.take(embedding_VxD, tokens_BxT, axis=0)
+    if cfg.learned_positions:
+      table = self.param('positions', weights((None, 'embed'), nn.initializers.normal(0.01)),
+                         (cfg.learned_positions, cfg.width))
+      x_BxTxD = x_BxTxD + jnp.take(table, positions, axis=0)
+    x_BxTxD = constrain(x_BxTxD.astype(cfg.dtype), ('batch', None, None))
+    x_BxTxD = nn.Dropout(cfg.dropout, deterministic=not train)(x_BxTxD)
+    block = Block
+    if cfg.remat != 'none':
+      block = nn.remat(Block, policy=_remat_policy(cfg.remat), prevent_cse=False)
+    blocks = nn.scan(block, variable_axes={'params': 0},
+                     split_rngs={'params': True, 'dropout': True},
+                     in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
+                     length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
+    x_BxTxD, cache = blocks(cfg, train, name='blocks')(x_BxTxD, positions, segment_ids, decode,
+                                                      cache)
+    x_BxTxD = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'final_norm')(x_BxTxD)
+    if cfg.tied_embeddings:
+      logits_BxTxV = jnp.einsum('btd,vd->btv', x_BxTxD, embedding_VxD.astype(cfg.dtype))
+    else:
+      logits_BxTxV = nn.Dense(cfg.padded_vocab, use_bias=False, dtype=cfg.dtype, name='unembed',
+                              kernel_init=weights(('embed', 'vocab')))(x_BxTxD)
+    logits_BxTxV = constrain(logits_BxTxV, ('batch', None, 'vocab'))
+    real_V = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
+    logits_BxTxV = jnp.where(real_V, logits_BxTxV.astype(jnp.float32), -1e9)
+    return logits_BxTxV if decode is None else (logits_BxTxV, cache)
+
+  def init_cache(self, batch: int, length: int) -> dict:
+    """Zeros {'k', 'v': [L, B, S, G, K]} in the compute dtype (call unbound: it uses cfg only)."""
+    cfg = self.cfg
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return {'k': jnp.zeros(shape, cfg.dtype), 'v': jnp.zeros(shape, cfg.dtype)}
+
+
+# Batch fields a language model reads besides its tokens, when the data has them (packed rows).
+PACKED_FIELDS = ('positions', 'segment_ids')
+
+
+@dataclasses.dataclass(frozen=True)
+class LanguageModel(LinenModel):
+  """A decoder on disttrain's protocol: reads `tokens` (and `positions`, `segment_ids` of packed
+  rows), counts tokens and model FLOPs (the tokens/s and MFU of train records).
+
+  FLOPs per token: 6 N + 12 L T D (PaLM's and nanoGPT's count: forward and backward of every
+  weight matmul, plus attention's two T-long matmuls per layer, D = heads x head size), where N
+  excludes the parameters only looked up (positions; the token embedding unless tied).
+  """
+  input_key: Any = 'tokens'
+  family: str = ''  # 'gpt' or 'llama': which Hugging Face layout its weights map to
+
+  @property
+  def cfg(self) -> DecoderConfig:
+    return self.module.cfg
+
+  def inputs(self, batch: dict) -> tuple[tuple, dict]:
+    return model_inputs(batch, self.input_key), {k: batch[k] for k in PACKED_FIELDS if k in batch}
+
+  def tokens_per_example(self, spec: dict) -> int:
+    (tokens,) = model_inputs(spec, self.input_key)
+    return int(tokens.shape[1])
+
+  def flops_per_example(self, spec: dict, num_params: int) -> float:
+    cfg = self.cfg
+    t = self.tokens_per_example(spec)
+    lookups = cfg.learned_positions * cfg.width
+    if not cfg.tied_embeddings:
+      lookups += cfg.padded_vocab * cfg.width
+    return float(t * (6 * (num_params - lookups) + 12 * cfg.num_layers * t * cfg.width))

@@ -1,0 +1,164 @@
+"""The parts decoder-only transformers here are built from: norms, rotary embeddings, attention
+projections with a KV cache, feed-forward layers.
+
+Every weight names its logical axes (embed -> fsdp; heads, kv_heads, mlp, vocab -> tensor in the
+example configs): W_q[D_fsdp, N_tensor, K], W_k, W_v[D_fsdp, G_tensor, K], W_o[N_tensor, K, D_fsdp],
+W_in[D_fsdp, F_tensor], W_out[F_tensor, D_fsdp]. Activations name theirs too ('batch' first), so
+under disttrain's jit step XLA keeps them split by example while it gathers fsdp-split weights.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from disttrain import sharding
+from disttrain.models.attention import attention
+
+INIT = nn.initializers.normal(stddev=0.02)
+
+
+def weights(axes: tuple, init=INIT):
+  """An initializer carrying logical axis names (nn.with_logical_partitioning)."""
+  return nn.with_logical_partitioning(init, axes)
+
+
+def constrain(x: jax.Array, axes: tuple) -> jax.Array:
+  """A logical sharding constraint (a no-op outside a jit-style step, e.g. in shard_map)."""
+  return sharding.constrain(x, axes)
+
+
+def norm(kind: str, eps: float, dtype, name: str) -> nn.Module:
+  """RMSNorm (scale) or LayerNorm (scale and bias) over the width, reduced in float32."""
+  ones = weights(('embed',), nn.initializers.ones_init())
+  if kind == 'rmsnorm':
+    return nn.RMSNorm(epsilon=eps, dtype=dtype, scale_init=ones, name=name)
+  return nn.LayerNorm(epsilon=eps, dtype=dtype, scale_init=ones,
+                      bias_init=weights(('embed',), nn.initializers.zeros_init()), name=name)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3's long-context frequency scaling ('llama3'); kind '' = plain RoPE."""
+  kind: str = ''
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_len: int = 8192
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()):
+  """Inverse frequencies [K / 2] as Hugging Face computes them (float32)."""
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+  if scaling.kind == 'llama3':
+    wavelen = 2 * np.pi / inv_freq
+    low = scaling.original_max_len / scaling.low_freq_factor  # longer wavelengths: scaled
+    high = scaling.original_max_len / scaling.high_freq_factor  # shorter: kept
+    smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    mid = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    inv_freq = np.where(wavelen > low, inv_freq / scaling.factor,
+                        np.where(wavelen < high, inv_freq, mid))
+  return inv_freq.astype(np.float32)
+
+
+def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotary embedding in the rotate-half layout (Hugging Face's), computed in float32."""
+  angles_BxTxK2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  cos = jnp.cos(jnp.concatenate([angles_BxTxK2] * 2, -1))[:, :, None]
+  sin = jnp.sin(jnp.concatenate([angles_BxTxK2] * 2, -1))[:, :, None]
+  x = x_BxTxHxK.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+  return (x * cos + rotated * sin).astype(x_BxTxHxK.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+  """What every layer shares while decoding: the cache's segment ids [B, S] (0 = empty or
+  padding) and the index where this call's tokens are written."""
+  segments_BxS: jax.Array
+  index: jax.Array
+
+
+class Attention(nn.Module):
+  """Self-attention with grouped K/V heads, optional RoPE and an optional KV cache.
+
+  `fused_qkv` keeps one [D, 3, N, K] projection (GPT-2's layout); otherwise query, key and value
+  are separate (Llama's, where K/V have G <= N heads). With a cache ({'k', 'v': [B, S, G, K]}),
+  this call's keys and values are written at decode.index and the queries attend to the cache.
+  """
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  use_bias: bool
+  fused_qkv: bool
+  dtype: Any
+  rope: Any = None  # inverse frequencies (tuple) or None for no rotary embedding
+  implementation: str = 'auto'
+  block_size: int = 512
+
+  def _dense(self, features: tuple, axes: tuple, name: str):
+    return nn.DenseGeneral(features, use_bias=self.use_bias, dtype=self.dtype, name=name,
+                           kernel_init=weights(('embed',) + axes),
+                           bias_init=weights(axes, nn.initializers.zeros_init()))
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, segments_BxT, decode: Decode | None, cache):
+    n, g, k = self.num_heads, self.num_kv_heads, self.head_dim
+    if self.fused_qkv:
+      qkv = self._dense((3, n, k), (None, 'heads', 'head_dim'), 'qkv')(x_BxTxD)
+      qkv = constrain(qkv, ('batch', None, None, 'heads', None))
+      q, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+      q = constrain(self._dense((n, k), ('heads', 'head_dim'), 'query')(x_BxTxD),
+                    ('batch', None, 'heads', None))
+      key, value = (constrain(self._dense((g, k), ('kv_heads', 'head_dim'), name)(x_BxTxD),
+                              ('batch', None, 'kv_heads', None)) for name in ('key', 'value'))
+    if self.rope is not None:
+      inv_freq = np.asarray(self.rope, np.float32)
+      q, key = apply_rope(q, positions_BxT, inv_freq), apply_rope(key, positions_BxT, inv_freq)
+    options = dict(implementation=self.implementation, block_size=self.block_size)
+    if cache is None:
+      out = attention(q, key, value, q_segments_BxT=segments_BxT, kv_segments_BxS=segments_BxT,
+                      **options)
+      new_cache = None
+    else:
+      at = (0, decode.index, 0, 0)
+      new_cache = {'k': jax.lax.dynamic_update_slice(cache['k'], key.astype(cache['k'].dtype), at),
+                   'v': jax.lax.dynamic_update_slice(cache['v'], value.astype(cache['v'].dtype),
+                                                     at)}
+      out = attention(q, new_cache['k'].astype(q.dtype), new_cache['v'].astype(q.dtype),
+                      q_segments_BxT=segments_BxT, kv_segments_BxS=decode.segments_BxS,
+                      q_offset=decode.index, **options)
+    out_BxTxD = nn.DenseGeneral(x_BxTxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias,
+                                dtype=self.dtype, name='out',
+                                kernel_init=weights(('heads', 'head_dim', 'embed')),
+                                bias_init=weights(('embed',), nn.initializers.zeros_init()))(out)
+    return out_BxTxD, new_cache
+
+
+class Mlp(nn.Module):
+  """GELU (tanh form, GPT-2's gelu_new: mlp_in, mlp_out) or SwiGLU (Llama's: gate, up, down)."""
+  kind: str  # 'gelu' or 'swiglu'
+  hidden: int
+  use_bias: bool
+  dtype: Any
+
+  def _dense(self, features: int, axes: tuple, name: str):
+    return nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, name=name,
+                    kernel_init=weights(axes),
+                    bias_init=weights(axes[1:], nn.initializers.zeros_init()))
+
+  @nn.compact
+  def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    d = x_BxTxD.shape[-1]
+    if self.kind == 'swiglu':
+      h_BxTxF = (nn.silu(self._dense(self.hidden, ('embed', 'mlp'), 'gate')(x_BxTxD))
+                 * self._dense(self.hidden, ('embed', 'mlp'), 'up')(x_BxTxD))
+      return self._dense(d, ('mlp', 'embed'), 'down')(constrain(h_BxTxF, ('batch', None, 'mlp')))
+    h_BxTxF = nn.gelu(self._dense(self.hidden, ('embed', 'mlp'), 'mlp_in')(x_BxTxD))
+    return self._dense(d, ('mlp', 'embed'), 'mlp_out')(constrain(h_BxTxF, ('batch', None, 'mlp')))

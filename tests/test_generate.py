@@ -1,0 +1,127 @@
+"""Sampling: KV-cache decoding equals the full forward pass, compiles once, and the commands.
+
+The model is a tiny Llama trained 20 steps on byte text on 8 devices with its parameters split
+over fsdp, loaded back onto that mesh by disttrain.trained (the run's layout).
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import disttrain
+from disttrain import generate as generate_lib, trained
+from tests import helpers
+from tests.conftest import ROOT
+from tests.helpers import devices
+
+PROMPTS = ['def ', 'import os\nimport sys\n', 'class Foo(object):\n    """A']
+
+
+@pytest.fixture(scope='module')
+def run_dir(tmp_path_factory):
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'llama.py')
+  helpers.override(cd, {'model.num_layers': 2, 'model.hidden': 64, 'model.num_heads': 4,
+                        'model.num_kv_heads': 2, 'model.mlp_dim': 128, 'data.seq_len': 64,
+                        'global_batch_size': 16, 'data.text.bytes': 200_000,
+                        'data.eval_examples': 16, 'eval_batch_size': 16, 'num_train_steps': 20,
+                        'mesh.data': 1, 'mesh.fsdp': 8, 'sharding': 'fsdp', 'fsdp_min_size': 256,
+                        'eval_every_steps': 0, 'model.vocab_size': 260})
+  workdir = tmp_path_factory.mktemp('gen_run')
+  disttrain.train(disttrain.from_config_dict(cd), str(workdir), devices=devices(8))
+  return workdir
+
+
+def test_greedy_decoding_with_the_cache_equals_the_full_forward_argmax(run_dir):
+  """3 prompts of different lengths, 32 new tokens each, parameters split over fsdp=8: every
+  generated token is the argmax of the full forward pass over prompt + tokens so far."""
+  lm = trained.load(workdir=str(run_dir), devices=devices(8))
+  assert dict(lm.mesh.shape)['fsdp'] == 8
+  assert 'fsdp' in str(lm.params['blocks']['mlp']['up']['kernel'].sharding.spec)
+  prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+  assert len({len(p) for p in prompts}) == 3
+  before = generate_lib._TRACES[0]  # pylint: disable=protected-access
+  out = disttrain.generate(lm.model, lm.params, prompts, max_new_tokens=32, mesh=lm.mesh,
+                           context=lm.context)
+  assert generate_lib._TRACES[0] == before + 1  # pylint: disable=protected-access
+  params = jax.device_get(lm.params)
+  for prompt, new, logprobs in zip(prompts, out.tokens, out.logprobs):
+    assert len(new) == 32  # the byte tokenizer's EOS (256) is never likely here
+    sequence = jnp.asarray([prompt + new])
+    logits = np.asarray(lm.model.module.apply({'params': params}, sequence, False))[0]
+    np.testing.assert_array_equal(logits[len(prompt) - 1:-1].argmax(-1), new)
+    # The cached pass's own scores equal the full pass's at every position (positions, cache
+    # slots and masks all right, not only the argmax).
+    full = jax.nn.log_softmax(logits[len(prompt) - 1:-1], axis=-1)[np.arange(32), new]
+    np.testing.assert_allclose(logprobs, full, rtol=1e-4, atol=1e-4)
+  again = disttrain.generate(lm.model, lm.params, [p[::-1] for p in prompts], max_new_tokens=32,
+                             mesh=lm.mesh, context=lm.context)
+  assert again.traces == out.traces  # same shapes: the compiled loop is reused, not re-traced
+
+
+@pytest.mark.slow
+def test_sampling_settings(run_dir):
+  lm = trained.load(workdir=str(run_dir), devices=devices(1), mesh={'fsdp': 1})
+  prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+  run = lambda **kw: disttrain.generate(lm.model, lm.params, prompts, max_new_tokens=16,
+                                        **kw).tokens
+  greedy = run()
+  assert run(temperature=1.0, top_k=1) == greedy  # one candidate: the argmax
+  assert run(temperature=1.0, top_p=1e-6) == greedy  # the smallest nucleus: the argmax
+  assert run(temperature=1.0, seed=3) == run(temperature=1.0, seed=3)
+  assert run(temperature=1.0, seed=3) != run(temperature=1.0, seed=4)
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+  draws = [int(generate_lib.sample(logits, jax.random.key(i), 1.0, 0, 0.7)[0])
+           for i in range(300)]
+  assert set(draws) == {0, 1}  # top_p 0.7: 0.5 + 0.3 reach it, 0.15 and 0.05 are cut
+  draws = [int(generate_lib.sample(logits, jax.random.key(i), 1.0, 3, 1.0)[0])
+           for i in range(300)]
+  assert set(draws) == {0, 1, 2}
+
+
+def _env() -> dict:
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  return env
+
+
+def _cli(*args: str):
+  return subprocess.run([sys.executable, '-m', *args], cwd=ROOT, env=_env(), capture_output=True,
+                        text=True, timeout=180, check=False)
+
+
+@pytest.mark.slow
+def test_generate_command_from_the_run_and_from_its_hugging_face_export(run_dir, tmp_path):
+  args = ['--prompt=def ', '--prompt=import ', '--max_new_tokens=12', '--fake_devices=8']
+  proc = _cli('disttrain.generate', f'--workdir={run_dir}', *args)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert 'tokens/s' in proc.stdout.splitlines()[-1] and "{'data': 1, 'fsdp': 8, 'tensor': 1}" \
+      in proc.stdout.splitlines()[-1]
+  export = _cli('disttrain.export', f'--workdir={run_dir}', f'--out={tmp_path / "hf"}')
+  assert export.returncode == 0, export.stderr[-2000:]
+  from_hf = _cli('disttrain.generate', f'--hf_dir={tmp_path / "hf"}', *args)
+  assert from_hf.returncode == 0, from_hf.stderr[-2000:]
+  texts = lambda p: p.stdout.split('---')[:2]
+  assert texts(from_hf) == texts(proc)  # the same greedy continuations
+
+
+@pytest.mark.parametrize('module,args,message', [
+    ('disttrain.generate', ['--prompt=' + 'x' * 80, '--max_new_tokens=8'],
+     'a prompt of 80 tokens + max_new_tokens=8 is longer than the model context of 64 tokens'),
+    ('disttrain.generate', ['--prompt=a', '--workdir={empty}'], 'has no checkpoints directory'),
+    ('disttrain.export', ['--out={empty}/hf', '--workdir={empty}'], 'has no checkpoints directory'),
+])
+def test_bad_sampling_and_export_inputs_are_one_line_and_exit_2(run_dir, tmp_path, module, args,
+                                                                message):
+  args = [a.replace('{empty}', str(tmp_path)) for a in args]
+  if not any(a.startswith('--workdir') for a in args):
+    args.append(f'--workdir={run_dir}')
+  proc = _cli(module, *args, '--fake_devices=8') if module.endswith('generate') else \
+      _cli(module, *args)
+  errors = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+  assert errors[0].startswith('error: ') and message in errors[0], errors[0]

@@ -1,0 +1,271 @@
+"""Hugging Face weights in and out, against the reference implementation (`transformers`).
+
+Random tiny LlamaForCausalLM (1, 2 and 4 K/V heads, tied and untied) and GPT2LMHeadModel are
+built from a config and saved with save_pretrained here. Imported into disttrain, their logits
+equal transformers' forward pass to 1e-4 (float32; measured <= 3e-7); exported from a disttrain
+run, transformers' logits equal ours to 1e-5 (measured <= 2e-6); import -> export -> import is
+bitwise.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import disttrain
+from disttrain import hf, models, tensorfiles, trained
+from disttrain.config import ModelConfig
+from disttrain.errors import CheckpointError, ConfigError
+from disttrain.models import layers
+from tests import helpers
+from tests.conftest import ROOT
+
+VOCAB = 99
+LLAMAS = [(1, False), (2, True), (4, False)]  # (K/V heads, tied embeddings)
+
+
+def _llama(tmp_path, kv: int, tied: bool, **overrides) -> str:
+  torch.manual_seed(kv)
+  config = transformers.LlamaConfig(
+      vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=kv, max_position_embeddings=64,
+      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, **overrides)
+  path = str(tmp_path / f'llama_{kv}_{tied}')
+  transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+  return path
+
+
+def _gpt2(tmp_path, **save) -> str:
+  torch.manual_seed(0)
+  config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                   n_positions=32, bos_token_id=0, eos_token_id=0)
+  path = str(tmp_path / 'gpt2')
+  transformers.GPT2LMHeadModel(config).eval().save_pretrained(path, **save)
+  return path
+
+
+def _model_config(name: str, kv: int = 0, tied: bool = True, **fields) -> ModelConfig:
+  extra = dict(num_kv_heads=kv, mlp_dim=96) if name == 'llama' else dict(max_seq_len=32)
+  return ModelConfig(name=name, hidden=64, num_layers=2, num_heads=4, vocab_size=VOCAB,
+                     tied_embeddings=tied, dropout=0.0, **extra, **fields)
+
+
+def _load(path: str, cfg: ModelConfig):
+  """(model, params) restored from a Hugging Face directory on one device."""
+  model = models.build(cfg, 'float32', 16)
+  mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                             {'tokens': jnp.zeros((1, 16), jnp.int32)}))['params']
+  abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                          shapes)
+  return model, hf.restore(path, model, cfg, abstract)
+
+
+def _reference_logits(path: str, tokens: np.ndarray) -> np.ndarray:
+  model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+  with torch.no_grad():
+    return model(torch.tensor(tokens)).logits.float().numpy()
+
+
+def _our_logits(model, params, tokens) -> np.ndarray:
+  return np.asarray(model.module.apply({'params': params}, jnp.asarray(tokens), False))[..., :VOCAB]
+
+
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+
+
+@pytest.mark.parametrize('kv,tied', LLAMAS)
+def test_imported_llama_logits_equal_transformers(tmp_path, kv, tied):
+  path = _llama(tmp_path, kv, tied)
+  model, params = _load(path, _model_config('llama', kv, tied))
+  np.testing.assert_allclose(_our_logits(model, params, TOKENS),
+                             _reference_logits(path, TOKENS), rtol=1e-4, atol=1e-4)
+
+
+def test_imported_gpt2_logits_equal_transformers_from_sharded_files(tmp_path):
+  path = _gpt2(tmp_path, max_shard_size='100KB')  # model-0000i-of-0000N + an index
+  assert os.path.isfile(os.path.join(path, tensorfiles.INDEX))
+  model, params = _load(path, _model_config('gpt'))
+  np.testing.assert_allclose(_our_logits(model, params, TOKENS),
+                             _reference_logits(path, TOKENS), rtol=1e-4, atol=1e-4)
+
+
+def test_llama3_rope_scaling_equals_transformers():
+  config = transformers.LlamaConfig(
+      hidden_size=2048, num_attention_heads=32, rope_theta=500_000.0,
+      rope_scaling={'rope_type': 'llama3', 'factor': 32.0, 'low_freq_factor': 1.0,
+                    'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192})
+  rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+  ours = layers.rope_frequencies(64, 500_000.0, layers.RopeScaling('llama3', 32.0, 1.0, 4.0, 8192))
+  np.testing.assert_allclose(ours, rotary.inv_freq.numpy(), rtol=1e-6)
+
+
+def _train_and_export(tmp_path, name: str, tied: bool, dtype: str = 'float32') -> tuple:
+  """A 2-step disttrain run of a tiny model (byte text), exported; (run dir, HF dir)."""
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / f'{name}.py')
+  helpers.override(cd, {'model.num_layers': 2, 'model.hidden': 64, 'model.num_heads': 4,
+                        'model.tied_embeddings': tied, 'num_train_steps': 2, 'mesh.data': 1,
+                        'data.seq_len': 16, 'global_batch_size': 8, 'eval_batch_size': 8,
+                        'data.text.bytes': 20_000, 'data.eval_examples': 8, 'model.vocab_size': 300,
+                        'eval_every_steps': 0})
+  run, out = tmp_path / f'{name}_run', tmp_path / f'{name}_hf_{dtype}'
+  disttrain.train(disttrain.from_config_dict(cd), str(run), devices=jax.devices()[:1])
+  proc = subprocess.run([sys.executable, '-m', 'disttrain.export', f'--workdir={run}',
+                         f'--out={out}', f'--dtype={dtype}'], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120, check=False, env=_env())
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip().splitlines()[-1].startswith(f'exported {run} step 2')
+  return run, out
+
+
+def _env() -> dict:
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  return env
+
+
+@pytest.mark.parametrize('name,tied', [('llama', False),
+                                       pytest.param('gpt', True, marks=pytest.mark.slow)])
+def test_exported_run_loads_in_transformers_with_equal_logits(tmp_path, name, tied):
+  run, out = _train_and_export(tmp_path, name, tied)
+  lm = trained.load(workdir=str(run), devices=jax.devices()[:1], mesh={'data': 1})
+  tokens = np.random.default_rng(1).integers(0, 300, (2, 16))
+  ours = np.asarray(lm.model.module.apply({'params': lm.params}, jnp.asarray(tokens), False))
+  np.testing.assert_allclose(_reference_logits(str(out), tokens), ours[..., :300], rtol=1e-5,
+                             atol=1e-5)
+  config = json.loads((out / 'config.json').read_text())
+  assert config['architectures'] == [hf.FAMILIES[name]] and config['vocab_size'] == 300
+
+
+@pytest.mark.slow
+def test_bfloat16_export_is_the_rounded_float32(tmp_path):
+  run, out32 = _train_and_export(tmp_path, 'llama', True)
+  proc = subprocess.run([sys.executable, '-m', 'disttrain.export', f'--workdir={run}',
+                         f'--out={tmp_path / "bf16"}', '--dtype=bfloat16'], cwd=ROOT, env=_env(),
+                        capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  full, half = tensorfiles.Reader(str(out32)), tensorfiles.Reader(str(tmp_path / 'bf16'))
+  assert full.names() == half.names()
+  for name in full.names():
+    assert half.read(name).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(half.read(name), full.read(name).astype(jnp.bfloat16))
+  assert transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path / 'bf16')).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize('name', ['llama', 'gpt'])
+def test_import_export_import_is_bitwise(tmp_path, name):
+  path = _llama(tmp_path, 2, False) if name == 'llama' else _gpt2(tmp_path)
+  cfg = _model_config(name, 2, False) if name == 'llama' else _model_config('gpt')
+  model, params = _load(path, cfg)
+  out = tmp_path / 'again'
+  out.mkdir()
+  tensorfiles.write(str(out), hf.export_tensors(name, model.cfg, params, np.float32))
+  (out / 'config.json').write_text(open(os.path.join(path, 'config.json')).read())
+  _, again = _load(str(out), cfg)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  original, exported = tensorfiles.Reader(path), tensorfiles.Reader(str(out))
+  for tensor in exported.names():  # the same tensors as transformers wrote, bit for bit
+    np.testing.assert_array_equal(exported.read(tensor), original.read(tensor))
+
+
+def test_bad_hugging_face_directories_are_one_line_errors(tmp_path):
+  """Every damaged directory of LAUNCHER_CASES, and configs that contradict config.json, in
+  process (the launcher cases check the exit status too)."""
+  path = _llama(tmp_path, 2, True)
+  cfg = _model_config('llama', 2, True)
+  cases = [(case, cfg, message) for case, flags, message in LAUNCHER_CASES if not flags] + [
+      ('', _model_config('llama', 2, True, norm_eps=1e-6),
+       'config.json rms_norm_eps=1e-05 but model.norm_eps=1e-06'),
+      ('', _model_config('llama', 4, True),
+       'config.json num_key_value_heads=2 but model.num_kv_heads=4'),
+      ('', _model_config('gpt'), "is a LlamaForCausalLM but model.name='gpt'"),
+      ('', _model_config('llama', 2, False),
+       'config.json tie_word_embeddings=True but model.tied_embeddings=False')]
+  for i, (case, config, message) in enumerate(cases):
+    out = tmp_path / f'case{i}'
+    _damaged(path, out, case)
+    with pytest.raises((CheckpointError, ConfigError), match=re.escape(message)) as e:
+      _load(str(out), config)
+    assert '\n' not in str(e.value)
+
+
+def _damaged(path: str, out, case: str) -> None:
+  """A copy of the Hugging Face directory `path` in `out`, damaged as `case` says."""
+  os.system(f'cp -r {path} {out}')
+  reader = tensorfiles.Reader(path)
+  tensors = {n: reader.read(n) for n in reader.names()}
+  name = 'model.layers.1.mlp.up_proj.weight'
+  if case == 'no_config':
+    os.remove(out / 'config.json')
+  elif case == 'no_weights':
+    os.remove(out / 'model.safetensors')
+  elif case == 'architecture':
+    (out / 'config.json').write_text(json.dumps({'architectures': ['BertModel']}))
+  elif case in ('missing_tensor', 'tensor_shape'):
+    if case == 'missing_tensor':
+      tensors.pop(name)
+    else:
+      tensors[name] = tensors[name][:, :32]
+    tensorfiles.write(str(out), [(k, v.shape, v.dtype, lambda v=v: v) for k, v in tensors.items()])
+
+
+LAUNCHER_CASES = [
+    ('architecture', [], "architectures ['BertModel'] are none of"),
+    ('no_config', [], 'config.json cannot be read'),
+    ('no_weights', [], 'has no *.safetensors weights'),
+    ('field', ['--config.model.norm_eps=1e-6'],
+     'config.json rms_norm_eps=1e-05 but model.norm_eps=1e-06; set --config.model.norm_eps=1e-05'),
+    ('missing_tensor', [], 'has no tensor model.layers.1.mlp.up_proj.weight'),
+    ('tensor_shape', [], 'tensor model.layers.1.mlp.up_proj.weight has shape (96, 32) but the '
+     'config expects (96, 64)'),
+]
+
+
+@pytest.mark.parametrize('case,flags,message', [
+    c if c[0] == 'architecture' else pytest.param(*c, marks=pytest.mark.slow)
+    for c in LAUNCHER_CASES], ids=[c[0] for c in LAUNCHER_CASES])
+def test_bad_hugging_face_directory_through_the_launcher(tmp_path, case, flags, message):
+  """restore_from a damaged directory: one `error:` line, exit 2, before any step."""
+  _damaged(_llama(tmp_path, 2, True), tmp_path / case, case)
+  proc = subprocess.run(
+      [sys.executable, 'launch/train.py', '--config=launch/configs/llama.py',
+       f'--workdir={tmp_path / "run"}', '--fake_devices=1',
+       f'--config.restore_from={tmp_path / case}',
+       '--config.num_train_steps=1', '--config.model.hidden=64', '--config.model.num_layers=2',
+       '--config.model.num_heads=4', '--config.model.num_kv_heads=2',
+       '--config.model.mlp_dim=96', f'--config.model.vocab_size={VOCAB}',
+       '--config.data.seq_len=16', '--config.global_batch_size=8', '--config.eval_batch_size=8',
+       '--config.data.text.bytes=20000', *flags],
+      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=False)
+  errors = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+  assert errors[0].startswith('error: ') and message in errors[0], errors[0]
+  assert not os.path.isdir(tmp_path / 'run' / 'checkpoints' / '1')
+
+
+@pytest.mark.parametrize('size', ['smollm2_135m', 'llama3_1b'])
+def test_named_sizes_have_the_published_parameter_count(size):
+  """launch/configs/llama.py's published shapes: our parameters (shapes only) number what
+  transformers builds from the config.json we would export for them (on the meta device)."""
+  cfg = disttrain.from_config_dict(helpers.config_file_arg(ROOT / 'launch' / 'configs' /
+                                                           'llama.py', size))
+  model = models.build(cfg.model, 'float32', cfg.data.seq_len)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                             {'tokens': jnp.zeros((1, 8), jnp.int32)}))
+  ours = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes['params']))
+  config = hf.hf_config('llama', cfg.model, model.cfg, 'float32', {})
+  with torch.device('meta'):
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+  assert ours == sum(p.numel() for p in reference.parameters())
+  assert ours == {'smollm2_135m': 134_515_008, 'llama3_1b': 1_235_814_400}[size]

@@ -1,0 +1,106 @@
+"""The Llama family (launch/configs/llama.py at a tiny size) on every layout equals 1 device.
+
+Tolerances as in tests/test_equivalence.py: one step agrees to float reassociation of the
+cross-device sums (rtol 1e-5), 10-step losses to rtol 1e-4. Gradient accumulation (M = 2) on
+data x fsdp x tensor equals the global-batch step on 1 device. bf16 on 8 devices follows bf16 on
+1 device within 2e-3 over 10 steps: the forward pass rounds partial sums to bf16 in another order
+(measured 4e-4).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import disttrain
+from disttrain import data, sharding, spmd
+from tests import helpers
+from tests.conftest import ROOT
+from tests.helpers import assert_trees_close, devices, to_numpy
+from tests.test_equivalence import _assert_new_params_close
+
+LLAMA = ROOT / 'launch' / 'configs' / 'llama.py'
+TINY = {'model.num_layers': 2, 'model.hidden': 64, 'model.num_heads': 4,
+        'model.num_kv_heads': 2, 'model.mlp_dim': 128, 'data.seq_len': 32,
+        'global_batch_size': 16, 'data.text.bytes': 100_000, 'data.eval_examples': 64,
+        'eval_batch_size': 64, 'eval_every_steps': 0}
+CUBE = {'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2}
+ONE = {'mesh.data': 1}
+
+
+def _config(**overrides) -> disttrain.Config:
+  cd = helpers.config_file(LLAMA)
+  return disttrain.from_config_dict(helpers.override(cd, {**TINY, **overrides}))
+
+
+def _one_step(cfg, n: int, m: int = 1):
+  """(loss, gradients, new params) of one step from the initial state, M micro-batches."""
+  run = disttrain.setup(cfg, devices=devices(n))
+  it = data.TrainIterator(run.train_data, cfg.global_batch_size, cfg.seed, run.batch_sharding)
+  batch = next(it)
+  it.close()
+  cd = disttrain.defaults(cfg)
+  cd.grad_accum_steps = m
+  steps = spmd.build(run.model, run.task, run.tx, disttrain.from_config_dict(cd), run.mesh,
+                     run.layout, run.batch_sharding)
+  state = steps.place(run.state)
+  grads = to_numpy(steps.grads(state, batch))
+  new_state, metrics = steps.train(state, batch)
+  return float(metrics['loss']), grads, to_numpy(steps.export(new_state).params)
+
+
+@pytest.mark.slow
+def test_one_step_on_data_fsdp_tensor_with_accumulation_equals_one_device():
+  ref_loss, ref_grads, ref_params = _one_step(_config(**ONE), 1)
+  for m in (1, 2):
+    loss, grads, params = _one_step(_config(**CUBE), 8, m)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'gradient (M={m})')
+    _assert_new_params_close(params, ref_params, ref_grads, lr=3e-3)
+
+
+def _losses(cfg, workdir, n: int) -> list[float]:
+  result = disttrain.train(cfg, str(workdir), devices=devices(n))
+  assert result.trace_count == 1
+  return [r['loss'] for r in result.records if r['split'] == 'train']
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('precision,rtol', [('float32', 1e-4), ('bfloat16', 2e-3)])
+def test_ten_steps_on_eight_devices_equal_one(tmp_path, precision, rtol):
+  common = {'num_train_steps': 10, 'log_every_steps': 1,
+            'precision.compute_dtype': precision}
+  reference = _losses(_config(**ONE, **common), tmp_path / 'one', 1)
+  np.testing.assert_allclose(_losses(_config(**CUBE, **common, grad_accum_steps=2),
+                                     tmp_path / 'cube', 8), reference, rtol=rtol)
+  assert reference[-1] < reference[0]
+
+
+def _specs(**overrides) -> tuple[dict, list[str]]:
+  cfg = _config(**overrides)
+  run = disttrain.setup(cfg, devices=devices(8))
+  return sharding.spec_lists(run.layout.param_specs), run.layout.replicated
+
+
+def test_kv_heads_split_over_tensor_when_divisible_else_kept_whole():
+  specs, whole = _specs(**CUBE)
+  assert specs['blocks/attention/key/kernel'] == [None, 'fsdp', 'tensor', None]
+  assert specs['blocks/attention/query/kernel'] == [None, 'fsdp', 'tensor', None]
+  assert specs['blocks/mlp/gate/kernel'] == [None, 'fsdp', 'tensor']
+  assert specs['embed'] == ['tensor', 'fsdp'] and not whole
+  specs, whole = _specs(**{'mesh.data': 2, 'mesh.tensor': 4})  # 2 K/V heads over tensor=4
+  assert specs['blocks/attention/key/kernel'] == [None, 'fsdp', None, None]  # fsdp has size 1
+  assert specs['blocks/attention/query/kernel'] == [None, 'fsdp', 'tensor', None]
+  assert any('blocks/attention/key/kernel' in w and 'kv_heads=2 is not divisible by tensor=4' in w
+             for w in whole), whole
+
+
+def test_bf16_forward_runs_in_bf16_with_float32_state():
+  cfg = _config(**ONE, **{'precision.compute_dtype': 'bfloat16'})
+  run = disttrain.setup(cfg, devices=devices(1))
+  batch = {'tokens': jnp.zeros((2, 32), jnp.int32)}
+  jaxpr = str(jax.make_jaxpr(lambda p: run.model.apply(
+      {'params': jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)}, batch, train=False,
+      rng=None))(run.state.params))
+  assert 'bf16[2,32,4,16]' in jaxpr  # queries in bf16
+  assert {x.dtype for x in jax.tree.leaves(run.state.params)} == {np.dtype('float32')}
