@@ -222,43 +222,54 @@ class SmallMLP(nn.Module):
 
 def train_step_fn(module: nn.Module, tx: optax.GradientTransformation, traces: list,
                   input_key: str = 'image', label_key: str = 'label', dtype=jnp.float32,
-                  micro_batches: int = 1):
+                  micro_batches: int = 1, token_weighted: bool = False):
   """(state dict, batch) -> (state dict, loss): mean cross-entropy, Adam, dropout per step.
 
   The dropout key is fold_in(rng, step), as disttrain's jit style, so in that style both steps
   compute the same numbers (checked before timing). In bf16 the parameters and inputs are cast
   at the start of the loss, as a user writing mixed precision by hand would; with micro-batches
   the batch is cut into M contiguous blocks and lax.scan sums their gradients.
+  `token_weighted` (language models): packed rows' positions and segment ids go to the model,
+  and the loss is the sum over tokens with a target (>= 0, loss_mask) / their count in the batch.
   """
   cast = lambda tree: jax.tree.map(
       lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
-  def loss_fn(params, mutable, batch, key):
+  def counted(batch):
+    return (batch[label_key] >= 0) & (batch.get('loss_mask', 1) != 0)
+
+  def loss_fn(params, mutable, batch, key, total):
+    packed = {k: batch[k] for k in ('positions', 'segment_ids') if k in batch}
     logits, new_mutable = module.apply(
         {'params': cast(params), **mutable}, cast(batch[input_key]), train=True,
-        rngs={'dropout': key}, mutable=list(mutable))
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
-                                                            batch[label_key]).mean()
-    return loss, new_mutable
+        rngs={'dropout': key}, mutable=list(mutable), **packed)
+    targets = batch[label_key]
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                          jnp.maximum(targets, 0))
+    if not token_weighted:
+      return ce.mean(), new_mutable
+    return jnp.sum(jnp.where(counted(batch), ce, 0.0)) / total, new_mutable
 
   def train_step(state: dict, batch: dict):
     traces[0] += 1
     key = jax.random.fold_in(jax.random.wrap_key_data(state['rng']), state['step'])
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    total = jnp.sum(counted(batch)) if token_weighted else None
     if micro_batches == 1:
-      (loss, new_mutable), grads = grad_fn(state['params'], state['mutable'], batch, key)
+      (loss, new_mutable), grads = grad_fn(state['params'], state['mutable'], batch, key, total)
     else:
       blocks = jax.tree.map(lambda x: x.reshape((micro_batches, -1) + x.shape[1:]), batch)
 
       def body(carry, block):
-        grads, total, mutable = carry
-        (loss, mutable), g = grad_fn(state['params'], mutable, block, key)
-        return (jax.tree.map(jnp.add, grads, g), total + loss, mutable), None
+        grads, loss_sum, mutable = carry
+        (loss, mutable), g = grad_fn(state['params'], mutable, block, key, total)
+        return (jax.tree.map(jnp.add, grads, g), loss_sum + loss, mutable), None
       zeros = jax.tree.map(jnp.zeros_like, state['params'])
       (grads, loss, new_mutable), _ = jax.lax.scan(
           body, (zeros, jnp.float32(0), state['mutable']), blocks)
-      grads = jax.tree.map(lambda g: g / micro_batches, grads)
-      loss = loss / micro_batches
+      if not token_weighted:  # means of equal blocks; token sums are already over the total
+        grads = jax.tree.map(lambda g: g / micro_batches, grads)
+        loss = loss / micro_batches
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     new_state = dict(state, step=state['step'] + 1, opt_state=opt_state,
                      params=optax.apply_updates(state['params'], updates),
@@ -307,8 +318,9 @@ class KerasFit:
   """Keras 3 (JAX backend) `fit` of the seed-000 model: one call = one timed window."""
 
   def __init__(self, image: np.ndarray, label: np.ndarray, batch_size: int,
-               steps_per_execution: int, steps: int):
-    """Builds and compiles the model; raises ImportError when Keras 3 (JAX backend) is missing."""
+               steps_per_execution: int):
+    """Builds and compiles the model; raises ImportError when Keras 3 (JAX backend) is missing.
+    Set `steps` (per window) before the first call."""
     os.environ.setdefault('KERAS_BACKEND', 'jax')
     import keras  # pylint: disable=g-import-not-at-top  (optional extra)
     if keras.backend.backend() != 'jax':
@@ -322,14 +334,15 @@ class KerasFit:
     self.model.compile(optimizer=keras.optimizers.Adam(1e-3),
                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                        steps_per_execution=steps_per_execution, jit_compile=True)
-    rows = np.arange(steps * batch_size) % len(label)  # wrap when a window needs more data
-    self.image, self.label, self.batch_size = image[rows], label[rows], batch_size
+    self.image, self.label, self.batch_size = image, label, batch_size
+    self.steps = 0
 
   def __call__(self) -> float:
     """Seconds for one `fit` epoch over the window's batches of in-memory numpy arrays."""
+    rows = np.arange(self.steps * self.batch_size) % len(self.label)  # wrap around the data
+    image, label = self.image[rows], self.label[rows]
     start = time.perf_counter()
-    self.model.fit(self.image, self.label, batch_size=self.batch_size, epochs=1, shuffle=False,
-                   verbose=0)
+    self.model.fit(image, label, batch_size=self.batch_size, epochs=1, shuffle=False, verbose=0)
     return time.perf_counter() - start
 
 

@@ -30,12 +30,15 @@ from disttrain import config as config_lib, data, models
 from disttrain.models.linen import LinenModel
 from disttrain.step import Variant
 
-_MODEL = flags.DEFINE_enum('model', 'mlp_small', ['mlp_small', 'mlp', 'transformer', 'gpt'],
+_MODEL = flags.DEFINE_enum('model', 'mlp_small',
+                           ['mlp_small', 'mlp', 'transformer', 'gpt', 'llama'],
                            'mlp_small: seed 000 (784-64-64-10, batch 256); mlp: seed 004 '
                            '(mnist_mlp, Dropout + BatchNorm, batch 128); transformer: char_lm; '
-                           'gpt: launch/configs/gpt.py at --gpt_size.')
-_GPT_SIZE = flags.DEFINE_string('gpt_size', 'small',
-                                '--model=gpt: a size of launch/configs/gpt.py.')
+                           'gpt / llama: launch/configs/gpt.py / llama.py at --size (with '
+                           '--with_data, llama reads packed, tokenized documents).')
+_SIZE = flags.DEFINE_string('size', None, '--model=gpt or llama: a size of its config file '
+                            '(default: small / tiny).')
+_GPT_SIZE = flags.DEFINE_string('gpt_size', None, 'Deprecated name of --size for --model=gpt.')
 _PRECISION = flags.DEFINE_enum('precision', 'float32', ['float32', 'bfloat16'],
                                'precision.compute_dtype of both sides.')
 _GRAD_ACCUM = flags.DEFINE_integer('grad_accum_steps', 1, 'Micro-batches per step, both sides '
@@ -124,6 +127,7 @@ def run() -> list[dict]:
                              '/jax/compilation_cache/cache_hits')
   jax.monitoring.register_event_duration_secs_listener(count)
   jax.monitoring.register_event_listener(count)
+  keras_fit = _keras_fit(run_, k) if _WITH_KERAS.value else None
   disttrain_side, baseline_side, info = _build_sides(run_, devices, k, compiles)
   steps = _STEPS.value or baseline_side.calibrate(_WINDOW_SEC)
   steps = -(-steps // k) * k
@@ -150,14 +154,8 @@ def run() -> list[dict]:
         [loop_side, hand_loop, disttrain_side], windows)
     timings.append(('train_loop', 'hand_written_loop', (loop_secs, hand_secs)))
     timings.append(('train_loop', 'step_on_device_data', (loop_secs, step_secs)))
-  if _WITH_KERAS.value:
-    try:
-      arrays = run_.train_data.read(np.arange(len(run_.train_data)))
-      keras_fit = baselines.KerasFit(arrays['image'], arrays['label'], cfg.global_batch_size, k,
-                                     steps)
-    except ImportError as e:
-      raise BenchError(f'--with_keras needs Keras 3 with the JAX backend ({e}); pip install '
-                       'keras, or drop --with_keras') from e
+  if keras_fit is not None:
+    keras_fit.steps = steps
     keras_fit()  # warm-up: compiles Keras' train function
     timings.append(('step', 'keras_fit',
                     baselines.interleave([disttrain_side, keras_fit], windows)))
@@ -184,6 +182,17 @@ def run() -> list[dict]:
                      peak_flops_per_sec=round(peak_flops), peak_dtype=np.dtype(peak.dtype).name,
                      **_lm_fields(lm, len(devices), med, peak_flops)))
   return rows
+
+
+def _keras_fit(run_: disttrain.Setup, k: int) -> baselines.KerasFit:
+  """Keras 3 fit on the same data; built before any other side runs, since building Keras
+  clears JAX's in-memory caches (measured with jax 0.12: a jitted function traces again)."""
+  try:
+    arrays = run_.train_data.read(np.arange(len(run_.train_data)))
+    return baselines.KerasFit(arrays['image'], arrays['label'], run_.cfg.global_batch_size, k)
+  except ImportError as e:
+    raise BenchError(f'--with_keras needs Keras 3 with the JAX backend ({e}); pip install '
+                     'keras, or drop --with_keras') from e
 
 
 def _lm_fields(throughput, num_devices: int, examples_per_sec: float,
@@ -225,9 +234,12 @@ def _build_sides(run_: disttrain.Setup, devices, k: int, compiles: list):
                             log_every=cfg.log_every_steps // k)
   run_.state = state = None  # donated to the first step
   base_traces = [0]
+  task = run_.task
   base_fn = baselines.train_step_fn(run_.model.module, run_.tx, base_traces,
-                                    run_.model.input_key, run_.task.label_key,
-                                    jnp.dtype(cfg.precision.compute_dtype), cfg.grad_accum_steps)
+                                    run_.model.input_key,
+                                    getattr(task, 'label_key', None) or task.target_key,
+                                    jnp.dtype(cfg.precision.compute_dtype), cfg.grad_accum_steps,
+                                    token_weighted=hasattr(task, 'weights'))
   baseline_side = StepSide('hand-written step',
                            baselines.jit_step(base_fn, base_shardings, batch_sharding), base_state,
                            [jax.device_put(b, batch_sharding) for b in batches], 1, bound,
@@ -276,14 +288,17 @@ def _check_flags(k: int, num_devices: int) -> None:
 def _config(num_devices: int):
   """disttrain's config for the flags: the seed MLPs on synthetic 784-feature data (Adam 1e-3),
   or launch/configs/char_lm.py's transformer on its text."""
-  if _MODEL.value in ('transformer', 'gpt'):
-    name = 'char_lm' if _MODEL.value == 'transformer' else 'gpt'
+  if _MODEL.value in ('transformer', 'gpt', 'llama'):
+    name = 'char_lm' if _MODEL.value == 'transformer' else _MODEL.value
     spec = importlib.util.spec_from_file_location(f'{name}_config',
                                                   os.path.join(_CONFIGS, f'{name}.py'))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cd = module.get_config(_GPT_SIZE.value) if name == 'gpt' else module.get_config()
+    size = _SIZE.value or _GPT_SIZE.value or {'gpt': 'small', 'llama': 'tiny'}.get(name)
+    cd = module.get_config(size) if size else module.get_config()
     cd.model.remat = _REMAT.value
+    if name == 'llama' and _WITH_DATA.value:
+      _packed_documents(cd)
   else:
     seed = _SEED[_MODEL.value]
     cd = config_lib.defaults()
@@ -310,6 +325,23 @@ def _config(num_devices: int):
   elif _SHARDING.value == 'tensor':
     cd.mesh.tensor = min(2, num_devices)
   return config_lib.from_config_dict(cd)
+
+
+_DOCS = tempfile.TemporaryDirectory(prefix='throughput_docs_')  # removed at exit
+
+
+def _packed_documents(cd) -> None:
+  """--model=llama --with_data: the standard library's modules as JSON-lines documents,
+  tokenized (bytes) at start-up and packed whole into rows by best fit (data.packing)."""
+  from disttrain import sources  # pylint: disable=g-import-not-at-top
+  path = os.path.join(_DOCS.name, 'docs.jsonl')
+  with open(path, 'w', encoding='utf-8') as f:
+    for name in sources.text_files('')[:120]:
+      with open(name, encoding='utf-8', errors='replace') as src:
+        f.write(json.dumps({'text': src.read()}) + '\n')
+  cd.data.name, cd.data.train_files, cd.data.tokenizer = 'documents', path, ''
+  cd.data.packing = 'documents'
+  cd.model.vocab_size = max(cd.model.vocab_size, 384)  # bytes and their end of sequence
 
 
 def table(rows: list[dict]) -> str:
