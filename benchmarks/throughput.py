@@ -39,6 +39,8 @@ _MODEL = flags.DEFINE_enum('model', 'mlp_small',
 _SIZE = flags.DEFINE_string('size', None, '--model=gpt or llama: a size of its config file '
                             '(default: small / tiny).')
 _GPT_SIZE = flags.DEFINE_string('gpt_size', None, 'Deprecated name of --size for --model=gpt.')
+_DOCUMENTS = flags.DEFINE_integer('documents', 120, '--model=llama --with_data: standard library '
+                                  'modules in the packed corpus.')
 _PRECISION = flags.DEFINE_enum('precision', 'float32', ['float32', 'bfloat16'],
                                'precision.compute_dtype of both sides.')
 _GRAD_ACCUM = flags.DEFINE_integer('grad_accum_steps', 1, 'Micro-batches per step, both sides '
@@ -336,7 +338,7 @@ def _packed_documents(cd) -> None:
   from disttrain import sources  # pylint: disable=g-import-not-at-top
   path = os.path.join(_DOCS.name, 'docs.jsonl')
   with open(path, 'w', encoding='utf-8') as f:
-    for name in sources.text_files('')[:120]:
+    for name in sources.text_files('')[:_DOCUMENTS.value]:
       with open(name, encoding='utf-8', errors='replace') as src:
         f.write(json.dumps({'text': src.read()}) + '\n')
   cd.data.name, cd.data.train_files, cd.data.tokenizer = 'documents', path, ''

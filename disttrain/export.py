@@ -31,7 +31,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
   """Writes the model of `workdir` to `out`; returns a one-line summary."""
   import jax  # pylint: disable=g-import-not-at-top
   import ml_dtypes  # pylint: disable=g-import-not-at-top
-  from disttrain import hf, tensorfiles, trained  # pylint: disable=g-import-not-at-top
+  from disttrain import hf, hf_config, tensorfiles, trained  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   lm = trained.load(workdir=workdir, step=step, devices=jax.devices()[:1], ema=ema,
                     mesh={'data': 1, 'fsdp': 1, 'tensor': 1})
@@ -41,7 +41,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
   special = {k: v for k, v in (('bos_token_id', lm.tokenizer.bos_id),
                                ('eos_token_id', lm.tokenizer.eos_id))
              if v is not None and v < lm.model.cfg.vocab_size}
-  config = hf.hf_config(family, lm.cfg.model, lm.model.cfg, dtype, special)
+  config = hf_config.for_export(family, lm.cfg.model, lm.model.cfg, dtype, special)
   if family == 'llama':
     config['max_position_embeddings'] = lm.context
   files = tensorfiles.write(out, hf.export_tensors(family, lm.model.cfg, lm.params, np_dtype),
@@ -50,7 +50,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
     json.dump(config, f, indent=2)
   copied = _copy_tokenizer(lm.tokenizer, out)
   size = sum(os.path.getsize(os.path.join(out, name)) for name in files)
-  return (f'exported {lm.source} ({hf.FAMILIES[family]}, {dtype}'
+  return (f'exported {lm.source} ({hf_config.FAMILIES[family]}, {dtype}'
           f'{", EMA" if ema else ""}) to {out}: {len(files)} safetensors file(s), '
           f'{size / 2**20:,.1f} MiB, tokenizer {copied or "none (bytes)"}, in '
           f'{time.perf_counter() - start:.1f}s')

@@ -52,7 +52,7 @@ def build(ctx: StepContext, mesh: Mesh, lay: Layout, evaluate, batch_sharding: N
     def local_step(state: TrainState, batch: dict):
       return step_lib.update(ctx.tx, state,
                              *local_grads(state, batch, variant.metrics, variant.full_batch),
-                             variant.metrics)
+                             variant.metrics, report_count=full_count is None)
     # Metrics are psums, equal on every device: unmapped outputs (out_axes None), so no
     # device-0 slice and no broadcast of it back to every device.
     pmapped = jax.pmap(local_step, axis_name='batch', devices=devices, out_axes=(0, None))

@@ -102,7 +102,8 @@ def build(model, task, tx, cfg: Config, mesh: Mesh, lay: Layout, batch_sharding:
     if train_step is not None:
       return step_lib.with_defaults(task, *train_step(ctx, state, batch), batch)
     grads, sums, count, new_mutable = grads_fn(state, batch, all_metrics, full_batch)
-    return step_lib.update(tx, state, grads, sums, count, new_mutable, all_metrics)
+    return step_lib.update(tx, state, grads, sums, count, new_mutable, all_metrics,
+                           report_count=full_count is None)
 
   def run(variant: Variant, state, batch):
     batch = step_lib.with_mask(batch, 1 if variant.steps == 1 else 2)

@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from disttrain.errors import ConfigError
@@ -183,9 +182,10 @@ def accumulated_grads(model, task, params, mutable, batch, rng, count, policy: P
   return grads, sums, mutable
 
 
-def update(tx, state: TrainState, grads, sums, count, new_mutable,
-           all_metrics: bool = True) -> tuple[TrainState, Metrics]:
-  """One optimizer step; metrics = sums / count, plus count and grad_norm if `all_metrics`.
+def update(tx, state: TrainState, grads, sums, count, new_mutable, all_metrics: bool = True,
+           report_count: bool = False) -> tuple[TrainState, Metrics]:
+  """One optimizer step; metrics = sums / count, plus count and grad_norm if `all_metrics`
+  (count alone with `report_count`: a quiet step whose weight the records cannot know).
 
   A global norm is one more pass over every gradient, so only the logged steps' variant
   computes it (README, Performance).
@@ -198,7 +198,7 @@ def update(tx, state: TrainState, grads, sums, count, new_mutable,
   metrics = {k: v / count for k, v in sums.items()}
   if all_metrics:
     metrics.update(count=count, grad_norm=optax.tree.norm(grads))
-  elif not isinstance(count, np.floating):  # a weight summed from the batch: records need it
+  elif report_count:
     metrics['count'] = count
   return new_state, metrics
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from disttrain import checkpoint, hf, models, optim
+from disttrain import checkpoint, hf, hf_config, models, optim
 from disttrain import config as config_lib
 from disttrain import mesh as mesh_lib
 from disttrain import state as state_lib
@@ -62,8 +62,8 @@ def load(*, workdir: str = '', hf_dir: str = '', step: int | None = None, device
   if bool(workdir) == bool(hf_dir):
     raise ConfigError('pass --workdir=RUN_DIR (a run with a checkpoint) or --hf_dir=DIR, one')
   if hf_dir:
-    config, family = hf.read_config(hf_dir)
-    model_fields = hf.model_fields(config, family)
+    config, family = hf_config.read(hf_dir)
+    model_fields = hf_config.model_fields(config, family)
     cfg = _config({'model': {k: v for k, v in model_fields.items() if k != 'rope_scaling'}},
                   mesh)
     cd = config_lib.defaults(cfg)

@@ -34,8 +34,14 @@ CASES = {  # (batch, T, S, query heads, K/V heads, head dim, query offset, block
 }
 
 
-@pytest.mark.parametrize('implementation', ['xla', 'blockwise'])
-@pytest.mark.parametrize('case', list(CASES))
+# Each case compiles four gradients: three of them are enough while iterating (-m 'not slow').
+FAST = {('decode_into_cache', 'xla'), ('decode_into_cache', 'blockwise'),
+        ('gqa_ragged_blocks', 'blockwise')}
+PAIRS = [pytest.param(case, impl, marks=[pytest.mark.slow] * ((case, impl) not in FAST))
+         for case in CASES for impl in ('xla', 'blockwise')]
+
+
+@pytest.mark.parametrize('case,implementation', PAIRS)
 def test_attention_equals_the_naive_form_and_its_gradients(case, implementation):
   b, t, s, n, g, d, offset, block = CASES[case]
   keys = jax.random.split(jax.random.key(0), 4)
@@ -50,10 +56,9 @@ def test_attention_equals_the_naive_form_and_its_gradients(case, implementation)
       q, k, v, q_segments_BxT=q_seg, kv_segments_BxS=kv_seg, q_offset=offset,
       implementation=implementation, block_size=block)
   naive = lambda q, k, v: _naive(q, k, v, q_seg, kv_seg, offset)
-  np.testing.assert_allclose(ours(q, k, v), naive(q, k, v), rtol=1e-5, atol=1e-5)
-  loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
-  for got, want in zip(jax.grad(loss(ours), (0, 1, 2))(q, k, v),
-                       jax.grad(loss(naive), (0, 1, 2))(q, k, v)):
+  np.testing.assert_allclose(jax.jit(ours)(q, k, v), naive(q, k, v), rtol=1e-5, atol=1e-5)
+  grad = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), (0, 1, 2)))
+  for got, want in zip(grad(ours)(q, k, v), grad(naive)(q, k, v)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -74,7 +79,7 @@ def test_blockwise_never_holds_the_whole_score_matrix():
   assert temp_bytes('xla') > full  # the counterfactual: the dense form does hold them
 
 
-@pytest.mark.parametrize('name', ['llama', 'gpt'])
+@pytest.mark.parametrize('name', ['llama', pytest.param('gpt', marks=pytest.mark.slow)])
 def test_a_packed_row_of_two_documents_equals_each_document_alone(name):
   """Segment ids keep attention inside each document and positions restart: document 2's
   logits in the packed row equal its logits as a row of its own."""

@@ -87,14 +87,16 @@ FILE_CASES = [
     ('token_size', ['--config.data.name=tokens', '--config.data.train_files={dir}/odd.bin'],
      ['odd.bin has 3 bytes, not a multiple of the 2-byte uint16 token size'],
      'check data.tokens.dtype'),
-    ('token_id', ['--config.data.name=tokens', '--config.data.train_files={dir}/big.bin',
-                  '--config.data.eval_files={dir}/good.bin'],
-     ['big.bin: token id 300 at token 700 is >= model.vocab_size=256'],
-     'raise model.vocab_size'),
+    pytest.param('token_id', ['--config.data.name=tokens',
+                              '--config.data.train_files={dir}/big.bin',
+                              '--config.data.eval_files={dir}/good.bin'],
+                 ['big.bin: token id 300 at token 700 is >= model.vocab_size=256'],
+                 'raise model.vocab_size', marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize('case,flags,needles,fix', FILE_CASES, ids=[c[0] for c in FILE_CASES])
+@pytest.mark.parametrize('case,flags,needles,fix', FILE_CASES,
+                         ids=[getattr(c, 'values', c)[0] for c in FILE_CASES])
 def test_bad_files_are_one_line_and_exit_2(token_files, tmp_path, case, flags, needles, fix):
   flags = [f.replace('{dir}', str(token_files)) for f in flags]
   lm = ['--config.model.name=gpt', '--config.model.hidden=16', '--config.model.num_heads=2',
@@ -106,6 +108,7 @@ def test_bad_files_are_one_line_and_exit_2(token_files, tmp_path, case, flags, n
     assert needle.replace('{dir}', str(token_files)) in line, (needle, line)
 
 
+@pytest.mark.slow
 def test_a_failure_while_reading_keeps_the_checkpoint(tmp_path):
   """A run saves at step 4; its relaunch dies in a worker's transform; step 4 is still there."""
   proc = _launch(tmp_path, 'good')

@@ -43,6 +43,7 @@ def _results(tmp_path, *args: str) -> list[dict]:
   return rows
 
 
+@pytest.mark.slow
 def test_one_device_k_steps_loop_keras_profile(tmp_path):
   args = ['--model=mlp_small', '--steps_per_dispatch=2', '--with_data',
           f'--profile={tmp_path / "prof"}']
@@ -56,13 +57,28 @@ def test_one_device_k_steps_loop_keras_profile(tmp_path):
   assert any(files for _, _, files in os.walk(tmp_path / 'prof'))
 
 
+@pytest.mark.slow
+def test_llama_on_packed_tokenized_documents(tmp_path):
+  """--model=llama --with_data: the step and the whole loop on packed rows of tokenized text,
+  against the hand-written token-weighted step and input loop; tokens/s and MFU reported."""
+  rows = _results(tmp_path, '--model=llama', '--with_data', '--global_batch_size=8',
+                  '--documents=12', '--steps=1')
+  assert [(r['disttrain'], r['baseline']) for r in rows] == [
+      ('step', 'jax_jit'), ('train_loop', 'hand_written_loop'),
+      ('train_loop', 'step_on_device_data')]
+  for row in rows:
+    assert row['tokens_per_sec'] == pytest.approx(row['examples_per_sec'] * 128, rel=1e-3)
+    assert 0 < row['mfu'] < 1
+
+
 @pytest.mark.parametrize('args', [
     ('--fake_devices=8', '--model=mlp', '--step_mode=shard_map'),
     ('--fake_devices=8', '--model=mlp', '--sharding=fsdp'),
     ('--fake_devices=2', '--model=mlp_small', '--step_mode=pmap'),
     ('--fake_devices=2', '--model=mlp', '--sharding=tensor'),
-    ('--fake_devices=2', '--model=gpt', '--sharding=fsdp', '--global_batch_size=4',
-     '--precision=bfloat16', '--grad_accum_steps=2', '--remat=full'),
+    pytest.param(('--fake_devices=2', '--model=gpt', '--sharding=fsdp', '--global_batch_size=4',
+                  '--precision=bfloat16', '--grad_accum_steps=2', '--remat=full'),
+                 marks=pytest.mark.slow),
 ])
 def test_several_devices(tmp_path, args):
   (row,) = _results(tmp_path, *args)

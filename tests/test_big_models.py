@@ -295,6 +295,7 @@ def test_preflight_refuses_a_step_that_does_not_fit_and_remat_or_accumulation_fi
 BF16 = {'precision.compute_dtype': 'bfloat16'}
 
 
+@pytest.mark.slow
 def test_bf16_activations_float32_state_and_first_loss():
   for make, n in ((lambda **o: _mlp(mesh__data=8, **o), 8),
                   (lambda **o: _tiny_gpt(mesh__data=1, **o), 1)):

@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import generate as generate_lib, trained
+import disttrain.generate as generate_lib
+from disttrain import trained
 from tests import helpers
 from tests.conftest import ROOT
 from tests.helpers import devices
+
+pytestmark = pytest.mark.slow  # each test needs the module's 20-step run on 8 devices
 
 PROMPTS = ['def ', 'import os\nimport sys\n', 'class Foo(object):\n    """A']
 
@@ -63,7 +66,6 @@ def test_greedy_decoding_with_the_cache_equals_the_full_forward_argmax(run_dir):
   assert again.traces == out.traces  # same shapes: the compiled loop is reused, not re-traced
 
 
-@pytest.mark.slow
 def test_sampling_settings(run_dir):
   lm = trained.load(workdir=str(run_dir), devices=devices(1), mesh={'fsdp': 1})
   prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
@@ -94,7 +96,6 @@ def _cli(*args: str):
                         text=True, timeout=180, check=False)
 
 
-@pytest.mark.slow
 def test_generate_command_from_the_run_and_from_its_hugging_face_export(run_dir, tmp_path):
   args = ['--prompt=def ', '--prompt=import ', '--max_new_tokens=12', '--fake_devices=8']
   proc = _cli('disttrain.generate', f'--workdir={run_dir}', *args)

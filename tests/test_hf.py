@@ -21,7 +21,7 @@ import torch
 import transformers
 
 import disttrain
-from disttrain import hf, models, tensorfiles, trained
+from disttrain import hf, hf_config, models, tensorfiles, trained
 from disttrain.config import ModelConfig
 from disttrain.errors import CheckpointError, ConfigError
 from disttrain.models import layers
@@ -133,8 +133,8 @@ def _env() -> dict:
   return env
 
 
-@pytest.mark.parametrize('name,tied', [('llama', False),
-                                       pytest.param('gpt', True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('name,tied', [('llama', False), ('gpt', True)])
 def test_exported_run_loads_in_transformers_with_equal_logits(tmp_path, name, tied):
   run, out = _train_and_export(tmp_path, name, tied)
   lm = trained.load(workdir=str(run), devices=jax.devices()[:1], mesh={'data': 1})
@@ -143,7 +143,7 @@ def test_exported_run_loads_in_transformers_with_equal_logits(tmp_path, name, ti
   np.testing.assert_allclose(_reference_logits(str(out), tokens), ours[..., :300], rtol=1e-5,
                              atol=1e-5)
   config = json.loads((out / 'config.json').read_text())
-  assert config['architectures'] == [hf.FAMILIES[name]] and config['vocab_size'] == 300
+  assert config['architectures'] == [hf_config.FAMILIES[name]] and config['vocab_size'] == 300
 
 
 @pytest.mark.slow
@@ -233,8 +233,8 @@ LAUNCHER_CASES = [
 
 
 @pytest.mark.parametrize('case,flags,message', [
-    c if c[0] == 'architecture' else pytest.param(*c, marks=pytest.mark.slow)
-    for c in LAUNCHER_CASES], ids=[c[0] for c in LAUNCHER_CASES])
+    pytest.param(*c, marks=pytest.mark.slow) for c in LAUNCHER_CASES],
+    ids=[c[0] for c in LAUNCHER_CASES])
 def test_bad_hugging_face_directory_through_the_launcher(tmp_path, case, flags, message):
   """restore_from a damaged directory: one `error:` line, exit 2, before any step."""
   _damaged(_llama(tmp_path, 2, True), tmp_path / case, case)
@@ -264,7 +264,7 @@ def test_named_sizes_have_the_published_parameter_count(size):
   shapes = jax.eval_shape(lambda: model.init(jax.random.key(0),
                                              {'tokens': jnp.zeros((1, 8), jnp.int32)}))
   ours = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes['params']))
-  config = hf.hf_config('llama', cfg.model, model.cfg, 'float32', {})
+  config = hf_config.for_export('llama', cfg.model, model.cfg, 'float32', {})
   with torch.device('meta'):
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
   assert ours == sum(p.numel() for p in reference.parameters())

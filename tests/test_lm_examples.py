@@ -1,7 +1,8 @@
 """The README's two language-model examples, command by command, in a fresh folder (fewer steps
 than the README's runs): pretraining a tiny Llama from JSON-lines documents with a tokenizer
 trained here, then exporting it to Hugging Face's format, importing it back to fine-tune on
-prompt/completion pairs, and sampling."""
+prompt/completion pairs, and sampling (each run prints samples at its end; the generate command
+itself is tested in tests/test_generate.py)."""
 
 import json
 import os
@@ -25,8 +26,8 @@ def _run(cwd, *args: str) -> str:
 @pytest.mark.slow
 def test_pretrain_export_import_finetune_and_sample(tmp_path):
   train, configs = str(ROOT / 'launch' / 'train.py'), ROOT / 'launch' / 'configs'
-  short = ['--fake_devices=8', '--config.num_train_steps=20', '--config.eval_every_steps=20',
-           '--config.checkpoint_every_steps=20', '--config.log_every_steps=10']
+  short = ['--fake_devices=8', '--config.num_train_steps=8', '--config.eval_every_steps=8',
+           '--config.checkpoint_every_steps=8', '--config.log_every_steps=4']
   _run(tmp_path, '-m', 'disttrain.convert', '--source=text', '--format=jsonl',
        '--eval_documents=8', '--out=data/docs')
   _run(tmp_path, '-m', 'disttrain.tokenizer', '--input=data/docs/train.jsonl', '--vocab_size=2048',
@@ -48,6 +49,3 @@ def test_pretrain_export_import_finetune_and_sample(tmp_path):
   records = [json.loads(l) for l in open(tmp_path / 'runs/llama_sft/metrics.jsonl')]
   train_losses = [r['loss'] for r in records if r['split'] == 'train']
   assert train_losses[-1] < train_losses[0]
-  out = _run(tmp_path, '-m', 'disttrain.generate', '--workdir=runs/llama_sft', '--fake_devices=8',
-             '--prompt=def read_config(path):\n    """', '--max_new_tokens=16')
-  assert out.startswith('def read_config(path):') and 'tokens/s' in out.splitlines()[-1]

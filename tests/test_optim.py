@@ -161,6 +161,7 @@ def test_ema_checkpoints_resume_bitwise_and_evals_use_it(tmp_path):
   assert info['weight_decay_paths'] == []  # adam: no decay
 
 
+@pytest.mark.slow
 def test_records_keep_the_gradient_norm_before_clipping(tmp_path):
   """sgd with lr 1 and clip 1e-3: every step moves the parameters by exactly 1e-3 (global
   norm), while the records report the raw gradient norm, far above it."""

@@ -204,6 +204,7 @@ def _hand_loss(model, params, rows: dict) -> tuple[float, int]:
   return float((ce * counted).sum() / counted.sum()), int(counted.sum())
 
 
+@pytest.mark.slow
 def test_sft_masks_prompts_and_the_loss_is_the_token_weighted_mean(sft_files):
   """8 devices (data x fsdp x tensor), 2 micro-batches, a padded eval batch: the train and eval
   losses are sum over completion tokens / their count, as computed here by hand."""
@@ -232,8 +233,8 @@ def test_sft_masks_prompts_and_the_loss_is_the_token_weighted_mean(sft_files):
 
 
 BAD = [
-    ('not_json', ['--config.data.train_files={dir}/broken.jsonl'],
-     'broken.jsonl line 2 is not JSON'),
+    pytest.param('not_json', ['--config.data.train_files={dir}/broken.jsonl'],
+                 'broken.jsonl line 2 is not JSON', marks=pytest.mark.slow),
     pytest.param('no_field', ['--config.data.text_field=body'], "line 1 has no field 'body'",
                  marks=pytest.mark.slow),
     pytest.param('no_tokenizer', ['--config.data.tokenizer={dir}/nope.json'],

@@ -3,7 +3,8 @@
 Front ends (the protocol is described in linen.py): LinenModel (Flax Linen), NNXModel (Flax
 NNX; flax.nnx is imported on first use), FunctionalModel (plain init/apply functions over a
 params pytree) and KerasModel (Keras 3, an optional extra: `from disttrain.models.keras import
-KerasModel`, imported on demand so that disttrain runs without keras installed).
+KerasModel`, imported on demand so that disttrain runs without keras installed). Language
+models (gpt, llama) are decoder.LanguageModel over one decoder; their task is NextToken.
 """
 
 import dataclasses

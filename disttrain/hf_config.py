@@ -1,0 +1,168 @@
+"""config.json of Hugging Face models: read, checked against the run's model fields, written.
+
+`LlamaForCausalLM` is disttrain's llama family and `GPT2LMHeadModel` its gpt family. A field that
+differs from the run's config is one line naming both values and the flag that fixes it.
+"""
+
+import json
+import os
+
+import numpy as np
+
+from disttrain.config import ModelConfig
+from disttrain.errors import CheckpointError
+from disttrain.models.decoder import DecoderConfig
+
+ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'GPT2LMHeadModel': 'gpt'}
+FAMILIES = {family: arch for arch, family in ARCHITECTURES.items()}
+
+
+def read(directory: str) -> tuple[dict, str]:
+  """(config.json, family) of a Hugging Face model directory, checked to be one we map."""
+  path = os.path.join(directory, 'config.json')
+  try:
+    with open(path, encoding='utf-8') as f:
+      config = json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f'{path} cannot be read ({e}); pass a Hugging Face model directory '
+                          '(config.json + *.safetensors)') from e
+  archs = config.get('architectures') or []
+  family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+  if family is None:
+    raise CheckpointError(f'{path}: architectures {archs} are none of {sorted(ARCHITECTURES)}, '
+                          'the Hugging Face models disttrain maps; use one of them')
+  return config, family
+
+
+def _hf_values(config: dict, family: str) -> dict:
+  """Our resolved decoder fields -> (config.json key, its value, or Hugging Face's default)."""
+  if family == 'llama':
+    heads = config['num_attention_heads']
+    return {'width': ('hidden_size', config['hidden_size']),
+            'num_layers': ('num_hidden_layers', config['num_hidden_layers']),
+            'num_heads': ('num_attention_heads', heads),
+            'num_kv_heads': ('num_key_value_heads', config.get('num_key_value_heads') or heads),
+            'mlp_dim': ('intermediate_size', config['intermediate_size']),
+            'vocab_size': ('vocab_size', config['vocab_size']),
+            'norm_eps': ('rms_norm_eps', config.get('rms_norm_eps', 1e-6)),
+            'tied_embeddings': ('tie_word_embeddings', config.get('tie_word_embeddings', False))}
+  return {'width': ('n_embd', config['n_embd']), 'num_layers': ('n_layer', config['n_layer']),
+          'num_heads': ('n_head', config['n_head']),
+          'mlp_dim': ('n_inner', config.get('n_inner') or 4 * config['n_embd']),
+          'vocab_size': ('vocab_size', config['vocab_size']),
+          'norm_eps': ('layer_norm_epsilon', config.get('layer_norm_epsilon', 1e-5)),
+          'tied_embeddings': ('tie_word_embeddings', config.get('tie_word_embeddings', True)),
+          'learned_positions': ('n_positions', config['n_positions'])}
+
+
+# Our decoder field -> the config field users set.
+_FIELD = {'width': 'model.hidden', 'num_layers': 'model.num_layers',
+          'num_heads': 'model.num_heads', 'num_kv_heads': 'model.num_kv_heads',
+          'mlp_dim': 'model.mlp_dim', 'vocab_size': 'model.vocab_size',
+          'norm_eps': 'model.norm_eps', 'tied_embeddings': 'model.tied_embeddings',
+          'learned_positions': 'model.max_seq_len'}
+
+
+def _mismatch(where: str, hf_field: str, hf_value, ours: str, value) -> CheckpointError:
+  return CheckpointError(f'{where}: config.json {hf_field}={hf_value!r} but {ours}={value!r}; set '
+                         f'--config.{ours}={hf_value!r} (or use a config of that model)')
+
+
+def check(directory: str, family: str, cfg: ModelConfig, decoder: DecoderConfig) -> dict:
+  """config.json against the run's model; returns it. A difference is one line naming both."""
+  config, hf_family = read(directory)
+  if hf_family != family:
+    raise CheckpointError(f'restore_from={directory!r} is a {FAMILIES[hf_family]} but '
+                          f'model.name={cfg.name!r}; set --config.model.name={hf_family}')
+  for field, (hf_field, hf_value) in _hf_values(config, family).items():
+    value = getattr(decoder, field)
+    if not (np.isclose(value, hf_value, rtol=1e-6, atol=0) if isinstance(value, float)
+            else value == hf_value):
+      raise _mismatch(directory, hf_field, hf_value, _FIELD[field], value)
+  if family == 'llama':
+    _check_llama(directory, config, cfg, decoder)
+  elif config.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
+    raise CheckpointError(f'{directory}: activation_function={config["activation_function"]!r}; '
+                          "the gpt family computes GELU's tanh form (gelu_new)")
+  elif decoder.norm != 'layernorm':
+    raise _mismatch(directory, 'model_type', 'gpt2 (LayerNorm)', 'model.norm', decoder.norm)
+  return config
+
+
+def _check_llama(directory: str, config: dict, cfg: ModelConfig, decoder: DecoderConfig) -> None:
+  fixed = {'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': False}
+  for key, value in fixed.items():
+    if config.get(key, value) != value:
+      raise CheckpointError(f'{directory}: config.json {key}={config[key]!r}; the llama family '
+                            f'has {key}={value!r}')
+  head_dim = config.get('head_dim') or decoder.head_dim
+  if head_dim != decoder.head_dim:
+    raise CheckpointError(f'{directory}: config.json head_dim={head_dim} differs from '
+                          f'hidden_size / num_attention_heads = {decoder.head_dim}, which the '
+                          'llama family assumes')
+  if not np.isclose(config.get('rope_theta', 10000.0), cfg.rope_theta, rtol=1e-6):
+    raise _mismatch(directory, 'rope_theta', config.get('rope_theta', 10000.0),
+                    'model.rope_theta', cfg.rope_theta)
+  scaling = config.get('rope_scaling') or {}
+  kind = scaling.get('rope_type', scaling.get('type', '')) if scaling else ''
+  if kind not in ('', 'default', 'llama3'):
+    raise CheckpointError(f'{directory}: rope_scaling type {kind!r} is not supported (llama3 or '
+                          'none)')
+  if (kind == 'llama3') != (cfg.rope_scaling.kind == 'llama3'):
+    raise _mismatch(directory, 'rope_scaling.rope_type', kind or None, 'model.rope_scaling.kind',
+                    cfg.rope_scaling.kind)
+  if kind == 'llama3':
+    for hf_key, ours in (('factor', 'factor'), ('low_freq_factor', 'low_freq_factor'),
+                         ('high_freq_factor', 'high_freq_factor'),
+                         ('original_max_position_embeddings', 'original_max_len')):
+      if not np.isclose(scaling[hf_key], getattr(cfg.rope_scaling, ours), rtol=1e-6):
+        raise _mismatch(directory, f'rope_scaling.{hf_key}', scaling[hf_key],
+                        f'model.rope_scaling.{ours}', getattr(cfg.rope_scaling, ours))
+
+
+def model_fields(config: dict, family: str) -> dict:
+  """The model.* config fields that build the model a config.json describes."""
+  values = {field: value for field, (_, value) in _hf_values(config, family).items()}
+  fields = {'name': family, 'hidden': values['width'], 'num_layers': values['num_layers'],
+            'num_heads': values['num_heads'], 'mlp_dim': values['mlp_dim'],
+            'vocab_size': values['vocab_size'], 'norm_eps': float(values['norm_eps']),
+            'tied_embeddings': bool(values['tied_embeddings']), 'dropout': 0.0}
+  if family == 'gpt':
+    return {**fields, 'max_seq_len': values['learned_positions'], 'norm': 'layernorm'}
+  fields.update(num_kv_heads=values['num_kv_heads'], norm='rmsnorm',
+                rope_theta=float(config.get('rope_theta', 10000.0)),
+                max_seq_len=int(config.get('max_position_embeddings', 0)))
+  scaling = config.get('rope_scaling') or {}
+  if scaling.get('rope_type', scaling.get('type')) == 'llama3':
+    fields['rope_scaling'] = {'kind': 'llama3', 'factor': float(scaling['factor']),
+                              'low_freq_factor': float(scaling['low_freq_factor']),
+                              'high_freq_factor': float(scaling['high_freq_factor']),
+                              'original_max_len': int(scaling['original_max_position_embeddings'])}
+  return fields
+
+
+def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str,
+              special: dict) -> dict:
+  """config.json of the exported model; `special`: bos/eos token ids where known."""
+  common = {'architectures': [FAMILIES[family]], 'vocab_size': decoder.vocab_size,
+            'tie_word_embeddings': decoder.tied_embeddings, 'torch_dtype': dtype, **special}
+  if family == 'gpt':
+    return {**common, 'model_type': 'gpt2', 'n_embd': decoder.width,
+            'n_layer': decoder.num_layers, 'n_head': decoder.num_heads,
+            'n_inner': decoder.mlp_dim, 'n_positions': decoder.learned_positions,
+            'n_ctx': decoder.learned_positions, 'layer_norm_epsilon': decoder.norm_eps,
+            'activation_function': 'gelu_new', 'resid_pdrop': 0.0, 'embd_pdrop': 0.0,
+            'attn_pdrop': 0.0}
+  scaling = None
+  if cfg.rope_scaling.kind == 'llama3':
+    s = cfg.rope_scaling
+    scaling = {'rope_type': 'llama3', 'factor': s.factor, 'low_freq_factor': s.low_freq_factor,
+               'high_freq_factor': s.high_freq_factor,
+               'original_max_position_embeddings': s.original_max_len}
+  return {**common, 'model_type': 'llama', 'hidden_size': decoder.width,
+          'num_hidden_layers': decoder.num_layers, 'num_attention_heads': decoder.num_heads,
+          'num_key_value_heads': decoder.num_kv_heads, 'head_dim': decoder.head_dim,
+          'intermediate_size': decoder.mlp_dim, 'rms_norm_eps': decoder.norm_eps,
+          'rope_theta': cfg.rope_theta, 'rope_scaling': scaling, 'hidden_act': 'silu',
+          'attention_bias': False, 'mlp_bias': False,
+          'max_position_embeddings': cfg.max_seq_len or 2048}
