@@ -195,8 +195,9 @@ class Evaluator:
     if not due or not self.sources or self.at == step_no:
       return None
     state = self.steps.export(device_state)
-    if self.cfg.ema_decay and self.cfg.ema_eval:  # the moving average, sharded as the params
-      state = state.replace(params=optim.ema_params(state.opt_state))
+    ema = optim.ema_params(state.opt_state) if self.cfg.ema_eval else None
+    if ema is not None:  # the moving average (ema_decay), sharded as the parameters
+      state = state.replace(params=ema)
     with self.phases('eval'):
       results = {split: evaluate(self.steps, state, records, self.cfg.eval_batch,
                                  self.batch_sharding, self.phases.beat)

@@ -1,5 +1,7 @@
 """Typed, one-line errors that users can catch; the launcher prints them without a traceback."""
 
+import sys
+
 
 def first_line(error: BaseException, limit: int = 300) -> str:
   """The first non-empty line of an exception's message, for one-line errors that quote it."""
@@ -48,3 +50,14 @@ class Interrupted(Preempted):
     Exception.__init__(self, f'interrupted: saved a checkpoint at step {step} in {path}; '
                              'relaunch with the same --workdir to resume')
     self.step = step
+
+
+def one_line_errors(main):
+  """An absl main whose DisttrainError becomes one `error:` line on stderr and exit status 2."""
+  def run(argv):
+    try:
+      return main(argv)
+    except DisttrainError as e:
+      print(f'error: {type(e).__name__}: {e}', file=sys.stderr, flush=True)
+      sys.exit(2)
+  return run

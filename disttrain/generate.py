@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from disttrain.errors import ConfigError, DisttrainError
+from disttrain.errors import ConfigError, one_line_errors
 from disttrain.models.layers import Decode
 
 _BUCKET = 8  # prompt lengths are padded up to a multiple of this (fewer compilations)
@@ -240,11 +240,4 @@ if __name__ == '__main__':
                       'fsdp=8,data=1.')
   flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
   flags.mark_flag_as_required('prompt')
-
-  def _run(argv):
-    try:
-      main(argv)
-    except DisttrainError as e:
-      print(f'error: {type(e).__name__}: {e}', file=sys.stderr, flush=True)
-      sys.exit(2)
-  app.run(_run)
+  app.run(one_line_errors(main))

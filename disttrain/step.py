@@ -2,8 +2,8 @@
 the optimizer update, eval sums, and the StepContext that custom steps recombine.
 
 Losses are sum(loss x mask) / global weight (valid examples, or a task's own weights such as
-counted tokens), so every style and every micro-batch split gives the
-global-batch mean. Dropout keys: fold_in(rng, step) for the whole global batch (jit style; threefry
+counted tokens), so every style and every micro-batch split gives the global-batch mean.
+Dropout keys: fold_in(rng, step) for the whole global batch (jit style; threefry
 is partitionable, so the mask does not depend on the layout), folded with the micro-batch index
 under gradient accumulation, and with the device index in shard_map/pmap (disttrain/spmd.py,
 disttrain/pmap.py build the compiled steps from these pieces).

@@ -15,10 +15,9 @@ Objects pickle as their path, so worker processes load their own copy.
 
 import json
 import os
-import sys
 import time
 
-from disttrain.errors import DataError
+from disttrain.errors import DataError, one_line_errors
 
 _EOS_NAMES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>', '<|im_end|>', '<|eot_id|>')
 BYTE_EOS = 256
@@ -178,11 +177,4 @@ if __name__ == '__main__':
   flags.DEFINE_integer('vocab_size', 4096, 'Tokens in the vocabulary (special token included).')
   flags.DEFINE_string('out', None, 'Where to write tokenizer.json.')
   flags.mark_flags_as_required(['input', 'out'])
-
-  def _run(argv):
-    try:
-      main(argv)
-    except DataError as e:
-      print(f'error: DataError: {e}', file=sys.stderr, flush=True)
-      sys.exit(2)
-  app.run(_run)
+  app.run(one_line_errors(main))
