@@ -17,6 +17,7 @@ _EXPORTS = {
     'CheckpointError': 'errors', 'ConfigError': 'errors', 'DataError': 'errors',
     'DisttrainError': 'errors', 'Interrupted': 'errors', 'NonFiniteError': 'errors',
     'Preempted': 'errors', 'ShardingError': 'errors',
+    'Exit': 'exitcodes',
     'Result': 'loop', 'Setup': 'loop', 'evaluate': 'loop', 'setup': 'loop', 'train': 'loop',
     'Data': 'records',
     'TrainState': 'state',

@@ -291,6 +291,10 @@ class Config:
   # Seconds without a finished step before every process dumps its stacks and the job stops;
   # -1 = 600 for multi-process runs and off for one process, 0 = off.
   watchdog_seconds: int = -1
+  # Process 0 holds DIR/lease.json, refreshed every lease_seconds / 4: a second launch into the
+  # workdir of a live run refuses; a dead run's lease is taken over (at once on its own host,
+  # else lease_seconds after its last refresh). 0 = no lease.
+  lease_seconds: float = 60.0
 
   def __post_init__(self):
     _positive('seed', self.seed, allow_zero=True)
@@ -336,6 +340,7 @@ class Config:
     if self.watchdog_seconds < -1:
       raise ConfigError(f'watchdog_seconds={self.watchdog_seconds} must be -1 (auto), 0 (off) or '
                         'a number of seconds; pass one of them')
+    _positive('lease_seconds', self.lease_seconds, allow_zero=True)
     if bool(self.profile.start_step) != bool(self.profile.num_steps):
       raise ConfigError(f'profile.start_step={self.profile.start_step} profile.num_steps='
                         f'{self.profile.num_steps}: set both (> 0) to trace, or both 0 for no '

@@ -2,6 +2,8 @@
 
 import sys
 
+from disttrain.exitcodes import Exit
+
 
 def first_line(error: BaseException, limit: int = 300) -> str:
   """The first non-empty line of an exception's message, for one-line errors that quote it."""
@@ -34,7 +36,7 @@ class NonFiniteError(DisttrainError):
 
 class Preempted(Exception):
   """SIGTERM: a checkpoint was saved at `step` and has committed; relaunch to resume."""
-  exit_code = 75  # EX_TEMPFAIL: try again (the launcher exits with it)
+  exit_code = Exit.PREEMPTED  # 75, EX_TEMPFAIL: try again (the launcher exits with it)
 
   def __init__(self, step: int, path: str):
     super().__init__(f'preempted: saved a checkpoint at step {step} in {path}; relaunch with the '
@@ -44,7 +46,7 @@ class Preempted(Exception):
 
 class Interrupted(Preempted):
   """Ctrl-C (SIGINT): a checkpoint was saved at `step` and has committed; relaunch to resume."""
-  exit_code = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+  exit_code = Exit.INTERRUPTED  # 130 = 128 + SIGINT, as a shell reports a Ctrl-C
 
   def __init__(self, step: int, path: str):
     Exception.__init__(self, f'interrupted: saved a checkpoint at step {step} in {path}; '
@@ -59,5 +61,5 @@ def one_line_errors(main):
       return main(argv)
     except DisttrainError as e:
       print(f'error: {type(e).__name__}: {e}', file=sys.stderr, flush=True)
-      sys.exit(2)
+      sys.exit(Exit.BAD_INPUT)
   return run

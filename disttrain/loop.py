@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 
 import disttrain
 from disttrain import actions, callbacks as callbacks_lib, checkpoint, data, distributed, hf
-from disttrain import metrics
+from disttrain import events, lease as lease_lib, metrics
 from disttrain import mesh as mesh_lib
 from disttrain import run as run_lib
 from disttrain import state as state_lib
@@ -54,11 +54,33 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
   of every process. Raises NonFiniteError on a NaN/Inf loss or gradient norm, Preempted after
   saving on SIGTERM and Interrupted after saving on Ctrl-C.
   """
+  log = events.EventLog(workdir, enabled=jax.process_index() == 0)
+  # Before anything touches the workdir: another live run there keeps it (disttrain/lease.py).
+  lease = lease_lib.Lease(workdir, cfg.lease_seconds if jax.process_index() == 0 else 0,
+                          log.attempt)
+  lease.acquire()
+  try:
+    result = _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step,
+                    train_data, eval_data, callbacks)
+  except BaseException as e:
+    if log.started:  # not for bad input found before the workdir was opened
+      log.emit('end', error=type(e).__name__, **({'step': e.step} if hasattr(e, 'step') else {}))
+    raise
+  finally:
+    lease.release()
+  log.emit('end', step=result.step, stopped_by=result.stopped_by,
+           wall_seconds=round(result.time.get('wall_seconds', 0.0), 3))
+  return result
+
+
+def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, train_data,
+           eval_data, callbacks) -> Result:
   phases = timing.Phases()
   with phases('setup'):
     run = setup(cfg, model, task, devices, tx, train_step, eval_step, train_data, eval_data)
     throughput = run_lib.throughput(run)
   writer = metrics.Writer(workdir, enabled=jax.process_index() == 0)
+  log.start(jax.process_count())
   info = run_lib.run_info(run)
   writer.write_run(info)
   evals = ', '.join(f'{len(r)} {name}' for name, r in run.eval_data.items()) or 'no eval'
@@ -82,6 +104,9 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
       state = _restore_or_init(ckpt, run, batches, hooks, writer)
     run.state = None  # donated to the first step: never touch it again
     first_step = int(jax.device_get(state.step))
+    writer.start(first_step)  # records of steps after it, from a killed attempt, step aside
+    if first_step:
+      log.emit('restore', step=first_step)
     device_state = run.steps.place(state)
     del state
     with phases('compile'):

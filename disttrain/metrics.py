@@ -14,7 +14,13 @@ from disttrain.errors import ConfigError
 
 
 class Writer:
-  """Appends records to metrics.jsonl and TensorBoard, prints progress; process 0 only."""
+  """Appends records to metrics.jsonl and TensorBoard, prints progress; process 0 only.
+
+  A run that starts at step S (resumed, or started again) first moves the records of steps after
+  S, written by an attempt that died before its next checkpoint, from metrics.jsonl to
+  metrics.superseded.jsonl, and TensorBoard purges its events from step S + 1 on: every reader
+  then sees each step once, as if the run had never been interrupted.
+  """
 
   def __init__(self, workdir: str, enabled: bool):
     self.enabled = enabled
@@ -23,11 +29,20 @@ class Writer:
     if enabled:
       try:
         os.makedirs(workdir, exist_ok=True)
-        self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+        with open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8'):
+          pass
       except OSError as e:
         raise ConfigError(f'workdir={workdir!r} cannot be used ({e.strerror}); pass a writable '
                           'directory path') from e
-      self._tb = SummaryWriter(logdir=workdir)
+
+  def start(self, first_step: int) -> None:
+    """Opens the outputs for a run whose first new step is first_step + 1."""
+    if not self.enabled:
+      return
+    path = os.path.join(self.workdir, 'metrics.jsonl')
+    supersede(path, first_step)
+    self._jsonl = open(path, 'a', encoding='utf-8')
+    self._tb = SummaryWriter(logdir=self.workdir, purge_step=first_step + 1)
 
   def write_run(self, info: dict) -> None:
     """DIR/run.json: resolved config and layout, so anyone can see how the run was laid out."""
@@ -51,9 +66,30 @@ class Writer:
       print(line, flush=True)
 
   def close(self) -> None:
-    if self.enabled:
+    if self._jsonl is not None:
       self._jsonl.close()
       self._tb.close()
+
+
+def supersede(path: str, first_step: int) -> int:
+  """Moves the lines of steps after first_step (and any line cut short by a kill) from `path`
+  to its .superseded.jsonl sibling, appended there before `path` is replaced; returns how many."""
+  if not os.path.isfile(path):
+    return 0
+  keep, moved = [], []
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      try:
+        (keep if json.loads(line)['step'] <= first_step else moved).append(line)
+      except (json.JSONDecodeError, KeyError, TypeError):
+        moved.append(line if line.endswith('\n') else line + '\n')
+  if moved:
+    with open(path[:-len('.jsonl')] + '.superseded.jsonl', 'a', encoding='utf-8') as f:
+      f.writelines(moved)
+    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+      f.writelines(keep)
+    os.replace(path + '.tmp', path)
+  return len(moved)
 
 
 # Dense bf16 peak FLOP/s per device (vendor figures), matched against jax's device_kind.

@@ -19,9 +19,10 @@ import time
 
 import jax
 
+from disttrain.exitcodes import Exit
 from disttrain.timing import Phases
 
-HANG_EXIT_CODE = 3
+HANG_EXIT_CODE = Exit.HANG
 _GRACE = 15.0  # seconds a process waits for the others' reports before it exits
 _WAITING = {'step': 'the step (a collective: waiting for another process)', 'data': 'data',
             'eval': 'eval', 'checkpoint': 'a checkpoint', 'records': 'metrics of a step',

@@ -22,6 +22,7 @@ import time
 from absl import app, flags
 
 from disttrain.distributed import free_port_pair
+from disttrain.exitcodes import Exit, describe, shell_status
 
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', 2, 'Processes to start.')
 _DEVICES = flags.DEFINE_integer('devices_per_process', 4, 'Fake CPU devices per process.')
@@ -32,8 +33,7 @@ TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
 _PROGRAM = flags.DEFINE_string(
     'program', TRAIN, 'Script every process runs; it must accept --fake_devices, '
     '--coordinator_address, --num_processes and --process_id (as launch/train.py does).')
-PREEMPTED = 75  # launch/train.py's exit code after a preemption checkpoint
-INTERRUPTED = 130  # ... after a Ctrl-C checkpoint
+PREEMPTED, INTERRUPTED = Exit.PREEMPTED, Exit.INTERRUPTED  # every process saved a checkpoint
 _SAVED = (PREEMPTED, INTERRUPTED)
 
 
@@ -53,10 +53,6 @@ def _pump(index: int, stream) -> None:
   for line in stream:
     sys.stdout.write(f'[{index}] {line}')
     sys.stdout.flush()
-
-
-def _describe(code: int) -> str:
-  return f'killed by {signal.Signals(-code).name}' if code < 0 else f'exited with code {code}'
 
 
 def _stop(procs: list[subprocess.Popen], grace: float) -> None:
@@ -127,9 +123,9 @@ def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
         index, code = failed[0]
         _stop(procs, grace)
         _finish(pumps)
-        print(f'local_cluster: process {index} {_describe(code)}; stopped the other '
+        print(f'local_cluster: process {index} {describe(code)}; stopped the other '
               f'{num_processes - 1} process(es)', file=sys.stderr, flush=True)
-        return code if code > 0 else 128 - code
+        return shell_status(code)
       if all(c is not None for c in codes):
         _finish(pumps)
         if all(c == 0 for c in codes):
@@ -142,14 +138,14 @@ def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
           return code
         index, code = min(((i, c) for i, c in enumerate(codes) if c != 0),
                           key=lambda failure: done[failure[0]])
-        print(f'local_cluster: process {index} {_describe(code)}', file=sys.stderr, flush=True)
-        return code if code > 0 else 128 - code
+        print(f'local_cluster: process {index} {describe(code)}', file=sys.stderr, flush=True)
+        return shell_status(code)
       if time.monotonic() > deadline:
         _stop(procs, grace)
         _finish(pumps)
         print(f'local_cluster: timed out after {timeout:.0f}s; stopped all {num_processes} '
               'processes (raise --timeout if the job needs longer)', file=sys.stderr, flush=True)
-        return 124
+        return Exit.TIMEOUT
       time.sleep(0.1)
   finally:
     for signum, handler in previous.items():
@@ -165,7 +161,7 @@ def _finish(pumps) -> None:
 def main(argv):
   if _NUM_PROCESSES.value < 1 or _DEVICES.value < 1:
     print('error: --num_processes and --devices_per_process must be >= 1', file=sys.stderr)
-    sys.exit(2)
+    sys.exit(Exit.BAD_INPUT)
   sys.exit(run(_NUM_PROCESSES.value, _DEVICES.value, argv[1:], _TIMEOUT.value, _GRACE.value,
                _PROGRAM.value))
 

@@ -221,8 +221,9 @@ def _config_load_error(argv: list[str], error: OSError) -> str:
 
 
 def _fail(message: str) -> NoReturn:
+  from disttrain.exitcodes import Exit  # pylint: disable=g-import-not-at-top
   print(f'error: {message}', file=sys.stderr, flush=True)
-  sys.exit(2)
+  sys.exit(Exit.BAD_INPUT)
 
 
 if __name__ == '__main__':

@@ -62,3 +62,38 @@ def assert_trees_close(actual, expected, rtol, atol, what):
   for (path, a), (_, e) in zip(flat_actual, flat_expected):
     np.testing.assert_allclose(a, e, rtol=rtol, atol=atol,
                                err_msg=f'{what} {jax.tree_util.keystr(path)}')
+
+
+def tensorboard_scalars(workdir, tag: str) -> dict[int, float]:
+  """step -> value of a scalar, as TensorBoard's own event reader shows it (purges applied);
+  fails if a step has two values."""
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
+  reader = event_accumulator.EventAccumulator(str(workdir), size_guidance={'scalars': 0})
+  reader.Reload()
+  scalars = reader.Scalars(tag)
+  steps = [s.step for s in scalars]
+  assert len(steps) == len(set(steps)), f'{tag}: steps shown twice: {sorted(steps)}'
+  return {s.step: s.value for s in scalars}
+
+
+def metrics_records(workdir, split: str = 'train') -> list[dict]:
+  """metrics.jsonl's records of `split` in file order (a reader that takes the file as it is)."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    return [r for r in map(json.loads, f) if r['split'] == split]
+
+
+def saved_params(workdir, step: int) -> list[np.ndarray]:
+  """The parameter leaves of WORKDIR's checkpoint `step` as numpy arrays, whatever the mesh or
+  the process count that saved it."""
+  import os  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  path = os.path.join(workdir, 'checkpoints', str(step), 'state')
+  checkpointer = ocp.PyTreeCheckpointer()
+  tree = checkpointer.metadata(path).item_metadata.tree
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+  leaves = jax.tree.leaves(restored['params'])
+  assert leaves, f'{path} has no parameters'
+  return leaves

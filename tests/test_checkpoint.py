@@ -13,14 +13,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 import disttrain
 from disttrain import checkpoint
 from disttrain.errors import CheckpointError
 from tests.conftest import ROOT
-from tests.helpers import devices, make_config, to_numpy
+from tests import helpers
+from tests.helpers import devices, make_config, metrics_records, tensorboard_scalars, to_numpy
 
 LAUNCH = [sys.executable, str(ROOT / 'launch' / 'train.py'),
           f'--config={ROOT / "launch" / "configs" / "mnist_mlp.py"}', '--fake_devices=8',
@@ -64,14 +64,6 @@ def _last_logged_step(workdir) -> int:
       except json.JSONDecodeError:  # the line being written right now
         break
   return max(steps, default=0)
-
-
-def _saved_params(workdir, step):
-  manager = ocp.CheckpointManager(os.path.join(workdir, 'checkpoints'),
-                                  item_handlers=checkpoint._handlers())  # pylint: disable=protected-access
-  restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-  manager.close()
-  return to_numpy(restored['state']['params'])
 
 
 @pytest.fixture(scope='module')
@@ -118,9 +110,25 @@ def test_killed_run_resumes_bit_exactly(sig, uninterrupted, tmp_path):
   expected, actual = _train_losses(uninterrupted), _train_losses(tmp_path)
   after = [s for s in range(resume_step + 1, STEPS + 1)]
   assert [actual[s] for s in after] == [expected[s] for s in after]  # bitwise equal
-  for a, b in zip(jax.tree.leaves(_saved_params(tmp_path, STEPS)),
-                  jax.tree.leaves(_saved_params(uninterrupted, STEPS))):
+  for a, b in zip(helpers.saved_params(tmp_path, STEPS),
+                  helpers.saved_params(uninterrupted, STEPS)):
     np.testing.assert_array_equal(a, b)
+  _assert_clean_curves(tmp_path, uninterrupted, resume_step, killed=sig == signal.SIGKILL)
+
+
+def _assert_clean_curves(workdir, uninterrupted, resume_step: int, killed: bool) -> None:
+  """metrics.jsonl as it is and TensorBoard's reader show each step once, equal to the
+  uninterrupted run's curve; what a killed attempt logged past its checkpoint is kept aside."""
+  for split, tag in (('train', 'train/loss'), ('eval', 'eval/loss')):
+    records, reference = metrics_records(workdir, split), metrics_records(uninterrupted, split)
+    assert [r['step'] for r in records] == [r['step'] for r in reference]  # once each, in order
+    assert [r['loss'] for r in records] == [r['loss'] for r in reference]  # bitwise
+    assert tensorboard_scalars(workdir, tag) == tensorboard_scalars(uninterrupted, tag)
+  superseded = workdir / 'metrics.superseded.jsonl'
+  assert superseded.exists() == killed  # a saved stop leaves nothing to supersede
+  if killed:  # the steps logged after the checkpoint, trained again by the resumed run
+    steps = [json.loads(line)['step'] for line in superseded.read_text().splitlines()]
+    assert steps and min(steps) > resume_step, (steps, resume_step)
 
 
 def _layout(cfg, n):
@@ -320,8 +328,8 @@ def test_accumulated_bf16_run_resumes_bit_exactly_and_restores_without_accumulat
   expected, actual = _train_losses(tmp_path / 'full'), _train_losses(tmp_path / 'run')
   after = range(saved[-1] + 1, 61)
   assert [actual[s] for s in after] == [expected[s] for s in after]  # bitwise
-  for a, b in zip(jax.tree.leaves(_saved_params(tmp_path / 'run', 60)),
-                  jax.tree.leaves(_saved_params(tmp_path / 'full', 60))):
+  for a, b in zip(helpers.saved_params(tmp_path / 'run', 60),
+                  helpers.saved_params(tmp_path / 'full', 60)):
     np.testing.assert_array_equal(a, b)
   one = _launch(tmp_path / 'run', '--config.precision.compute_dtype=bfloat16',
                 '--config.grad_accum_steps=1', '--config.num_train_steps=70')

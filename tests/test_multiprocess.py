@@ -458,3 +458,46 @@ def test_watchdog_names_the_process_that_hung(tmp_path):
   assert elapsed < 15 + seconds + 30, elapsed
   time.sleep(0.5)
   assert not _job_processes(tmp_path), 'orphan processes of the job remain'
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. The supervisor restarts a gang that lost a process, from its last committed checkpoint.
+
+def test_supervisor_restarts_a_killed_job_to_the_uninterrupted_end(runs, tmp_path):
+  """Process 1 of a 2 x 4 job is SIGKILLed after the step-10 checkpoint (the OOM killer, say):
+  local_cluster stops process 0 and exits 137, launch/supervise.py starts the gang again, which
+  resumes from step 10 and ends with the uninterrupted run's losses and parameters (bitwise);
+  metrics.jsonl and TensorBoard show each step once; events.jsonl has both attempts."""
+  two, _ = runs('jit')
+  overrides = {**BASE, **CASES['jit']}
+  command = [sys.executable, 'launch/supervise.py', '--backoff_seconds=0.5', '--',
+             *_cluster_cmd(*_train_flags(overrides, tmp_path, OPS), grace=5)]
+  proc = subprocess.Popen(command, cwd=ROOT, env={**_env(), 'SLOW_READS': '0.1'},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 180
+    while _last_logged_step(tmp_path) < 13 or not (tmp_path / 'checkpoints' / '10').is_dir():
+      assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+      time.sleep(0.05)
+    (victim,) = [p for p in _job_processes(tmp_path) if '--process_id=1' in p.cmdline()]
+    victim.send_signal(signal.SIGKILL)
+    out, _ = proc.communicate(timeout=JOB_TIMEOUT + 60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 0, out[-4000:]
+  assert 'supervise: attempt 1 killed by SIGKILL at committed step 10; restarting' in out, \
+      out[-4000:]
+  assert '[0] resumed from step 10' in out
+  assert [r['step'] for r in _records(tmp_path, 'train')] == list(range(1, STEPS + 1))
+  assert _losses(tmp_path) == _losses(two)  # bitwise, every step
+  assert helpers.tensorboard_scalars(tmp_path, 'train/loss') == \
+      helpers.tensorboard_scalars(two, 'train/loss')
+  for a, b in zip(helpers.saved_params(tmp_path, STEPS), helpers.saved_params(two, STEPS)):
+    np.testing.assert_array_equal(a, b)
+  log = disttrain.events.read(str(tmp_path))
+  assert [(e['event'], e['attempt']) for e in log if e['event'] in ('start', 'exit')] == [
+      ('start', 1), ('exit', 1), ('start', 2), ('exit', 2)]
+  assert [e['step'] for e in log if e['event'] == 'restore'] == [10]
+  assert [e.get('step') for e in log if e['event'] == 'end' and e['attempt'] == 2] == [STEPS]
+  assert not _job_processes(tmp_path), 'processes of the job remain'

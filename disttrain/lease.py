@@ -1,0 +1,118 @@
+"""One run per workdir: DIR/lease.json names the process that trains there and is refreshed.
+
+Schedulers and supervisors do start a new attempt while a stale one still runs; two runs in one
+workdir clean up each other's in-progress checkpoints and interleave their records. So process
+0 holds a lease before it touches the workdir: host, pid, attempt, start time and `refreshed`,
+rewritten every `seconds / 4` by a thread. A second launch finds it and decides:
+- held by a process of this host that no longer exists (SIGKILL, the OOM killer): taken over;
+- refreshed within the last `seconds / 2`: the holder is alive, so one line naming it, exit 2;
+- otherwise it watches the lease until `seconds` have passed since its last refresh: a refresh
+  means the holder lives (refused as above); none means a dead run, and the lease is taken over.
+A run releases its lease when it ends, however it ends (short of SIGKILL).
+"""
+
+import json
+import os
+import socket
+import threading
+import time
+
+from disttrain.errors import ConfigError
+
+FILE = 'lease.json'
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # exists, owned by someone else
+    return True
+  return True
+
+
+class Lease:
+  """Held from `acquire()` to `release()`; `seconds` <= 0 disables it."""
+
+  def __init__(self, workdir: str, seconds: float, attempt: int = 0):
+    self.path = os.path.join(workdir, FILE)
+    self.seconds = seconds
+    self.me = {'host': socket.gethostname(), 'pid': os.getpid(), 'attempt': attempt,
+               'started': round(time.time(), 3)}
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def _read(self) -> dict | None:
+    try:
+      with open(self.path, encoding='utf-8') as f:
+        return json.load(f)
+    except (OSError, json.JSONDecodeError):  # none, or one being replaced right now
+      return None
+
+  def _write(self) -> None:
+    tmp = f'{self.path}.{self.me["pid"]}.tmp'
+    with open(tmp, 'w', encoding='utf-8') as f:
+      json.dump({**self.me, 'refreshed': round(time.time(), 3), 'seconds': self.seconds}, f)
+    os.replace(tmp, self.path)  # readers see the old lease or the new one, never half of one
+
+  def _refuse(self, holder: dict) -> None:
+    age = time.time() - holder.get('refreshed', 0)
+    raise ConfigError(
+        f'{os.path.dirname(self.path)} is in use by another run (host {holder.get("host")}, pid '
+        f'{holder.get("pid")}, attempt {holder.get("attempt")}, started '
+        f'{time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))}, lease '
+        f'refreshed {age:.0f}s ago); wait for it to end or stop it, or pass another --workdir')
+
+  def _ours_to_take(self, holder: dict) -> bool:
+    """True once the holder is known dead; raises ConfigError while it lives."""
+    if holder.get('host') == self.me['host'] and holder.get('pid') == self.me['pid']:
+      return True
+    if holder.get('host') == self.me['host']:
+      if not _alive(int(holder.get('pid', -1))):
+        return True
+      self._refuse(holder)
+    interval = holder.get('seconds', self.seconds) / 4
+    if time.time() - holder.get('refreshed', 0) <= 2 * interval:
+      self._refuse(holder)
+    while time.time() - holder.get('refreshed', 0) < holder.get('seconds', self.seconds):
+      time.sleep(min(1.0, interval))  # another host's holder: alive only if it refreshes
+      now = self._read()
+      if now is None:
+        return True
+      if now.get('refreshed') != holder.get('refreshed'):
+        self._refuse(now)
+    return True
+
+  def acquire(self) -> None:
+    if self.seconds <= 0:
+      return
+    holder = self._read()
+    if holder is not None:
+      self._ours_to_take(holder)
+    try:
+      os.makedirs(os.path.dirname(self.path) or '.', exist_ok=True)
+      self._write()
+    except OSError as e:
+      raise ConfigError(f'workdir={os.path.dirname(self.path)!r} cannot be used ({e.strerror}); '
+                        'pass a writable directory path') from e
+    self._thread = threading.Thread(target=self._refresh, name='disttrain-lease', daemon=True)
+    self._thread.start()
+
+  def _refresh(self) -> None:
+    while not self._stop.wait(self.seconds / 4):
+      try:
+        self._write()
+      except OSError:  # a full disk or a gone mount: the run itself will say so
+        pass
+
+  def release(self) -> None:
+    if self._thread is None:
+      return
+    self._stop.set()
+    self._thread.join()
+    self._thread = None
+    holder = self._read()
+    if holder is not None and holder.get('pid') == self.me['pid'] \
+        and holder.get('host') == self.me['host']:
+      os.remove(self.path)

@@ -1,0 +1,113 @@
+"""One run per workdir (disttrain/lease.py): a live holder keeps it, a dead one's is taken over."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from disttrain.errors import ConfigError
+from disttrain.lease import FILE, Lease
+from tests.conftest import ROOT
+from tests.helpers import metrics_records
+
+HOLD = ('import sys, time; from disttrain.lease import Lease; '
+        'Lease(sys.argv[1], 60).acquire(); print("held", flush=True); time.sleep(120)')
+
+
+def _foreign(workdir, refreshed_ago: float, seconds: float = 4.0) -> dict:
+  """A lease as a process on another host leaves it."""
+  lease = {'host': 'another-host', 'pid': 1, 'attempt': 3, 'started': time.time() - 100,
+           'refreshed': time.time() - refreshed_ago, 'seconds': seconds}
+  (workdir / FILE).write_text(json.dumps(lease))
+  return lease
+
+
+def test_a_live_holder_on_this_host_keeps_it_until_it_is_killed(tmp_path):
+  holder = subprocess.Popen([sys.executable, '-c', HOLD, str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'held'
+    with pytest.raises(ConfigError, match=rf'is in use by another run \(host '
+                       rf'{socket.gethostname()}, pid {holder.pid}, attempt 0') as e:
+      Lease(str(tmp_path), 60).acquire()
+    assert '\n' not in str(e.value) and 'pass another --workdir' in str(e.value)
+    holder.send_signal(signal.SIGKILL)  # its lease stays behind, refreshed a moment ago
+    holder.wait()
+  finally:
+    holder.kill()
+  start = time.monotonic()
+  mine = Lease(str(tmp_path), 60)
+  mine.acquire()  # the holder's pid is gone: taken over at once
+  assert time.monotonic() - start < 1
+  assert json.loads((tmp_path / FILE).read_text())['pid'] == os.getpid()
+  mine.release()
+  assert not (tmp_path / FILE).exists()
+
+
+def test_a_lease_from_another_host_is_refused_while_refreshed_and_taken_once_expired(tmp_path):
+  _foreign(tmp_path, refreshed_ago=0.5)
+  with pytest.raises(ConfigError, match='host another-host, pid 1, attempt 3'):
+    Lease(str(tmp_path), 4).acquire()  # refreshed within 2 s (its refresh interval is 1 s)
+  lease = _foreign(tmp_path, refreshed_ago=2.5)  # silent for 2.5 of its 4 s: watched
+
+  def refresh():
+    time.sleep(0.5)
+    (tmp_path / FILE).write_text(json.dumps({**lease, 'refreshed': time.time()}))
+  threading.Thread(target=refresh).start()
+  with pytest.raises(ConfigError, match='is in use by another run'):
+    Lease(str(tmp_path), 4).acquire()  # it refreshed while watched: alive
+  _foreign(tmp_path, refreshed_ago=2.5)
+  start = time.monotonic()
+  mine = Lease(str(tmp_path), 4)
+  mine.acquire()  # never refreshed again: dead once its 4 s have passed
+  assert 1.0 < time.monotonic() - start < 3.0
+  assert json.loads((tmp_path / FILE).read_text())['host'] == socket.gethostname()
+  mine.release()
+
+
+def test_the_holder_refreshes_its_lease(tmp_path):
+  mine = Lease(str(tmp_path), 0.4)
+  mine.acquire()
+  first = json.loads((tmp_path / FILE).read_text())['refreshed']
+  time.sleep(0.35)
+  assert json.loads((tmp_path / FILE).read_text())['refreshed'] > first
+  mine.release()
+
+
+@pytest.mark.slow
+def test_a_second_launch_into_a_live_run_refuses_and_leaves_it_alone(tmp_path):
+  """The launcher started again on the workdir of a run that is training: one line, exit 2,
+  and the first run trains on to its end with every checkpoint and record of its own."""
+  command = [sys.executable, 'launch/train.py', '--config=tests/configs/ops.py',
+             f'--workdir={tmp_path}', '--fake_devices=2', '--config.model.hidden=32',
+             '--config.num_train_steps=40', '--config.checkpoint_every_steps=10',
+             '--config.log_every_steps=1']
+  env = dict(os.environ, JAX_PLATFORMS='cpu', SLOW_READS='0.1')
+  env.pop('XLA_FLAGS', None)
+  first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 120
+    while not (tmp_path / 'checkpoints' / '10').is_dir():
+      assert first.poll() is None and time.monotonic() < deadline, first.returncode
+      time.sleep(0.05)
+    second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert first.poll() is None, 'the first run should still be training'
+    out, _ = first.communicate(timeout=120)
+  finally:
+    first.kill()
+  errors = [line for line in second.stderr.splitlines() if line.strip()]
+  assert second.returncode == 2 and len(errors) == 1, second.stderr[-2000:]
+  assert errors[0].startswith('error: ConfigError: ') and f'pid {first.pid}' in errors[0]
+  assert first.returncode == 0 and 'Traceback' not in out, out[-3000:]
+  assert sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit()) == \
+      [20, 30, 40]
+  assert [r['step'] for r in metrics_records(tmp_path)] == list(range(1, 41))
+  assert not (tmp_path / FILE).exists()  # released at the end

@@ -1,0 +1,116 @@
+"""launch/supervise.py's decisions, on a stand-in job that exits as each test plans.
+
+The stand-in (tests/configs/planned_job.py) reads its attempt number from DISTTRAIN_ATTEMPT,
+commits the checkpoint step the plan gives it (a directory named by the step, as orbax leaves
+a finished save) and exits with the planned status, or kills itself with a signal. The real
+job (a SIGKILLed 2 x 4 cluster that the supervisor restarts to a bitwise-equal end) is in
+tests/test_multiprocess.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from disttrain import events
+from disttrain.exitcodes import Exit, Verdict, describe, verdict
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / 'launch'))
+import supervise  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+JOB = str(ROOT / 'tests' / 'configs' / 'planned_job.py')
+
+
+def _supervise(tmp_path, plan: list, *flags: str):
+  """Runs the supervisor over the stand-in with `plan` = [(status, committed step), ...]."""
+  workdir = tmp_path / 'run'
+  env = dict(os.environ, PLAN=json.dumps(plan))
+  proc = subprocess.run(
+      [sys.executable, 'launch/supervise.py', '--backoff_seconds=0.01', *flags, '--',
+       sys.executable, JOB, f'--workdir={workdir}'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+  attempts = (workdir / 'attempts.txt').read_text().split() if (workdir / 'attempts.txt').exists() \
+      else []
+  exits = [e for e in events.read(str(workdir)) if e['event'] == 'exit']
+  return proc, [int(a) for a in attempts], exits
+
+
+def test_done_after_a_hang_and_a_death_by_signal(tmp_path):
+  proc, attempts, exits = _supervise(tmp_path, [[Exit.HANG, None], [-9, None], [0, 30]])
+  assert proc.returncode == 0, proc.stderr
+  assert attempts == [1, 2, 3]
+  assert [e['verdict'] for e in exits] == ['failure', 'failure', 'done']
+  assert exits[0]['reason'] == 'exited with code 3 (hang)'
+  assert exits[1]['reason'] == 'killed by SIGKILL' and exits[1]['exit_code'] == 137
+  assert exits[2]['committed_step'] == 30
+  assert 'restarting in' in proc.stderr
+
+
+@pytest.mark.parametrize('code', [Exit.BAD_INPUT, Exit.INTERRUPTED])
+def test_bad_input_and_ctrl_c_are_never_restarted(tmp_path, code):
+  proc, attempts, exits = _supervise(tmp_path, [[code, None], [0, None]])
+  assert proc.returncode == code and attempts == [1], proc.stderr
+  assert [e['verdict'] for e in exits] == ['final']
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and 'not restarted (rerunning cannot help)' in lines[0], lines
+
+
+def test_a_job_that_always_crashes_stops_after_max_restarts_with_one_line(tmp_path):
+  proc, attempts, exits = _supervise(tmp_path, [[1, None]] * 10, '--max_restarts=2')
+  assert proc.returncode == 1 and attempts == [1, 2, 3]
+  assert [e.get('restart_in') is not None for e in exits] == [True, True, False]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith('supervise: giving up: attempt 3 exited with code 1 (failed), 3 failures '
+                         'in a row without a newer checkpoint (--max_restarts=2)'), last
+
+
+def test_preemptions_do_not_spend_the_failure_budget(tmp_path):
+  plan = [[Exit.PREEMPTED, 10], [Exit.PREEMPTED, 10], [Exit.PREEMPTED, 10], [0, 20]]
+  proc, attempts, exits = _supervise(tmp_path, plan, '--max_restarts=0')
+  assert proc.returncode == 0 and attempts == [1, 2, 3, 4], proc.stderr
+  assert [e['verdict'] for e in exits] == ['preempted'] * 3 + ['done']
+  proc, attempts, _ = _supervise(tmp_path / 'b', plan, '--max_preemptions=2')
+  assert proc.returncode == Exit.PREEMPTED and attempts == [1, 2, 3]
+  assert 'giving up after 2 preemptions' in proc.stderr
+
+
+def test_progress_resets_the_failure_count(tmp_path):
+  """max_restarts=1: a second failure in a row ends it, unless the failed attempt had committed
+  a newer checkpoint first."""
+  plan = [[1, None], [1, 10], [1, 20], [1, 30], [0, 40]]
+  proc, attempts, exits = _supervise(tmp_path, plan, '--max_restarts=1')
+  assert proc.returncode == 0 and attempts == [1, 2, 3, 4, 5], proc.stderr
+  assert [e['committed_step'] for e in exits] == [0, 10, 20, 30, 40]
+  proc, attempts, _ = _supervise(tmp_path / 'b', [[1, None], [1, None], [0, 10]],
+                                 '--max_restarts=1')
+  assert proc.returncode == 1 and attempts == [1, 2]
+
+
+def test_backoff_doubles_with_jitter_up_to_the_cap():
+  sup = supervise.Supervisor(['true'], '/nonexistent', 3, 3, backoff=2.0, max_backoff=10.0)
+  for failures, base in [(1, 2.0), (2, 4.0), (3, 8.0), (4, 10.0), (9, 10.0)]:
+    delays = [sup.delay(failures) for _ in range(200)]
+    assert base * 0.5 <= min(delays) < max(delays) <= base * 1.5
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--max_restarts=-1', '--', 'true', '--workdir=x'], '--max_restarts=-1 is negative'),
+    ([], 'no command to run'),
+    (['--', 'true'], 'the command has no --workdir=DIR'),
+])
+def test_bad_supervisor_flags_are_one_line_and_exit_2(args, message):
+  proc = subprocess.run([sys.executable, 'launch/supervise.py', *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=60, check=False)
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+  assert lines[0].startswith('error: ') and message in lines[0], lines
+
+
+def test_exit_code_contract():
+  assert [verdict(c) for c in (0, 2, 130, 75, 3, 1, 137, -9)] == [
+      Verdict.DONE, Verdict.FINAL, Verdict.FINAL, Verdict.PREEMPTED] + [Verdict.FAILURE] * 4
+  assert describe(-15) == describe(143) == 'killed by SIGTERM'
+  assert describe(130) == 'exited with code 130 (interrupted)'
