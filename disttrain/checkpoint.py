@@ -9,6 +9,8 @@ deleted) and the older one is used; if none restores, nothing is moved and the e
 Nothing here deletes a complete checkpoint: only keep-N retention does.
 """
 
+import contextlib
+import errno
 import os
 import time
 from typing import Any
@@ -64,6 +66,7 @@ class Checkpointer:
         enable_async_checkpointing=True)
     self._manager = _Manager(self.directory, options=options,
                                           item_handlers=_handlers())
+    self._started: list[int] = []  # steps whose save was started, oldest first
 
   def steps(self) -> list[int]:
     """Complete checkpoints, oldest first."""
@@ -72,19 +75,40 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_state: dict, meta: dict,
            metrics: dict | None = None) -> None:
     """Starts an async save; raises the error of an earlier async save if it failed."""
-    self._manager.check_for_errors()
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-        meta=ocp.args.JsonSave(meta)), metrics=metrics, force=True)
+    with self._named_failures():
+      self._manager.check_for_errors()
+      self._started.append(step)
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+          meta=ocp.args.JsonSave(meta)), metrics=metrics, force=True)
 
   def wait(self) -> None:
     """Blocks until every started save has committed; raises its error if one failed."""
-    self._manager.wait_until_finished()
-    self._manager.check_for_errors()
+    with self._named_failures():
+      self._manager.wait_until_finished()
+      self._manager.check_for_errors()
 
   def close(self) -> None:
     self.wait()
     self._manager.close()
+
+  @contextlib.contextmanager
+  def _named_failures(self):
+    """A save that ran out of space is one line naming the step, the directory and the newest
+    checkpoint that did commit (orbax reports it as a multi-line RESOURCE_EXHAUSTED error)."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      if getattr(e, 'errno', None) != errno.ENOSPC and 'No space left on device' not in str(e):
+        raise
+      self._manager.reload()
+      done = set(self._manager.all_steps())
+      failed = min((s for s in self._started if s not in done), default=self._started[-1])
+      last = (f'the last complete checkpoint is step {max(done)}, kept' if done else
+              'no checkpoint has completed yet')
+      raise CheckpointError(f'saving checkpoint step {failed} to {self.directory} failed: no '
+                            f'space left on device; {last}: free space there (or lower '
+                            'max_to_keep), then relaunch with the same --workdir') from None
 
   def restore_latest(self, abstract_state: Any) -> tuple[Any, dict, dict, int] | None:
     """(state, data state, meta, step) of the newest checkpoint that restores; None if none.

@@ -2,9 +2,8 @@
 
 - ArrayRecord shards (grain's own random-access format) of serialized feature dicts: one record
   per example, msgpack-encoded numpy arrays (dtype and shape kept, 0-d arrays included). Write
-  with `write_array_record`, read with
-  `grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths)).map(decode)`, which is
-  what `array_record_source(pattern)` returns.
+  with `write_array_record`, read with `array_record_source(pattern)`: grain's
+  ArrayRecordDataSource (whose read failures name the damaged file and record) mapped by `decode`.
 - Flat token files (nanoGPT's `.bin`: raw uint16 or uint32 token ids, no header), memory-mapped
   and read as windows of seq_len + 1 tokens by `TokenWindows`.
 """
@@ -17,7 +16,7 @@ import grain
 import numpy as np
 from flax import serialization
 
-from disttrain.errors import DataError
+from disttrain.errors import DataError, first_line
 
 ARRAY_RECORD_SUFFIX = '.array_record'
 
@@ -104,7 +103,53 @@ def array_record_source(paths: str | Sequence[str]) -> grain.MapDataset:
   """A random-access source of the feature dicts in ArrayRecord files (globs allowed)."""
   if isinstance(paths, str):
     paths = resolve_files(paths, 'paths')
-  return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(list(paths))).map(decode)
+  return grain.MapDataset.source(ArrayRecordFiles(list(paths))).map(decode)
+
+
+def _damaged(path: str, where: str, error: Exception) -> DataError:
+  return DataError(f'{path}: {where} cannot be read ({first_line(error, 200)}): the file is '
+                   'truncated or damaged; write it again (python -m disttrain.convert) or leave '
+                   'it out of the data files')
+
+
+class ArrayRecordFiles(grain.sources.ArrayRecordDataSource):
+  """grain's ArrayRecord source whose read failures name the file and the record (DataError).
+
+  Riegeli's own error says neither which shard is damaged nor which record; a truncated shard
+  fails when its footer is read (here, at start-up), flipped bytes when their chunk is read.
+  """
+
+  def __init__(self, paths: Sequence[str]):
+    try:
+      super().__init__(list(paths))
+    except Exception as e:  # pylint: disable=broad-except
+      for path in paths:  # which one: each alone
+        try:
+          grain.sources.ArrayRecordDataSource([path])
+        except Exception as alone:  # pylint: disable=broad-except
+          raise _damaged(path, 'its index', alone) from None
+      raise DataError(f'ArrayRecord files {list(paths)[:3]}... cannot be opened '
+                      f'({first_line(e, 200)})') from None
+
+  def _locate(self, key: int) -> tuple[str, int]:
+    """(file, record within it) of a global record key."""
+    reader, position = self._reader_idx_and_position(key)
+    return self._read_instructions[reader].filename, position
+
+  def __getitem__(self, key):
+    try:
+      return super().__getitem__(key)
+    except Exception as e:  # pylint: disable=broad-except
+      path, position = self._locate(key)
+      raise _damaged(path, f'record {position}', e) from None
+
+  def __getitems__(self, keys):
+    try:
+      return super().__getitems__(keys)
+    except Exception:  # pylint: disable=broad-except
+      for key in keys:  # the first record that fails alone is the one to name
+        self[key]
+      raise
 
 
 class TokenWindows:

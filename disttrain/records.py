@@ -141,10 +141,18 @@ class Records:
     """The source's examples at `indices`, batched where the source can (__getitems__)."""
     if self._arrays is not None:
       return [{k: a[i] for k, a in self._arrays.items()} for i in indices]
-    getitems = getattr(self.source, '__getitems__', None)
-    if getitems is not None and len(indices) > 1:
-      return list(getitems([int(i) for i in indices]))
-    return [self.source[int(i)] for i in indices]
+    try:
+      getitems = getattr(self.source, '__getitems__', None)
+      if getitems is not None and len(indices) > 1:
+        return list(getitems([int(i) for i in indices]))
+      return [self.source[int(i)] for i in indices]
+    except DataError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (a damaged file, a failing reader)
+      shown = ', '.join(str(int(i)) for i in indices[:4]) + (', ...' if len(indices) > 4 else '')
+      raise DataError(f'the {self.name} data ({type(self.source).__name__}) raised '
+                      f'{type(e).__name__} reading examples {shown}: {first_line(e, 200)}; '
+                      'fix the source or its files') from e
 
   def _transformed(self, example, index: int, epoch: int):
     if not self.transforms:

@@ -121,3 +121,68 @@ def test_a_failure_while_reading_keeps_the_checkpoint(tmp_path):
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == before
   relaunch = _launch(tmp_path, 'good', '--config.num_train_steps=6')
   assert relaunch.returncode == 0 and 'resumed from step 4' in relaunch.stdout, relaunch.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# Damaged ArrayRecord shards: one line naming the file (and the record), exit 2, checkpoint kept.
+
+def _shards(folder) -> str:
+  """2 + 1 ArrayRecord shards of random 28 x 28 images (launch/configs/mnist_array_record.py's
+  fields); returns the launcher flags that read them."""
+  from disttrain import formats  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  examples = lambda n: [{'image': rng.random((28, 28, 1), np.float32),
+                         'label': np.int32(i % 10)} for i in range(n)]
+  formats.write_array_record(str(folder / 'train'), examples(256), 2)
+  formats.write_array_record(str(folder / 'eval'), examples(64), 1)
+  return [f'--config.data.train_files={folder}/train-*.array_record',
+          f'--config.data.eval_files={folder}/eval-*.array_record',
+          '--config.global_batch_size=64', '--config.eval_batch_size=64',
+          '--config.model.hidden=32', '--config.log_every_steps=1',
+          '--config.checkpoint_every_steps=2', '--config.eval_every_steps=0']
+
+
+def _damage(path, how: str) -> None:
+  data = bytearray(path.read_bytes())
+  if how == 'truncate':
+    path.write_bytes(data[:len(data) // 2])
+  else:  # 2,000 flipped bytes in the middle half: records, not the index at the end
+    rng = np.random.default_rng(1)
+    for i in rng.choice(np.arange(len(data) // 4, 3 * len(data) // 4), 2000, replace=False):
+      data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _launch_shards(workdir, flags, *extra):
+  return _launch(workdir, 'good', *flags, *extra, config='launch/configs/mnist_array_record.py')
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+def test_a_truncated_shard_is_one_line_at_start_up(tmp_path, workers):
+  flags = _shards(tmp_path)
+  _damage(tmp_path / 'train-00001-of-00002.array_record', 'truncate')
+  line = _one_error_line(_launch_shards(tmp_path / 'run', flags, f'--config.data.workers={workers}',
+                                        '--config.num_train_steps=4'))
+  assert f'{tmp_path}/train-00001-of-00002.array_record: its index cannot be read' in line, line
+  assert 'Corrupted Riegeli' in line and 'write it again' in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('workers', [0, 2])
+def test_flipped_bytes_mid_run_are_one_line_and_keep_the_checkpoint(tmp_path, workers):
+  """A run saves at step 4; the shard is damaged; the resumed run fails on its first read of a
+  damaged record: one line naming the shard and the record, exit 2, step 4 kept, and with the
+  shard written again the run resumes from step 4."""
+  flags = [*_shards(tmp_path), f'--config.data.workers={workers}']
+  run = tmp_path / 'run'
+  first = _launch_shards(run, flags, '--config.num_train_steps=4')
+  assert first.returncode == 0, first.stderr[-2000:]
+  shard = tmp_path / 'train-00001-of-00002.array_record'
+  intact = shard.read_bytes()
+  _damage(shard, 'flip')
+  line = _one_error_line(_launch_shards(run, flags, '--config.num_train_steps=40'))
+  assert f'{shard}: record ' in line and 'cannot be read (Corrupted Riegeli' in line, line
+  assert sorted(d for d in os.listdir(run / 'checkpoints') if d.isdigit()) == ['2', '4']
+  shard.write_bytes(intact)
+  again = _launch_shards(run, flags, '--config.num_train_steps=6')
+  assert again.returncode == 0 and 'resumed from step 4' in again.stdout, again.stderr[-2000:]
