@@ -12,10 +12,12 @@ Nothing here deletes a complete checkpoint: only keep-N retention does.
 import contextlib
 import errno
 import os
+import shutil
 import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from absl import logging
@@ -77,6 +79,7 @@ class Checkpointer:
     """Starts an async save; raises the error of an earlier async save if it failed."""
     with self._named_failures():
       self._manager.check_for_errors()
+      self._check_space(step, state)
       self._started.append(step)
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
@@ -91,6 +94,25 @@ class Checkpointer:
   def close(self) -> None:
     self.wait()
     self._manager.close()
+
+  def _check_space(self, step: int, state: Any) -> None:
+    """A save that cannot fit is refused before orbax starts it (and fails noisily)."""
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    need += 2**16  # metadata and the data iterator's state; arrays are stored at most raw
+    try:
+      free = shutil.disk_usage(self.directory).free
+    except OSError:  # not a local path, or not made yet: the save itself will tell
+      free = -1
+    if jax.process_count() > 1:  # every process must take process 0's decision
+      free = float(multihost_utils.broadcast_one_to_all(np.float32(free / 2**20))) * 2**20
+    if 0 <= free < need:
+      done = self.steps()
+      last = (f'the last complete checkpoint is step {done[-1]}, kept' if done else
+              'no checkpoint has completed yet')
+      raise CheckpointError(f'saving checkpoint step {step} to {self.directory} needs about '
+                            f'{need / 2**20:,.1f} MiB but {free / 2**20:,.1f} MiB are free; '
+                            f'{last}: free space there (or lower max_to_keep), then relaunch '
+                            'with the same --workdir')
 
   @contextlib.contextmanager
   def _named_failures(self):

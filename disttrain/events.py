@@ -1,7 +1,9 @@
 """DIR/events.jsonl: what happened to a run across all its attempts, one JSON object a line.
 
 Process 0 of each attempt appends `start` (attempt, host, pid, processes), `restore` (the step
-it resumed from) and `end` (steps trained, why it stopped); launch/supervise.py appends `exit`
+it resumed from; `trained_through`: the last step logged past it by the attempts before, whose
+records were moved to metrics.superseded.jsonl) and `end` (the step reached, why it stopped or
+the error, the time breakdown as run.json's `time`); launch/supervise.py appends `exit`
 (an attempt's status, the verdict, the committed step, the restart delay) between attempts.
 Every event has `time` (seconds since the epoch) and `event`. The supervisor, goodput reports
 and trackers read it; it is a public interface (README, "Outputs"). Nothing here imports jax.

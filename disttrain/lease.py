@@ -4,10 +4,12 @@ Schedulers and supervisors do start a new attempt while a stale one still runs; 
 workdir clean up each other's in-progress checkpoints and interleave their records. So process
 0 holds a lease before it touches the workdir: host, pid, attempt, start time and `refreshed`,
 rewritten every `seconds / 4` by a thread. A second launch finds it and decides:
-- held by a process of this host that no longer exists (SIGKILL, the OOM killer): taken over;
-- refreshed within the last `seconds / 2`: the holder is alive, so one line naming it, exit 2;
-- otherwise it watches the lease until `seconds` have passed since its last refresh: a refresh
-  means the holder lives (refused as above); none means a dead run, and the lease is taken over.
+- held by a process of this host: taken over if that process no longer exists (SIGKILL, the
+  OOM killer; pid and start time, so a reused pid is not mistaken for it), else refused with one
+  line naming it (exit 2);
+- held on another host (or by a restarted pod's predecessor): it watches the lease until
+  `seconds` have passed since its last refresh; a refresh means the holder lives (refused, within
+  about `seconds / 4`), none means a dead run, and the lease is taken over.
 A run releases its lease when it ends, however it ends (short of SIGKILL).
 """
 
@@ -22,7 +24,21 @@ from disttrain.errors import ConfigError
 FILE = 'lease.json'
 
 
-def _alive(pid: int) -> bool:
+def _started(pid: int) -> int | None:
+  """When process `pid` started (clock ticks since boot), None if there is no such process: a
+  pid reused by another process, e.g. in a restarted container, has another start time."""
+  try:
+    with open(f'/proc/{pid}/stat', encoding='utf-8') as f:
+      return int(f.read().rsplit(')', 1)[1].split()[19])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def _alive(holder: dict) -> bool:
+  """The holder's process still runs (on this host)."""
+  pid = int(holder.get('pid', -1))
+  if holder.get('pid_start') is not None and os.path.isdir('/proc'):
+    return _started(pid) == holder['pid_start']
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
@@ -39,7 +55,7 @@ class Lease:
     self.path = os.path.join(workdir, FILE)
     self.seconds = seconds
     self.me = {'host': socket.gethostname(), 'pid': os.getpid(), 'attempt': attempt,
-               'started': round(time.time(), 3)}
+               'started': round(time.time(), 3), 'pid_start': _started(os.getpid())}
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
 
@@ -66,17 +82,17 @@ class Lease:
 
   def _ours_to_take(self, holder: dict) -> bool:
     """True once the holder is known dead; raises ConfigError while it lives."""
-    if holder.get('host') == self.me['host'] and holder.get('pid') == self.me['pid']:
-      return True
     if holder.get('host') == self.me['host']:
-      if not _alive(int(holder.get('pid', -1))):
+      if holder.get('pid') == self.me['pid'] and \
+          holder.get('pid_start') == self.me['pid_start']:
+        return True  # this process's own lease (an earlier train() call)
+      if not _alive(holder):
         return True
       self._refuse(holder)
-    interval = holder.get('seconds', self.seconds) / 4
-    if time.time() - holder.get('refreshed', 0) <= 2 * interval:
-      self._refuse(holder)
-    while time.time() - holder.get('refreshed', 0) < holder.get('seconds', self.seconds):
-      time.sleep(min(1.0, interval))  # another host's holder: alive only if it refreshes
+    # Another host's holder (or a restarted pod's predecessor): alive only if it refreshes.
+    seconds = holder.get('seconds', self.seconds)
+    while time.time() - holder.get('refreshed', 0) < seconds:
+      time.sleep(min(1.0, seconds / 8))
       now = self._read()
       if now is None:
         return True

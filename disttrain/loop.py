@@ -68,8 +68,7 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
     raise
   finally:
     lease.release()
-  log.emit('end', step=result.step, stopped_by=result.stopped_by,
-           wall_seconds=round(result.time.get('wall_seconds', 0.0), 3))
+  log.emit('end', step=result.step, stopped_by=result.stopped_by, breakdown=result.time)
   return result
 
 
@@ -104,9 +103,10 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
       state = _restore_or_init(ckpt, run, batches, hooks, writer)
     run.state = None  # donated to the first step: never touch it again
     first_step = int(jax.device_get(state.step))
-    writer.start(first_step)  # records of steps after it, from a killed attempt, step aside
-    if first_step:
-      log.emit('restore', step=first_step)
+    # Records of steps after it, from an attempt killed before its next checkpoint, step aside.
+    lost_through = writer.start(first_step)
+    if first_step or lost_through is not None:
+      log.emit('restore', step=first_step, trained_through=lost_through)
     device_state = run.steps.place(state)
     del state
     with phases('compile'):

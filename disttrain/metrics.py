@@ -35,14 +35,16 @@ class Writer:
         raise ConfigError(f'workdir={workdir!r} cannot be used ({e.strerror}); pass a writable '
                           'directory path') from e
 
-  def start(self, first_step: int) -> None:
-    """Opens the outputs for a run whose first new step is first_step + 1."""
+  def start(self, first_step: int) -> int | None:
+    """Opens the outputs for a run whose first new step is first_step + 1; returns the last
+    step of the records it moved aside (steps a killed attempt trained past its checkpoint)."""
     if not self.enabled:
-      return
+      return None
     path = os.path.join(self.workdir, 'metrics.jsonl')
-    supersede(path, first_step)
+    moved = supersede(path, first_step)
     self._jsonl = open(path, 'a', encoding='utf-8')
     self._tb = SummaryWriter(logdir=self.workdir, purge_step=first_step + 1)
+    return max(moved, default=None)
 
   def write_run(self, info: dict) -> None:
     """DIR/run.json: resolved config and layout, so anyone can see how the run was laid out."""
@@ -71,25 +73,30 @@ class Writer:
       self._tb.close()
 
 
-def supersede(path: str, first_step: int) -> int:
+def supersede(path: str, first_step: int) -> list[int]:
   """Moves the lines of steps after first_step (and any line cut short by a kill) from `path`
-  to its .superseded.jsonl sibling, appended there before `path` is replaced; returns how many."""
+  to its .superseded.jsonl sibling, appended there before `path` is replaced; returns the steps
+  of the records moved."""
   if not os.path.isfile(path):
-    return 0
-  keep, moved = [], []
+    return []
+  keep, moved, steps = [], [], []
   with open(path, encoding='utf-8') as f:
     for line in f:
       try:
-        (keep if json.loads(line)['step'] <= first_step else moved).append(line)
+        step = json.loads(line)['step']
       except (json.JSONDecodeError, KeyError, TypeError):
         moved.append(line if line.endswith('\n') else line + '\n')
+        continue
+      (keep if step <= first_step else moved).append(line)
+      if step > first_step:
+        steps.append(step)
   if moved:
     with open(path[:-len('.jsonl')] + '.superseded.jsonl', 'a', encoding='utf-8') as f:
       f.writelines(moved)
     with open(path + '.tmp', 'w', encoding='utf-8') as f:
       f.writelines(keep)
     os.replace(path + '.tmp', path)
-  return len(moved)
+  return steps
 
 
 # Dense bf16 peak FLOP/s per device (vendor figures), matched against jax's device_kind.

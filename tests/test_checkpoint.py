@@ -336,3 +336,39 @@ def test_accumulated_bf16_run_resumes_bit_exactly_and_restores_without_accumulat
   out, _ = one.communicate(timeout=300)
   assert one.returncode == 0 and 'resumed from step 60' in out, out
   assert all(np.isfinite(_train_losses(tmp_path / 'run')[s]) for s in range(61, 71))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 14 MiB filesystem (a tmpfs: mounting needs root, which CI has)."""
+  mount = tmp_path / 'disk'
+  mount.mkdir()
+  if os.geteuid() != 0:
+    pytest.skip('mounting a 14 MiB tmpfs needs root (CI runs as root)')
+  subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=14m', 'tmpfs', str(mount)], check=True)
+  yield mount
+  subprocess.run(['umount', '-l', str(mount)], check=False)
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(small_disk, tmp_path):
+  """Checkpoints of ~3.4 MiB every 50 steps on 14 MiB: four fit, the fifth (step 250) is refused
+  before orbax starts it, with one line naming the step, the directory, the space and the last
+  complete checkpoint; exit 2; steps 50-200 kept, and step 200 resumes once there is room."""
+  flags = [sys.executable, str(ROOT / 'launch' / 'train.py'),
+           f'--config={ROOT / "launch" / "configs" / "mnist_mlp.py"}', '--fake_devices=2',
+           '--config.checkpoint_every_steps=50', '--config.max_to_keep=5']
+  proc = subprocess.run([*flags, f'--workdir={small_disk / "run"}', '--config.num_train_steps=300'],
+                        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300,
+                        check=False)
+  errors = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+  assert errors[0].startswith(f'error: CheckpointError: saving checkpoint step 250 to '
+                              f'{small_disk}/run/checkpoints needs about '), errors[0]
+  assert 'the last complete checkpoint is step 200, kept' in errors[0], errors[0]
+  assert sorted(int(d) for d in os.listdir(small_disk / 'run' / 'checkpoints') if d.isdigit()) \
+      == [50, 100, 150, 200]
+  shutil.copytree(small_disk / 'run', tmp_path / 'roomy')
+  again = subprocess.run([*flags, f'--workdir={tmp_path / "roomy"}', '--config.num_train_steps=250'],
+                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         check=False)
+  assert again.returncode == 0 and 'resumed from step 200' in again.stdout, again.stderr[-2000:]

@@ -51,23 +51,42 @@ def test_a_live_holder_on_this_host_keeps_it_until_it_is_killed(tmp_path):
 
 
 def test_a_lease_from_another_host_is_refused_while_refreshed_and_taken_once_expired(tmp_path):
-  _foreign(tmp_path, refreshed_ago=0.5)
-  with pytest.raises(ConfigError, match='host another-host, pid 1, attempt 3'):
-    Lease(str(tmp_path), 4).acquire()  # refreshed within 2 s (its refresh interval is 1 s)
-  lease = _foreign(tmp_path, refreshed_ago=2.5)  # silent for 2.5 of its 4 s: watched
+  """4 s leases (refreshed every 1 s): a holder that keeps refreshing is refused within about a
+  refresh; one that stopped (a crashed pod, just now) is taken over 4 s after its last refresh."""
+  lease = _foreign(tmp_path, refreshed_ago=0.0)
+  done = threading.Event()
 
   def refresh():
-    time.sleep(0.5)
-    (tmp_path / FILE).write_text(json.dumps({**lease, 'refreshed': time.time()}))
-  threading.Thread(target=refresh).start()
-  with pytest.raises(ConfigError, match='is in use by another run'):
-    Lease(str(tmp_path), 4).acquire()  # it refreshed while watched: alive
-  _foreign(tmp_path, refreshed_ago=2.5)
+    while not done.wait(0.5):
+      (tmp_path / FILE).write_text(json.dumps({**lease, 'refreshed': time.time()}))
+  refresher = threading.Thread(target=refresh)
+  refresher.start()
+  start = time.monotonic()
+  try:
+    with pytest.raises(ConfigError, match='host another-host, pid 1, attempt 3'):
+      Lease(str(tmp_path), 4).acquire()
+  finally:
+    done.set()
+    refresher.join()
+  assert time.monotonic() - start < 2.0
+  _foreign(tmp_path, refreshed_ago=0.5)  # its last refresh, 0.5 s ago
   start = time.monotonic()
   mine = Lease(str(tmp_path), 4)
-  mine.acquire()  # never refreshed again: dead once its 4 s have passed
-  assert 1.0 < time.monotonic() - start < 3.0
+  mine.acquire()
+  assert 3.0 < time.monotonic() - start < 5.0
   assert json.loads((tmp_path / FILE).read_text())['host'] == socket.gethostname()
+  mine.release()
+
+
+def test_a_reused_pid_is_not_mistaken_for_the_holder(tmp_path):
+  """A restarted container can give a live process the dead holder's pid: its start time
+  differs, so the lease is taken over at once."""
+  (tmp_path / FILE).write_text(json.dumps({
+      'host': socket.gethostname(), 'pid': os.getppid(), 'pid_start': 1, 'attempt': 1,
+      'started': time.time(), 'refreshed': time.time(), 'seconds': 60}))
+  mine = Lease(str(tmp_path), 60)
+  mine.acquire()
+  assert json.loads((tmp_path / FILE).read_text())['pid'] == os.getpid()
   mine.release()
 
 

@@ -26,7 +26,7 @@ import pytest
 
 import disttrain
 from disttrain import config as config_lib
-from disttrain import distributed
+from disttrain import distributed, goodput
 from tests import helpers
 from tests.conftest import ROOT
 
@@ -480,6 +480,7 @@ def test_supervisor_restarts_a_killed_job_to_the_uninterrupted_end(runs, tmp_pat
       assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
       time.sleep(0.05)
     (victim,) = [p for p in _job_processes(tmp_path) if '--process_id=1' in p.cmdline()]
+    logged_at_kill = _last_logged_step(tmp_path)
     victim.send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=JOB_TIMEOUT + 60)
   finally:
@@ -500,4 +501,16 @@ def test_supervisor_restarts_a_killed_job_to_the_uninterrupted_end(runs, tmp_pat
       ('start', 1), ('exit', 1), ('start', 2), ('exit', 2)]
   assert [e['step'] for e in log if e['event'] == 'restore'] == [10]
   assert [e.get('step') for e in log if e['event'] == 'end' and e['attempt'] == 2] == [STEPS]
+  # Goodput: the steps attempt 1 logged past its checkpoint were lost (records are fetched one
+  # step late, so one more may have been trained than the test saw), and the gap between the
+  # attempts is the backoff plus the next gang's start-up.
+  report = goodput.report(str(tmp_path))
+  first, second = report['attempts']
+  assert first['first_step'] == 0 and second['first_step'] == 10 and second['last_step'] == STEPS
+  assert logged_at_kill - 10 <= first['lost_steps'] <= logged_at_kill - 10 + 1, \
+      (first, logged_at_kill)
+  (exit_1,) = [e for e in log if e['event'] == 'exit' and e['attempt'] == 1]
+  assert exit_1['restart_in'] <= report['seconds']['idle_between_attempts'] < exit_1['restart_in'] + 30
+  assert report['seconds']['lost_steps'] > 0 and 0 < report['fractions']['productive'] < 1
+  assert abs(sum(report['seconds'].values()) - report['wall_seconds']) < 0.05 * report['wall_seconds']
   assert not _job_processes(tmp_path), 'processes of the job remain'

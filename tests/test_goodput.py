@@ -1,0 +1,62 @@
+"""python -m disttrain.goodput on an event log whose every figure is known."""
+
+import json
+import subprocess
+import sys
+
+from disttrain import goodput
+from tests.conftest import ROOT
+
+
+def _breakdown(wall: float, **seconds) -> dict:
+  phases = {name: {'seconds': seconds.get(name, 0.0)} for name in
+            ('setup', 'compile', 'data', 'step', 'records', 'eval', 'checkpoint', 'profile')}
+  phases['other'] = {'seconds': wall - sum(seconds.values())}
+  return {**phases, 'wall_seconds': wall}
+
+
+def _log(tmp_path) -> None:
+  """Attempt 1 starts at t=100, trains steps 1-35 at 1 s each after 10 s of start-up, commits a
+  checkpoint at step 30 and is SIGKILLed at t=150 (its records reach step 35); the supervisor
+  restarts it after 5 s; attempt 2 starts at t=158, resumes at 30 and ends at step 100 at t=250."""
+  log = [
+      {'time': 100.0, 'event': 'start', 'attempt': 1},
+      {'time': 150.0, 'event': 'exit', 'attempt': 1, 'reason': 'killed by SIGKILL',
+       'restart_in': 5.0},
+      {'time': 158.0, 'event': 'start', 'attempt': 2},
+      {'time': 160.0, 'event': 'restore', 'attempt': 2, 'step': 30, 'trained_through': 35},
+      {'time': 250.0, 'event': 'end', 'attempt': 2, 'step': 100, 'stopped_by': '',
+       'breakdown': _breakdown(92.0, setup=8.0, compile=4.0, data=3.0, step=70.0, checkpoint=5.0,
+                               eval=1.0)},
+      {'time': 250.5, 'event': 'exit', 'attempt': 2, 'reason': 'exited with code 0 (ok)'},
+  ]
+  (tmp_path / 'events.jsonl').write_text(''.join(json.dumps(e) + '\n' for e in log))
+
+
+def test_the_report_accounts_for_every_second(tmp_path):
+  _log(tmp_path)
+  report = goodput.report(str(tmp_path))
+  s = report['seconds']
+  assert report['wall_seconds'] == 150.0 and report['mean_step_seconds'] == 1.0  # 70 s / 70 steps
+  first, second = report['attempts']
+  assert (first['first_step'], first['last_step'], first['lost_steps']) == (0, 35, 5)
+  assert (second['first_step'], second['last_step'], second['exit']) == (30, 100, 'done')
+  assert s['lost_steps'] == 5.0 and s['idle_between_attempts'] == 8.0
+  assert s['productive'] == 30.0 + 70.0  # attempt 1's 30 kept steps, attempt 2's 70
+  assert s['killed_other'] == 50.0 - 30.0 - 5.0  # attempt 1's start-up and what was not steps
+  assert (s['startup_and_compile'], s['checkpoint'], s['data'], s['eval']) == (12.0, 5.0, 3.0, 1.0)
+  assert abs(sum(s.values()) - report['wall_seconds']) < 1e-6
+  assert report['fractions']['productive'] == round(100 / 150, 4)
+
+
+def test_the_command_prints_the_table_and_writes_json(tmp_path):
+  _log(tmp_path)
+  proc = subprocess.run([sys.executable, '-m', 'disttrain.goodput', str(tmp_path),
+                         f'--json={tmp_path / "goodput.json"}'], cwd=ROOT, capture_output=True,
+                        text=True, timeout=60, check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert 'wall 150.0s, goodput 66.7%' in proc.stdout and 'killed by SIGKILL' in proc.stdout
+  assert json.loads((tmp_path / 'goodput.json').read_text())['seconds']['lost_steps'] == 5.0
+  bad = subprocess.run([sys.executable, '-m', 'disttrain.goodput', str(tmp_path / 'nothing')],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+  assert bad.returncode == 2 and bad.stderr.count('\n') == 1 and 'has no start event' in bad.stderr
