@@ -350,6 +350,7 @@ def small_disk(tmp_path):
   subprocess.run(['umount', '-l', str(mount)], check=False)
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(small_disk, tmp_path):
   """Checkpoints of ~3.4 MiB every 50 steps on 14 MiB: four fit, the fifth (step 250) is refused
   before orbax starts it, with one line naming the step, the directory, the space and the last
