@@ -69,6 +69,7 @@ class Checkpointer:
     self._manager = _Manager(self.directory, options=options,
                                           item_handlers=_handlers())
     self._started: list[int] = []  # steps whose save was started, oldest first
+    self._need: int | None = None  # bytes a save needs at most (set by the first save)
 
   def steps(self) -> list[int]:
     """Complete checkpoints, oldest first."""
@@ -97,22 +98,25 @@ class Checkpointer:
 
   def _check_space(self, step: int, state: Any) -> None:
     """A save that cannot fit is refused before orbax starts it (and fails noisily)."""
-    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-    need += 2**16  # metadata and the data iterator's state; arrays are stored at most raw
+    if self._need is None:  # the state's shapes never change within a run
+      self._need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+      self._need += 2**16  # metadata and the data iterator's state; arrays are stored at most raw
     try:
       free = shutil.disk_usage(self.directory).free
     except OSError:  # not a local path, or not made yet: the save itself will tell
       free = -1
     if jax.process_count() > 1:  # every process must take process 0's decision
       free = float(multihost_utils.broadcast_one_to_all(np.float32(free / 2**20))) * 2**20
-    if 0 <= free < need:
-      done = self.steps()
-      last = (f'the last complete checkpoint is step {done[-1]}, kept' if done else
-              'no checkpoint has completed yet')
-      raise CheckpointError(f'saving checkpoint step {step} to {self.directory} needs about '
-                            f'{need / 2**20:,.1f} MiB but {free / 2**20:,.1f} MiB are free; '
-                            f'{last}: free space there (or lower max_to_keep), then relaunch '
-                            'with the same --workdir')
+    if 0 <= free < self._need:
+      raise self._no_space(step, f'needs about {self._need / 2**20:,.1f} MiB but '
+                                 f'{free / 2**20:,.1f} MiB are free', self.steps())
+
+  def _no_space(self, step: int, why: str, done) -> CheckpointError:
+    last = (f'the last complete checkpoint is step {max(done)}, kept' if done else
+            'no checkpoint has completed yet')
+    return CheckpointError(f'saving checkpoint step {step} to {self.directory} {why}; {last}: '
+                           'free space there (or lower max_to_keep), then relaunch with the '
+                           'same --workdir')
 
   @contextlib.contextmanager
   def _named_failures(self):
@@ -126,11 +130,7 @@ class Checkpointer:
       self._manager.reload()
       done = set(self._manager.all_steps())
       failed = min((s for s in self._started if s not in done), default=self._started[-1])
-      last = (f'the last complete checkpoint is step {max(done)}, kept' if done else
-              'no checkpoint has completed yet')
-      raise CheckpointError(f'saving checkpoint step {failed} to {self.directory} failed: no '
-                            f'space left on device; {last}: free space there (or lower '
-                            'max_to_keep), then relaunch with the same --workdir') from None
+      raise self._no_space(failed, 'failed: no space left on device', done) from None
 
   def restore_latest(self, abstract_state: Any) -> tuple[Any, dict, dict, int] | None:
     """(state, data state, meta, step) of the newest checkpoint that restores; None if none.

@@ -80,32 +80,31 @@ class Lease:
         f'{time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))}, lease '
         f'refreshed {age:.0f}s ago); wait for it to end or stop it, or pass another --workdir')
 
-  def _ours_to_take(self, holder: dict) -> bool:
-    """True once the holder is known dead; raises ConfigError while it lives."""
+  def _outlive(self, holder: dict) -> None:
+    """Returns once the holder is known dead; raises ConfigError while it lives."""
     if holder.get('host') == self.me['host']:
       if holder.get('pid') == self.me['pid'] and \
           holder.get('pid_start') == self.me['pid_start']:
-        return True  # this process's own lease (an earlier train() call)
-      if not _alive(holder):
-        return True
-      self._refuse(holder)
+        return  # this process's own lease (an earlier train() call)
+      if _alive(holder):
+        self._refuse(holder)
+      return
     # Another host's holder (or a restarted pod's predecessor): alive only if it refreshes.
     seconds = holder.get('seconds', self.seconds)
     while time.time() - holder.get('refreshed', 0) < seconds:
       time.sleep(min(1.0, seconds / 8))
       now = self._read()
       if now is None:
-        return True
+        return
       if now.get('refreshed') != holder.get('refreshed'):
         self._refuse(now)
-    return True
 
   def acquire(self) -> None:
     if self.seconds <= 0:
       return
     holder = self._read()
     if holder is not None:
-      self._ours_to_take(holder)
+      self._outlive(holder)
     try:
       os.makedirs(os.path.dirname(self.path) or '.', exist_ok=True)
       self._write()

@@ -87,8 +87,10 @@ def supersede(path: str, first_step: int) -> list[int]:
       except (json.JSONDecodeError, KeyError, TypeError):
         moved.append(line if line.endswith('\n') else line + '\n')
         continue
-      (keep if step <= first_step else moved).append(line)
-      if step > first_step:
+      if step <= first_step:
+        keep.append(line)
+      else:
+        moved.append(line)
         steps.append(step)
   if moved:
     with open(path[:-len('.jsonl')] + '.superseded.jsonl', 'a', encoding='utf-8') as f:

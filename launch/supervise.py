@@ -100,6 +100,13 @@ class Supervisor:
       for signum, handler in previous.items():
         signal.signal(signum, handler)
 
+  def _end(self, record: dict, code: int, why: str = '') -> int:
+    """The last attempt's exit event, one line saying why (unless done), and the status."""
+    self.log.emit('exit', **record)
+    if why:
+      self.say(f'supervise: {why}')
+    return code
+
   def _run(self) -> int:
     failures = preemptions = 0
     best = committed_step(self.workdir)
@@ -116,29 +123,22 @@ class Supervisor:
       record = dict(exit_code=code, verdict=kind.value, reason=reason, committed_step=step,
                     seconds=round(time.monotonic() - started, 3), supervisor_attempt=attempt)
       if kind is Verdict.DONE:
-        self.log.emit('exit', **record)
-        return Exit.OK
+        return self._end(record, Exit.OK)
       if kind is Verdict.FINAL or self._stopping:
-        self.log.emit('exit', **record)
-        self.say(f'supervise: attempt {attempt} {reason}; not restarted '
-                 f'({"stopped by a signal" if self._stopping else "rerunning cannot help"})')
-        return code
+        return self._end(record, code, f'attempt {attempt} {reason}; not restarted ('
+                         f'{"stopped by a signal" if self._stopping else "rerunning cannot help"})')
       if kind is Verdict.PREEMPTED:
         preemptions += 1
         if preemptions > self.max_preemptions:
-          self.log.emit('exit', **record)
-          self.say(f'supervise: giving up after {self.max_preemptions} preemptions; the last '
-                   f'committed checkpoint is step {step}')
-          return code
+          return self._end(record, code, f'giving up after {self.max_preemptions} preemptions; '
+                           f'the last committed checkpoint is step {step}')
         wait = min(self.backoff, 1.0) * random.uniform(0.5, 1.5)
       else:
         failures = 1 if progressed else failures + 1
         if failures > self.max_restarts:
-          self.log.emit('exit', **record)
-          self.say(f'supervise: giving up: attempt {attempt} {reason}, {failures} failures in a '
-                   f'row without a newer checkpoint (--max_restarts={self.max_restarts}); the '
-                   f'last committed checkpoint is step {step}')
-          return code
+          return self._end(record, code, f'giving up: attempt {attempt} {reason}, {failures} '
+                           'failures in a row without a newer checkpoint (--max_restarts='
+                           f'{self.max_restarts}); the last committed checkpoint is step {step}')
         wait = self.delay(failures)
       self.log.emit('exit', **record, restart_in=round(wait, 3))
       self.say(f'supervise: attempt {attempt} {reason} at committed step {step}; restarting in '

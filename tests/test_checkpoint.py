@@ -42,7 +42,8 @@ def _launch(workdir, *extra) -> subprocess.Popen:
 
 
 def _train_losses(workdir) -> dict[int, float]:
-  """step -> loss of the *last* record for that step (a resumed run appends its own)."""
+  """step -> loss of the train records (each step once: a resumed run moves the ones it trains
+  again to metrics.superseded.jsonl)."""
   losses = {}
   with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
     for line in f:

@@ -101,7 +101,7 @@ def _records(workdir, split: str) -> list[dict]:
 
 
 def _losses(workdir) -> dict[int, float]:
-  """step -> loss of the last train record for it (a resumed run appends its own)."""
+  """step -> loss of the train records (each step once, also after a resume)."""
   return {r['step']: r['loss'] for r in _records(workdir, 'train')}
 
 
