@@ -8,6 +8,7 @@ ConfigDict rejects unknown fields); `from_config_dict` turns the result back int
 
 import copy
 import dataclasses
+import re
 import sys
 import typing
 from typing import Any
@@ -239,6 +240,25 @@ class ProfileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TrackingConfig:
+  """Experiment trackers that process 0 feeds (disttrain/tracking.py); optional extras, off."""
+  mlflow_uri: str = ''  # MLflow: sqlite:////ABS/mlflow.db, http://HOST:5000, ...; '' = off
+  wandb_mode: str = ''  # Weights & Biases: online or offline (no account needed); '' = off
+  project: str = 'disttrain'  # MLflow experiment and W&B project
+  run_name: str = ''  # the tracker run's name; '' = the workdir's base name
+  wandb_dir: str = ''  # where W&B keeps its run files; '' = the workdir (if local), else W&B's own
+
+  def __post_init__(self):
+    _one_of('tracking.wandb_mode', self.wandb_mode, ('', 'online', 'offline'))
+    # MLflow takes a bare path as its deprecated file store: ask for an explicit scheme.
+    if self.mlflow_uri and not re.match(r'^[a-zA-Z][a-zA-Z0-9+.-]*:', self.mlflow_uri):
+      raise ConfigError(f'tracking.mlflow_uri={self.mlflow_uri!r} is not a URI; pass e.g. '
+                        'sqlite:////ABS/PATH/mlflow.db or http://HOST:5000')
+    if (self.mlflow_uri or self.wandb_mode) and not self.project:
+      raise ConfigError("tracking.project='' names no MLflow experiment / W&B project; pass one")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   """A whole run. Every field is documented in README.md (Config fields)."""
   seed: int = 0
@@ -288,6 +308,7 @@ class Config:
   peak_flops_per_device: float = 0.0  # for MFU; 0 = from the accelerator table (none on CPU)
   early_stop: EarlyStopConfig = EarlyStopConfig()
   profile: ProfileConfig = ProfileConfig()
+  tracking: TrackingConfig = TrackingConfig()  # MLflow / W&B (README, Experiment trackers)
   # Seconds without a finished step before every process dumps its stacks and the job stops;
   # -1 = 600 for multi-process runs and off for one process, 0 = off.
   watchdog_seconds: int = -1

@@ -14,7 +14,7 @@ from disttrain import events, lease as lease_lib, metrics
 from disttrain import mesh as mesh_lib
 from disttrain import run as run_lib
 from disttrain import state as state_lib
-from disttrain import timing, watchdog
+from disttrain import timing, tracking, watchdog
 from disttrain.config import Config
 from disttrain.run import Setup, setup
 
@@ -87,7 +87,8 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
                f'step_mode={cfg.step_mode}, sharding={cfg.sharding}, data='
                f'{cfg.data.name if train_data is None else run.train_data.kind} '
                f'({len(run.train_data)} train / {evals})')
-  hooks = callbacks_lib.Callbacks([*callbacks, *callbacks_lib.from_config(cfg.early_stop)])
+  hooks = callbacks_lib.Callbacks([*callbacks, *callbacks_lib.from_config(cfg.early_stop),
+                                   *tracking.from_config(cfg, workdir)])
   with contextlib.ExitStack() as stack:  # closed in reverse: saves commit before the writer goes
     stack.callback(writer.close)
     ckpt = checkpoint.Checkpointer(workdir, cfg)
