@@ -16,7 +16,8 @@ from typing import Callable
 import jax
 import numpy as np
 
-from disttrain import checkpoint, data, distributed, metrics, optim, step as step_lib, timing
+from disttrain import checkpoint, data, distributed, metrics, optim, step as step_lib, storage
+from disttrain import timing
 from disttrain.callbacks import Callbacks
 from disttrain.compiled import Steps
 from disttrain.config import Config
@@ -232,9 +233,9 @@ class Saver:
 
   def __init__(self, cfg: Config, ckpt: checkpoint.Checkpointer, steps: Steps,
                batches: data.TrainIterator, hooks: Callbacks, phases: timing.Phases,
-               meta: Callable[[int], dict]):
+               meta: Callable[[int], dict], sync: Callable[[], None] = lambda: None):
     self.cfg, self.ckpt, self.steps, self.batches = cfg, ckpt, steps, batches
-    self.hooks, self.phases, self.meta = hooks, phases, meta
+    self.hooks, self.phases, self.meta, self.sync = hooks, phases, meta, sync
 
   def last_saved(self) -> str:
     """'the last checkpoint is step N in DIR' or 'there is no checkpoint yet in DIR'."""
@@ -262,7 +263,8 @@ class Saver:
                              'learning_rate')
       self.ckpt.save(step_no, exported, self.batches.get_state(), self.meta(step_no),
                      metrics=evals)
-    self.hooks.call('on_checkpoint', step_no, os.path.join(self.ckpt.directory, str(step_no)))
+      self.sync()  # a bucket workdir's records reach the bucket with each checkpoint
+    self.hooks.call('on_checkpoint', step_no, storage.join(self.ckpt.directory, str(step_no)))
     return True
 
 
@@ -309,7 +311,8 @@ class Profiler:
   def __init__(self, cfg: Config, workdir: str, writer: metrics.Writer, phases: timing.Phases):
     self.start, self.num = cfg.profile.start_step, cfg.profile.num_steps
     self.enabled = bool(self.num) and (cfg.profile.all_processes or jax.process_index() == 0)
-    self.workdir, self.writer, self.phases = os.path.abspath(workdir), writer, phases
+    # Traces go where the writer writes (a bucket workdir's local mirror, uploaded after).
+    self.workdir, self.writer, self.phases = writer.local, writer, phases
     self.k = cfg.steps_per_dispatch
     self.tracing = False
 
@@ -335,6 +338,9 @@ class Profiler:
         jax.profiler.stop_trace()
       self.tracing = False
       runs = sorted(glob.glob(os.path.join(self.workdir, 'plugins', 'profile', '*')))
-      where = runs[-1] if runs else os.path.join(self.workdir, 'plugins', 'profile')
-      self.writer.print(f'profile: steps {self.start}-{step_no} traced into {where} '
-                        f'(tensorboard --logdir={self.workdir}, Profile tab)')
+      where = os.path.relpath(runs[-1] if runs else os.path.join(self.workdir, 'plugins',
+                                                                 'profile'), self.workdir)
+      self.writer.sync()
+      self.writer.print(f'profile: steps {self.start}-{step_no} traced into '
+                        f'{storage.join(self.writer.workdir, where)} (tensorboard '
+                        f'--logdir={self.writer.workdir}, Profile tab)')

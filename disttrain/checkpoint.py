@@ -6,12 +6,13 @@ cleaned up when the next run opens the manager. Restores build the abstract stat
 *current* mesh's shardings and let orbax reshard. A latest checkpoint that fails to restore while
 an older one restores is moved aside to DIR/checkpoints/corrupt/ (kept for inspection, never
 deleted) and the older one is used; if none restores, nothing is moved and the error is raised.
-Nothing here deletes a complete checkpoint: only keep-N retention does.
+Nothing here deletes a complete checkpoint: only keep-N retention does. In a bucket (gs://, s3://;
+disttrain/storage.py) a step commits by its marker file instead of a rename: a step without it is
+never listed and is cleaned up like a local temporary directory.
 """
 
 import contextlib
 import errno
-import os
 import shutil
 import time
 from typing import Any
@@ -24,6 +25,7 @@ from absl import logging
 from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
 from disttrain import sharding as sharding_lib
+from disttrain import storage
 from disttrain.config import Config
 from disttrain.errors import CheckpointError, first_line
 
@@ -56,7 +58,7 @@ class Checkpointer:
   """One run's checkpoints: save every N steps and at the end, keep N (and the best), restore."""
 
   def __init__(self, workdir: str, cfg: Config):
-    self.directory = os.path.abspath(os.path.join(workdir, 'checkpoints'))
+    self.directory = storage.join(storage.resolve(workdir), 'checkpoints')
     keep = [policies.LatestN(n=cfg.max_to_keep)]
     if cfg.best_metric:
       keep.append(policies.BestN(get_metric_fn=lambda m: m[cfg.best_metric],
@@ -65,7 +67,10 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         preservation_policy=policies.AnyPreservationPolicy(keep),
         cleanup_tmp_directories=True,  # torn saves from killed runs
-        enable_async_checkpointing=True)
+        enable_async_checkpointing=True,
+        # Object stores have no atomic rename: commit by marker (orbax does so for gs:// itself).
+        temporary_path_class=(ocp.path.atomicity.CommitFileTemporaryPath
+                              if storage.is_bucket(self.directory) else None))
     self._manager = _Manager(self.directory, options=options,
                                           item_handlers=_handlers())
     self._started: list[int] = []  # steps whose save was started, oldest first
@@ -102,8 +107,8 @@ class Checkpointer:
       self._need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
       self._need += 2**16  # metadata and the data iterator's state; arrays are stored at most raw
     try:
-      free = shutil.disk_usage(self.directory).free
-    except OSError:  # not a local path, or not made yet: the save itself will tell
+      free = -1 if storage.is_bucket(self.directory) else shutil.disk_usage(self.directory).free
+    except OSError:  # not made yet: the save itself will tell
       free = -1
     if jax.process_count() > 1:  # every process must take process 0's decision
       free = float(multihost_utils.broadcast_one_to_all(np.float32(free / 2**20))) * 2**20
@@ -166,11 +171,10 @@ class Checkpointer:
   def _quarantine(self, steps: list[int]) -> None:
     """Moves unreadable steps aside (never deleted) so later saves can reuse their numbers."""
     if jax.process_index() == 0:
-      corrupt = os.path.join(self.directory, 'corrupt')
-      os.makedirs(corrupt, exist_ok=True)
+      root = storage.path(self.directory)
+      (root / 'corrupt').mkdir(parents=True, exist_ok=True)
       for step in steps:
-        os.rename(os.path.join(self.directory, str(step)),
-                  os.path.join(corrupt, f'{step}-{int(time.time())}'))
+        (root / str(step)).rename(root / 'corrupt' / f'{step}-{int(time.time())}')
     if jax.process_count() > 1:  # every process must see the moves before listing steps again
       multihost_utils.sync_global_devices('disttrain_checkpoint_quarantine')
     self._manager.reload()
@@ -208,11 +212,11 @@ def restore_params(path: str, abstract_state: Any) -> tuple[Any, Any, int]:
 
   `path` is a checkpoints directory (its latest step is used) or one step directory in it.
   """
-  path = os.path.abspath(path)
+  path = storage.resolve(path)
   directory, step = path, None
-  if os.path.basename(path).isdigit():
-    directory, step = os.path.dirname(path), int(os.path.basename(path))
-  if not os.path.isdir(directory):
+  if path.rstrip('/').rsplit('/', 1)[-1].isdigit():
+    directory, step = path.rsplit('/', 1)[0], int(path.rsplit('/', 1)[-1])
+  if not storage.path(directory).is_dir():
     raise CheckpointError(f'restore_from={path!r} does not exist; pass a checkpoints directory '
                           'or one of its step directories')
   manager = _Manager(directory, item_handlers=_handlers(),
@@ -229,8 +233,8 @@ def restore_params(path: str, abstract_state: Any) -> tuple[Any, Any, int]:
 
 
 def _steps_dir(workdir: str) -> str:
-  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
-  if not os.path.isdir(directory):
+  directory = storage.join(storage.resolve(workdir), 'checkpoints')
+  if not storage.path(directory).is_dir():
     raise CheckpointError(f'--workdir={workdir!r} has no checkpoints directory; pass the workdir '
                           'of a run that saved a checkpoint')
   return directory
@@ -255,7 +259,7 @@ def run_config(workdir: str, step: int | None = None) -> tuple[dict, int]:
 def restore_subtree(workdir: str, step: int, abstract: dict) -> dict:
   """Part of a saved TrainState, e.g. {'params': ShapeDtypeStructs with shardings}: only those
   arrays are read (no optimizer state), resharded onto the given shardings."""
-  path = os.path.join(_steps_dir(workdir), str(step), 'state')
+  path = storage.join(_steps_dir(workdir), str(step), 'state')
   restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
   return ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
       item=abstract, restore_args=restore_args, partial_restore=True))

@@ -14,21 +14,19 @@ import os
 import socket
 import time
 
+from disttrain import storage
+
 FILE = 'events.jsonl'
 
 
 def read(workdir: str) -> list[dict]:
   """Every complete event of the run, oldest first (a line cut short by a kill is skipped)."""
-  path = os.path.join(workdir, FILE)
-  if not os.path.isfile(path):
-    return []
   out = []
-  with open(path, encoding='utf-8') as f:
-    for line in f:
-      try:
-        out.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
+  for line in (storage.read_text(storage.join(workdir, FILE)) or '').splitlines():
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
   return out
 
 
@@ -41,7 +39,7 @@ class EventLog:
   """Appends events to DIR/events.jsonl; silent where not `enabled` (processes other than 0)."""
 
   def __init__(self, workdir: str, enabled: bool):
-    self.path = os.path.join(workdir, FILE)
+    self.path = storage.join(workdir, FILE)
     self.enabled = enabled
     self.attempt = next_attempt(workdir) if enabled else 0
     self.started = False
@@ -50,11 +48,9 @@ class EventLog:
   def emit(self, event: str, at: float | None = None, **fields) -> None:
     if not self.enabled:
       return
-    os.makedirs(os.path.dirname(self.path) or '.', exist_ok=True)
     record = {'time': round(time.time() if at is None else at, 3), 'event': event,
               'attempt': self.attempt, **fields}
-    with open(self.path, 'a', encoding='utf-8') as f:
-      f.write(json.dumps(record) + '\n')
+    storage.append_line(self.path, json.dumps(record))
 
   def start(self, processes: int) -> None:
     """The attempt's first event, dated when this log was made (train() was called)."""

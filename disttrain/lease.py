@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 
+from disttrain import storage
 from disttrain.errors import ConfigError
 
 FILE = 'lease.json'
@@ -52,7 +53,7 @@ class Lease:
   """Held from `acquire()` to `release()`; `seconds` <= 0 disables it."""
 
   def __init__(self, workdir: str, seconds: float, attempt: int = 0):
-    self.path = os.path.join(workdir, FILE)
+    self.workdir, self.path = workdir, storage.join(workdir, FILE)
     self.seconds = seconds
     self.me = {'host': socket.gethostname(), 'pid': os.getpid(), 'attempt': attempt,
                'started': round(time.time(), 3), 'pid_start': _started(os.getpid())}
@@ -61,21 +62,19 @@ class Lease:
 
   def _read(self) -> dict | None:
     try:
-      with open(self.path, encoding='utf-8') as f:
-        return json.load(f)
+      return json.loads(storage.read_text(self.path) or 'null')
     except (OSError, json.JSONDecodeError):  # none, or one being replaced right now
       return None
 
   def _write(self) -> None:
-    tmp = f'{self.path}.{self.me["pid"]}.tmp'
-    with open(tmp, 'w', encoding='utf-8') as f:
-      json.dump({**self.me, 'refreshed': round(time.time(), 3), 'seconds': self.seconds}, f)
-    os.replace(tmp, self.path)  # readers see the old lease or the new one, never half of one
+    # Readers see the old lease or the new one, never half of one.
+    storage.write_text(self.path, json.dumps(
+        {**self.me, 'refreshed': round(time.time(), 3), 'seconds': self.seconds}))
 
   def _refuse(self, holder: dict) -> None:
     age = time.time() - holder.get('refreshed', 0)
     raise ConfigError(
-        f'{os.path.dirname(self.path)} is in use by another run (host {holder.get("host")}, pid '
+        f'{self.workdir} is in use by another run (host {holder.get("host")}, pid '
         f'{holder.get("pid")}, attempt {holder.get("attempt")}, started '
         f'{time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))}, lease '
         f'refreshed {age:.0f}s ago); wait for it to end or stop it, or pass another --workdir')
@@ -106,10 +105,9 @@ class Lease:
     if holder is not None:
       self._outlive(holder)
     try:
-      os.makedirs(os.path.dirname(self.path) or '.', exist_ok=True)
       self._write()
     except OSError as e:
-      raise ConfigError(f'workdir={os.path.dirname(self.path)!r} cannot be used ({e.strerror}); '
+      raise ConfigError(f'workdir={self.workdir!r} cannot be used ({e.strerror}); '
                         'pass a writable directory path') from e
     self._thread = threading.Thread(target=self._refresh, name='disttrain-lease', daemon=True)
     self._thread.start()
@@ -118,7 +116,8 @@ class Lease:
     while not self._stop.wait(self.seconds / 4):
       try:
         self._write()
-      except OSError:  # a full disk or a gone mount: the run itself will say so
+      except Exception:  # pylint: disable=broad-except
+        # A full disk, a gone mount or an unreachable bucket: the run itself will say so.
         pass
 
   def release(self) -> None:
@@ -130,4 +129,4 @@ class Lease:
     holder = self._read()
     if holder is not None and holder.get('pid') == self.me['pid'] \
         and holder.get('host') == self.me['host']:
-      os.remove(self.path)
+      storage.path(self.path).unlink(missing_ok=True)

@@ -14,7 +14,7 @@ from disttrain import events, lease as lease_lib, metrics
 from disttrain import mesh as mesh_lib
 from disttrain import run as run_lib
 from disttrain import state as state_lib
-from disttrain import timing, tracking, watchdog
+from disttrain import storage, timing, tracking, watchdog
 from disttrain.config import Config
 from disttrain.run import Setup, setup
 
@@ -52,8 +52,12 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
   (see disttrain.callbacks). Sharding, data, checkpoints and logging stay the same. Resumes from
   the newest complete checkpoint in `workdir` if there is one. `devices` defaults to every device
   of every process. Raises NonFiniteError on a NaN/Inf loss or gradient norm, Preempted after
-  saving on SIGTERM and Interrupted after saving on Ctrl-C.
+  saving on SIGTERM and Interrupted after saving on Ctrl-C. `workdir` is a local directory or a
+  bucket URL (gs://BUCKET/PATH, s3://BUCKET/PATH; disttrain/storage.py).
   """
+  workdir = storage.resolve(workdir)
+  if storage.is_bucket(workdir) and jax.process_index() == 0:
+    storage.check_writable(workdir)  # a missing bucket or credentials: one line, before the run
   log = events.EventLog(workdir, enabled=jax.process_index() == 0)
   # Before anything touches the workdir: another live run there keeps it (disttrain/lease.py).
   lease = lease_lib.Lease(workdir, cfg.lease_seconds if jax.process_index() == 0 else 0,
@@ -88,7 +92,7 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
                f'{cfg.data.name if train_data is None else run.train_data.kind} '
                f'({len(run.train_data)} train / {evals})')
   hooks = callbacks_lib.Callbacks([*callbacks, *callbacks_lib.from_config(cfg.early_stop),
-                                   *tracking.from_config(cfg, workdir)])
+                                   *tracking.from_config(cfg, workdir, writer.local)])
   with contextlib.ExitStack() as stack:  # closed in reverse: saves commit before the writer goes
     stack.callback(writer.close)
     ckpt = checkpoint.Checkpointer(workdir, cfg)
@@ -169,7 +173,7 @@ class _Actions:
     cfg = run.cfg
     out = actions.Output(writer, [], hooks)
     saver = actions.Saver(cfg, ckpt, run.steps, batches, hooks, phases,
-                          lambda at: _meta(cfg, run.mesh, at, hooks))
+                          lambda at: _meta(cfg, run.mesh, at, hooks), sync=writer.sync)
     return cls(out=out,
                records=actions.TrainRecords(cfg, out, phases, run.lr_schedule, throughput,
                                             saver.last_saved),

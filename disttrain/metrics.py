@@ -10,7 +10,10 @@ import os
 
 from tensorboardX import SummaryWriter
 
+from disttrain import storage
 from disttrain.errors import ConfigError
+
+_KEPT = ('metrics.jsonl', 'metrics.superseded.jsonl')  # what a bucket workdir's mirror starts from
 
 
 class Writer:
@@ -19,17 +22,22 @@ class Writer:
   A run that starts at step S (resumed, or started again) first moves the records of steps after
   S, written by an attempt that died before its next checkpoint, from metrics.jsonl to
   metrics.superseded.jsonl, and TensorBoard purges its events from step S + 1 on: every reader
-  then sees each step once, as if the run had never been interrupted.
+  then sees each step once, as if the run had never been interrupted. In a bucket workdir the
+  files are written to `local` (storage.Mirror) and uploaded at most every 30 s, at every
+  checkpoint (`sync`) and at the end.
   """
 
   def __init__(self, workdir: str, enabled: bool):
     self.enabled = enabled
     self.workdir = workdir
-    self._jsonl = self._tb = None
+    self.local = workdir  # where this process writes files (a bucket's local mirror)
+    self._jsonl = self._tb = self._mirror = None
     if enabled:
       try:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8'):
+        self._mirror = storage.Mirror(workdir, pull=_KEPT)
+        self.local = self._mirror.local
+        os.makedirs(self.local, exist_ok=True)
+        with open(os.path.join(self.local, 'metrics.jsonl'), 'a', encoding='utf-8'):
           pass
       except OSError as e:
         raise ConfigError(f'workdir={workdir!r} cannot be used ({e.strerror}); pass a writable '
@@ -40,17 +48,24 @@ class Writer:
     step of the records it moved aside (steps a killed attempt trained past its checkpoint)."""
     if not self.enabled:
       return None
-    path = os.path.join(self.workdir, 'metrics.jsonl')
+    path = os.path.join(self.local, 'metrics.jsonl')
     moved = supersede(path, first_step)
     self._jsonl = open(path, 'a', encoding='utf-8')
-    self._tb = SummaryWriter(logdir=self.workdir, purge_step=first_step + 1)
+    self._tb = SummaryWriter(logdir=self.local, purge_step=first_step + 1)
+    self.sync()
     return max(moved, default=None)
+
+  def sync(self, force: bool = True) -> None:
+    """Uploads what changed (bucket workdirs; a no-op for local ones)."""
+    if self._mirror is not None:
+      self._mirror.push(force)
 
   def write_run(self, info: dict) -> None:
     """DIR/run.json: resolved config and layout, so anyone can see how the run was laid out."""
     if self.enabled:
-      with open(os.path.join(self.workdir, 'run.json'), 'w', encoding='utf-8') as f:
+      with open(os.path.join(self.local, 'run.json'), 'w', encoding='utf-8') as f:
         json.dump(info, f, indent=2, sort_keys=True)
+      self.sync()
 
   def write(self, record: dict) -> None:
     """One JSON line; numeric fields also go to TensorBoard as '<split>/<name>'."""
@@ -62,6 +77,7 @@ class Writer:
       if name not in ('step', 'split') and isinstance(value, (int, float)):
         self._tb.add_scalar(f'{record["split"]}/{name}', value, record['step'])
     self._tb.flush()
+    self.sync(force=False)
 
   def print(self, line: str) -> None:
     if self.enabled:
@@ -71,6 +87,9 @@ class Writer:
     if self._jsonl is not None:
       self._jsonl.close()
       self._tb.close()
+    self.sync()
+    if self._mirror is not None:
+      self._mirror.close()
 
 
 def supersede(path: str, first_step: int) -> list[int]:

@@ -13,6 +13,8 @@ import sys
 
 from absl import app, flags
 
+from disttrain import storage
+
 _OUT = flags.DEFINE_string('out', 'curves.png', 'Where the PNG goes.')
 _METRICS = flags.DEFINE_list('metrics', ['loss', 'accuracy'], 'Record fields to plot, one panel '
                              'each (a field no run has is left out).')
@@ -20,17 +22,17 @@ _METRICS = flags.DEFINE_list('metrics', ['loss', 'accuracy'], 'Record fields to 
 
 def read(run_dir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
   """{split: {metric: [(step, value), ...]}} from RUN_DIR/metrics.jsonl, last record per step."""
-  path = os.path.join(run_dir, 'metrics.jsonl')
-  if not os.path.isfile(path):
+  path = storage.join(run_dir, 'metrics.jsonl')  # a local directory or a bucket
+  text = storage.read_text(path)
+  if text is None:
     raise FileNotFoundError(f'{path} does not exist; pass run directories (--workdir of a run)')
   latest: dict[tuple[str, int], dict] = {}
-  with open(path, encoding='utf-8') as f:
-    for line in f:
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:  # a line being written by a live run
-        continue
-      latest[(record['split'], record['step'])] = record
+  for line in text.splitlines():
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:  # a line being written by a live run
+      continue
+    latest[(record['split'], record['step'])] = record
   curves: dict[str, dict[str, list]] = {}
   for (split, step), record in sorted(latest.items(), key=lambda item: item[0][1]):
     for name, value in record.items():

@@ -33,14 +33,14 @@ from disttrain.callbacks import Callback
 from disttrain.errors import ConfigError, first_line
 
 
-def from_config(cfg, workdir: str) -> list:
+def from_config(cfg, workdir: str, local: str | None = None) -> list:
   """The trackers cfg.tracking enables, in a fixed order (their checkpointed state is matched by
-  position)."""
+  position). `local`: where process 0's metrics.jsonl is written (a bucket workdir's mirror)."""
   out = []
   if cfg.tracking.mlflow_uri:
-    out.append(MlflowTracker(cfg, workdir))
+    out.append(MlflowTracker(cfg, workdir, local))
   if cfg.tracking.wandb_mode:
-    out.append(WandbTracker(cfg, workdir))
+    out.append(WandbTracker(cfg, workdir, local))
   return out
 
 
@@ -86,8 +86,8 @@ def _jsonl(path: str) -> list[dict]:
 class _Tracker(Callback):
   """Run id in checkpoints, the catch-up from metrics.jsonl, the skip of held steps."""
 
-  def __init__(self, cfg, workdir: str):
-    self.cfg, self.workdir = cfg, workdir
+  def __init__(self, cfg, workdir: str, local: str | None = None):
+    self.cfg, self.workdir, self.local = cfg, workdir, local or workdir
     self.run_id = ''  # '' until the tracker run is created or restored from a checkpoint
     self.primary = jax.process_index() == 0
     self.name = cfg.tracking.run_name or os.path.basename(os.path.normpath(workdir))
@@ -105,7 +105,7 @@ class _Tracker(Callback):
       return
     self._held = self._start()
     # The loop has superseded metrics.jsonl by now: it holds the steps up to the checkpoint.
-    for record in _jsonl(os.path.join(self.workdir, 'metrics.jsonl')):
+    for record in _jsonl(os.path.join(self.local, 'metrics.jsonl')):
       self._add(record)
 
   def _add(self, record: dict) -> None:
@@ -157,8 +157,8 @@ def _held(steps: list[tuple[str, int]]) -> dict:
 class MlflowTracker(_Tracker):
   """An MLflow run through MlflowClient (a sqlite:// URI or a tracking server)."""
 
-  def __init__(self, cfg, workdir: str):
-    super().__init__(cfg, workdir)
+  def __init__(self, cfg, workdir: str, local: str | None = None):
+    super().__init__(cfg, workdir, local)
     _import('mlflow', 'tracking.mlflow_uri', 'mlflow')
     self.client = None
 
@@ -243,8 +243,8 @@ def wandb_history(wandb_dir: str, run_id: str, skip: str = '') -> list[dict]:
 class WandbTracker(_Tracker):
   """A W&B run (online, or offline: files under the W&B directory, `wandb sync` uploads them)."""
 
-  def __init__(self, cfg, workdir: str):
-    super().__init__(cfg, workdir)
+  def __init__(self, cfg, workdir: str, local: str | None = None):
+    super().__init__(cfg, workdir, local)
     _import('wandb', 'tracking.wandb_mode', 'wandb')
     self.dir = cfg.tracking.wandb_dir or (workdir if '://' not in workdir else None)
     self.run = None

@@ -14,11 +14,13 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 
 import jax
 
+from disttrain import storage
 from disttrain.exitcodes import Exit
 from disttrain.timing import Phases
 
@@ -41,7 +43,7 @@ class Watchdog:
 
   def __init__(self, seconds: float, phases: Phases, workdir: str):
     self.seconds, self.phases = seconds, phases
-    self.folder = os.path.join(os.path.abspath(workdir), 'hang')
+    self.folder = storage.join(workdir, 'hang')
     self._stop = threading.Event()
     self._thread = None
     if seconds > 0:
@@ -68,13 +70,13 @@ class Watchdog:
             f'finished no step for {silent:.0f}s (watchdog_seconds={self.seconds:g}); last '
             f'finished step {status["last_step"]}, waiting for '
             f'{_WAITING.get(status["waiting_for"], status["waiting_for"])}')
-    os.makedirs(self.folder, exist_ok=True)
-    path = os.path.join(self.folder, f'process_{status["process"]}.txt')
-    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    with tempfile.TemporaryFile('w+', encoding='utf-8') as f:  # faulthandler needs a real file
       f.write(json.dumps(status) + '\n' + line + '\n\n')
       f.flush()
       faulthandler.dump_traceback(f, all_threads=True)
-    os.replace(path + '.tmp', path)  # complete files only: process 0 reads them
+      f.seek(0)
+      # Complete files only (process 0 reads them), in the workdir, local or a bucket.
+      storage.write_text(storage.join(self.folder, f'process_{status["process"]}.txt'), f.read())
     print(line, file=sys.stderr, flush=True)
     faulthandler.dump_traceback(sys.stderr, all_threads=True)
     reports = self._reports(jax.process_count())
@@ -90,9 +92,9 @@ class Watchdog:
       reports = []
       for i in range(count):
         try:
-          with open(os.path.join(self.folder, f'process_{i}.txt'), encoding='utf-8') as f:
-            reports.append(json.loads(f.readline()))
-        except (OSError, ValueError):
+          text = storage.read_text(storage.join(self.folder, f'process_{i}.txt'))
+          reports.append(json.loads(text.split('\n', 1)[0]))
+        except (OSError, ValueError, AttributeError):  # not written yet (AttributeError: None)
           continue
       if len(reports) == count or time.monotonic() > deadline:
         return reports

@@ -26,7 +26,7 @@ import time
 
 from absl import app, flags
 
-from disttrain import events
+from disttrain import events, storage
 from disttrain.exitcodes import Exit, Verdict, describe, shell_status, verdict
 
 _MAX_RESTARTS = flags.DEFINE_integer(
@@ -41,12 +41,12 @@ _MAX_BACKOFF = flags.DEFINE_float('max_backoff_seconds', 300, 'Longest delay bet
 
 
 def committed_step(workdir: str) -> int:
-  """The newest complete checkpoint of the run (orbax renames a finished save to its step)."""
+  """The newest complete checkpoint of the run, in a local directory or a bucket."""
   try:
-    names = os.listdir(os.path.join(workdir, 'checkpoints'))
-  except OSError:
+    return max(storage.committed_steps(storage.join(storage.resolve(workdir), 'checkpoints')),
+               default=0)
+  except Exception:  # pylint: disable=broad-except  # storage down: progress unknown, not made
     return 0
-  return max((int(n) for n in names if n.isdigit()), default=0)
 
 
 def workdir_of(command: list[str]) -> str | None:

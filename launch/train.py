@@ -135,7 +135,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(f'--fake_devices={_FAKE_DEVICES.value} must be >= 1; pass a device count such as '
           '--fake_devices=8, or leave it out to use the real devices')
   workdir = _WORKDIR.value
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
+  from disttrain import errors, storage  # pylint: disable=g-import-not-at-top
+  try:
+    bucket = storage.is_bucket(storage.resolve(workdir))  # a bad URL or a missing extra: now
+  except errors.DisttrainError as e:
+    _fail(str(e))
+  if not bucket and os.path.exists(workdir) and not os.path.isdir(workdir):
     _fail(f'--workdir={workdir!r} is a file, not a directory; pass a directory path (it is '
           'created if missing)')
   return rest

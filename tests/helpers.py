@@ -77,19 +77,20 @@ def tensorboard_scalars(workdir, tag: str) -> dict[int, float]:
 
 
 def metrics_records(workdir, split: str = 'train') -> list[dict]:
-  """metrics.jsonl's records of `split` in file order (a reader that takes the file as it is)."""
+  """metrics.jsonl's records of `split` in file order (a reader that takes the file as it is),
+  from a local workdir or a bucket."""
   import json  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
-    return [r for r in map(json.loads, f) if r['split'] == split]
+  from disttrain import storage  # pylint: disable=g-import-not-at-top
+  text = storage.read_text(storage.join(str(workdir), 'metrics.jsonl'))
+  return [r for r in map(json.loads, text.splitlines()) if r['split'] == split]
 
 
 def saved_params(workdir, step: int) -> list[np.ndarray]:
   """The parameter leaves of WORKDIR's checkpoint `step` as numpy arrays, whatever the mesh or
   the process count that saved it."""
-  import os  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  path = os.path.join(workdir, 'checkpoints', str(step), 'state')
+  from disttrain import storage  # pylint: disable=g-import-not-at-top
+  path = storage.join(storage.resolve(str(workdir)), 'checkpoints', str(step), 'state')
   checkpointer = ocp.PyTreeCheckpointer()
   tree = checkpointer.metadata(path).item_metadata.tree
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)

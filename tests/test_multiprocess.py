@@ -20,14 +20,15 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import psutil
 import pytest
 
 import disttrain
 from disttrain import config as config_lib
-from disttrain import distributed, goodput
-from tests import helpers
+from disttrain import distributed, goodput, storage
+from tests import buckets, helpers
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # each test starts a cluster of processes
@@ -514,3 +515,56 @@ def test_supervisor_restarts_a_killed_job_to_the_uninterrupted_end(runs, tmp_pat
   assert report['seconds']['lost_steps'] > 0 and 0 < report['fractions']['productive'] < 1
   assert abs(sum(report['seconds'].values()) - report['wall_seconds']) < 0.05 * report['wall_seconds']
   assert not _job_processes(tmp_path), 'processes of the job remain'
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. A job whose workdir is a bucket (local GCS and S3 servers, tests/buckets.py) survives a
+#    killed process like a local one.
+
+@pytest.fixture(scope='module')
+def servers():
+  with buckets.running() as srv:
+    yield srv
+
+
+@pytest.mark.parametrize('scheme', ['gs', 's3'])
+def test_bucket_job_killed_restarts_to_the_uninterrupted_end(runs, servers, scheme):
+  """Process 1 of a supervised 2 x 4 job writing to gs:// or s3:// is SIGKILLed after the
+  step-10 checkpoint committed in the bucket: the gang restarts from the bucket's checkpoint and
+  ends with the uninterrupted local run's losses and parameters (bitwise); keep-2 leaves exactly
+  two steps in the bucket; the checkpoint restores onto 1 x 8; no client left the loopback."""
+  two, _ = runs('jit')
+  url = servers.bucket(scheme, f'job-{scheme}') + '/run'
+  overrides = {**BASE, **CASES['jit'], 'checkpoint_every_steps': 5, 'max_to_keep': 2}
+  command = [sys.executable, 'launch/supervise.py', '--backoff_seconds=0.5', '--',
+             *_cluster_cmd(*_train_flags(overrides, url, OPS), grace=5)]
+  proc = subprocess.Popen(command, cwd=ROOT, env={**_env(), 'SLOW_READS': '0.1'},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 180
+    while max(storage.committed_steps(url + '/checkpoints'), default=0) < 10:
+      assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+      time.sleep(0.2)
+    time.sleep(0.5)  # a few steps past the checkpoint, lost with the kill
+    (victim,) = [p for p in _job_processes(url) if '--process_id=1' in p.cmdline()]
+    victim.send_signal(signal.SIGKILL)
+    out, _ = proc.communicate(timeout=JOB_TIMEOUT + 60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 0, out[-4000:]
+  assert f'supervise: attempt 1 killed by SIGKILL at committed step' in out, out[-4000:]
+  assert '[0] resumed from step' in out
+  train = helpers.metrics_records(url)
+  assert [r['step'] for r in train] == list(range(1, STEPS + 1))
+  assert {r['step']: r['loss'] for r in train} == _losses(two)  # bitwise, every step
+  assert sorted(p.name for p in storage.path(url + '/checkpoints').iterdir()) == ['25', '30']
+  for a, b in zip(helpers.saved_params(url, STEPS), helpers.saved_params(two, STEPS), strict=True):
+    np.testing.assert_array_equal(a, b)
+  restored = disttrain.train(_config(overrides), url)  # onto 1 x 8: nothing left to train
+  assert restored.step == STEPS
+  for a, b in zip(jax.tree.leaves(helpers.to_numpy(restored.state.params)),
+                  helpers.saved_params(two, STEPS), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert [e['event'] for e in disttrain.events.read(url)].count('restore') == 2
+  assert not servers.hits, servers.hits

@@ -1,0 +1,148 @@
+"""Bucket workdirs (gs://, s3://) against real protocol servers on 127.0.0.1 (tests/buckets.py).
+
+Every test here ends by checking that no client tried a metadata service or a public endpoint.
+The 2-process jobs killed and resumed in a bucket are in tests/test_multiprocess.py.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import disttrain
+from disttrain import storage
+from disttrain.errors import ConfigError
+from tests import buckets, helpers
+from tests.conftest import ROOT
+
+LAUNCH = [sys.executable, str(ROOT / 'launch' / 'train.py'),
+          f'--config={ROOT / "launch" / "configs" / "mnist_mlp.py"}', '--fake_devices=8',
+          '--config.model.hidden=64', '--config.global_batch_size=64',
+          '--config.log_every_steps=1']
+RUN = {'num_train_steps': 30, 'checkpoint_every_steps': 5, 'max_to_keep': 2,
+       'log_every_steps': 1}
+
+
+@pytest.fixture(scope='module')
+def servers():
+  with buckets.running() as srv:
+    yield srv
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_loopback(servers):
+  yield
+  assert not servers.hits, f'a client probed outside the loopback servers: {servers.hits}'
+
+
+def _env() -> dict:
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  return env
+
+
+def _launch(workdir: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+  return subprocess.Popen(LAUNCH + [f'--workdir={workdir}', *extra], env=env or _env(),
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _names(url: str) -> list[str]:
+  return sorted(p.name for p in storage.path(url).iterdir())
+
+
+@pytest.fixture(scope='module')
+def local_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('local')
+  result = disttrain.train(helpers.make_config(**RUN), str(workdir))
+  return workdir, result
+
+
+@pytest.mark.parametrize('scheme', ['gs', 's3'])
+def test_bucket_run_resumes_and_equals_a_local_run(servers, local_run, scheme):
+  """20 steps into a bucket, then on to 30 from its checkpoint: every output is in the bucket,
+  keep-2 left exactly 2 steps there, and losses, curves and parameters equal a local run's."""
+  url = servers.bucket(scheme, f'equal-{scheme}') + '/runs/a'
+  disttrain.train(helpers.make_config(**{**RUN, 'num_train_steps': 20}), url)
+  assert storage.committed_steps(url + '/checkpoints') == [15, 20]
+  result = disttrain.train(helpers.make_config(**RUN), url)
+  local, expected = local_run
+  assert _names(url + '/checkpoints') == ['25', '30']  # keep-N deleted the rest in the bucket
+  assert {'metrics.jsonl', 'run.json', 'events.jsonl', 'checkpoints'} <= set(_names(url))
+  assert any(n.startswith('events.out.tfevents') for n in _names(url))
+  assert 'lease.json' not in _names(url)  # released at the end
+  got = helpers.metrics_records(url)
+  assert [r['step'] for r in got] == list(range(1, 31))
+  assert [r['loss'] for r in got] == [r['loss'] for r in helpers.metrics_records(local)]
+  for a, b in zip(helpers.saved_params(url, 30), helpers.saved_params(local, 30), strict=True):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(jax.tree.leaves(helpers.to_numpy(result.state.params)),
+                  jax.tree.leaves(helpers.to_numpy(expected.state.params)), strict=True):
+    np.testing.assert_array_equal(a, b)
+  events = disttrain.events.read(url)
+  assert [e['event'] for e in events] == ['start', 'end', 'start', 'restore', 'end']
+
+
+def test_torn_save_in_a_bucket_is_never_restored_and_a_second_run_is_refused(servers, tmp_path):
+  """The step-20 save hangs in its upload (the server holds it), a second launch into the same
+  bucket workdir is refused in one line while the first lives, the first is SIGKILLed mid-save,
+  and the next launch takes over its lease, restores step 10 and removes the torn step 20."""
+  url = servers.bucket('s3', 'torn') + '/run'
+  steps = ['--config.num_train_steps=40', '--config.checkpoint_every_steps=10']
+  with servers.stalled('/torn/run/checkpoints/20/') as stalled:
+    first = _launch(url, *steps)
+    try:
+      deadline = time.monotonic() + 180
+      while not stalled:
+        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()[-3000:]
+        time.sleep(0.1)
+      second = _launch(url, *steps)
+      out, _ = second.communicate(timeout=180)
+      assert second.returncode == 2, out[-3000:]
+      (line,) = [l for l in out.splitlines() if l.startswith('error:')]
+      assert f'{url} is in use by another run' in line and f'pid {first.pid}' in line, line
+      assert first.poll() is None  # the first run was left alone
+      first.send_signal(signal.SIGKILL)
+      first.wait(30)
+    finally:
+      if first.poll() is None:
+        first.kill()
+  assert storage.committed_steps(url + '/checkpoints') == [10]
+  assert '20' in _names(url + '/checkpoints')  # the torn save: files, no commit marker
+  third = _launch(url, '--config.num_train_steps=10', '--config.checkpoint_every_steps=10')
+  out, _ = third.communicate(timeout=180)
+  assert third.returncode == 0, out[-3000:]
+  assert 'resumed from step 10' in out and 'nothing to train' in out
+  assert _names(url + '/checkpoints') == ['10']  # the torn step 20 was cleaned up
+
+
+def test_bad_bucket_workdirs_are_one_line_and_exit_2(servers, monkeypatch):
+  """A missing bucket (either scheme), missing S3 credentials, an unknown scheme, a URL with
+  no bucket and a missing extra: one line each naming the problem and the fix."""
+  cases = [('s3://no-such-bucket/run', {}, "cannot write to s3://no-such-bucket/run (bucket "
+            "'no-such-bucket')"),
+           ('gs://no-such-bucket/run', {}, "cannot write to gs://no-such-bucket/run (bucket "
+            "'no-such-bucket')"),
+           (servers.bucket('s3', 'nocreds') + '/run',
+            {'AWS_ACCESS_KEY_ID': None, 'AWS_SECRET_ACCESS_KEY': None},
+            'AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY'),
+           ('hdfs://cluster/run', {}, 'storage URLs must be gs://BUCKET/PATH or s3://BUCKET/PATH'),
+           ('s3:///run', {}, 'names no bucket; pass s3://BUCKET/PATH')]
+  for url, change, said in cases:
+    env = _env()
+    for k, v in change.items():
+      env.pop(k) if v is None else env.__setitem__(k, v)
+    proc = _launch(url, '--config.num_train_steps=2', env=env)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 2, (url, out[-3000:])
+    errors = [l for l in out.splitlines() if l.startswith('error:')]
+    assert len(errors) == 1 and said in errors[0], (url, out[-3000:])
+    assert 'Traceback' not in out, out[-3000:]
+  monkeypatch.setitem(sys.modules, 's3fs', None)
+  with pytest.raises(ConfigError, match=r"needs s3fs, which is not installed; pip install "
+                                         r"'disttrain\[s3\]'"):
+    storage.resolve('s3://bucket/run')
