@@ -73,13 +73,14 @@ def _s3_server():
         break
       except OSError:
         time.sleep(0.1)
-    yield 's3://bench'
+    yield 's3://bench', server.pid
   finally:
     server.terminate()
     server.wait()
 
 
-def _throughput(with_feature: bool, bucket: str = '') -> tuple[float, int]:
+def _throughput(with_feature: bool, bucket: str = '', blocked: list | None = None
+                ) -> tuple[float, int]:
   import disttrain  # pylint: disable=g-import-not-at-top
   cd = disttrain.defaults()
   cd.data.name = 'synthetic'
@@ -97,6 +98,8 @@ def _throughput(with_feature: bool, bucket: str = '') -> tuple[float, int]:
     if bucket:  # a new run in the bucket each time, as the local runs get a new directory
       workdir = f'{bucket}/{os.path.basename(workdir)}'
     result = disttrain.train(disttrain.from_config_dict(cd), workdir, callbacks=callbacks)
+  if blocked is not None:  # seconds the loop waited for saves (their synchronous part)
+    blocked.append(result.time['checkpoint']['seconds'])
   records = [r for r in result.records if r['split'] == 'train'][1:-1]
   if _FEATURE.value == 'profile':  # the record whose window holds the traced steps
     records = [r for r in records
@@ -112,16 +115,22 @@ def main(argv):
   jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_num_cpu_devices', _FAKE_DEVICES.value)
   with_feature, without, in_bucket, traces = [], [], [], set()
-  with (_s3_server() if _FEATURE.value == 'bucket' else contextlib.nullcontext('')) as bucket:
+  blocked = {'local': [], 'bucket': []}
+  server_cpu = []
+  serve = _s3_server() if _FEATURE.value == 'bucket' else contextlib.nullcontext(('', None))
+  with serve as (bucket, server_pid):
     for _ in range(_REPEATS.value):
       rate, count = _throughput(False)
       without.append(rate)
       traces.add(count)
-      rate, count = _throughput(True)
+      rate, count = _throughput(True, blocked=blocked['local'])
       with_feature.append(rate)
       traces.add(count)
       if bucket:
-        rate, count = _throughput(True, bucket)
+        import psutil  # pylint: disable=g-import-not-at-top
+        before = sum(psutil.Process(server_pid).cpu_times()[:2])
+        rate, count = _throughput(True, bucket, blocked=blocked['bucket'])
+        server_cpu.append(sum(psutil.Process(server_pid).cpu_times()[:2]) - before)
         in_bucket.append(rate)
         traces.add(count)
   result = {'feature': _FEATURE.value, 'devices': _FAKE_DEVICES.value, 'steps': _STEPS.value,
@@ -133,6 +142,8 @@ def main(argv):
   if in_bucket:
     result['examples_per_sec_bucket'] = statistics.median(in_bucket)
     result['ratio_bucket'] = result['examples_per_sec_bucket'] / result['examples_per_sec_without']
+    result['checkpoint_blocking_seconds'] = {k: statistics.median(v) for k, v in blocked.items()}
+    result['server_cpu_seconds_per_run'] = statistics.median(server_cpu)
   what = {'checkpoint': f'checkpoint every {_EVERY.value} steps',
           'profile': 'a 3-step profiler window (steps outside it)',
           'callbacks': 'EarlyStopping + a record-reading callback',
@@ -143,7 +154,10 @@ def main(argv):
   if in_bucket:
     print(f'the workdir on a local S3 server, checkpoint every {_EVERY.value} steps: '
           f'{result["examples_per_sec_bucket"]:,.0f} examples/s: ratio '
-          f'{result["ratio_bucket"]:.3f} (cost {100 * (1 - result["ratio_bucket"]):.1f}%)')
+          f'{result["ratio_bucket"]:.3f} (cost {100 * (1 - result["ratio_bucket"]):.1f}%); the loop '
+          f'waited for saves {result["checkpoint_blocking_seconds"]["bucket"]:.2f} s per run (local '
+          f'{result["checkpoint_blocking_seconds"]["local"]:.2f} s); the S3 server used '
+          f'{result["server_cpu_seconds_per_run"]:.2f} CPU s per run on the same cores')
   if _JSON.value:
     with open(_JSON.value, 'w', encoding='utf-8') as f:
       json.dump(result, f, indent=2)

@@ -20,6 +20,7 @@ import functools
 import os
 import shutil
 import tempfile
+import threading
 import time
 from urllib import parse
 
@@ -199,8 +200,9 @@ def committed_steps(directory: str) -> list[int]:
 
 
 class Mirror:
-  """Process 0's appended files of a bucket workdir, kept in a local directory and uploaded by
-  `push` (at most every `every` seconds unless forced); for a local workdir it is the workdir."""
+  """Process 0's appended files of a bucket workdir, kept in a local directory and uploaded by a
+  background thread when `push` asks (at most every `every` seconds unless forced), so the loop
+  never waits for an upload; `close` uploads the rest. For a local workdir it is the workdir."""
 
   def __init__(self, url: str, pull: tuple[str, ...] = (), every: float = 30.0):
     self.url, self.every = url, every
@@ -208,22 +210,39 @@ class Mirror:
     self.local = tempfile.mkdtemp(prefix='disttrain-mirror-') if self.bucket else url
     self._sent: dict[str, tuple[int, float]] = {}
     self._last = 0.0
+    self._due, self._stop = threading.Event(), threading.Event()
+    self._error: Exception | None = None
     for name in pull if self.bucket else ():
       text = read_text(join(url, name))
       if text is not None:
         with open(os.path.join(self.local, name), 'w', encoding='utf-8') as f:
           f.write(text)
         self._sent[name] = self._stamp(name)
+    self._thread = None
+    if self.bucket:
+      self._thread = threading.Thread(target=self._upload_when_due, name='disttrain-mirror',
+                                      daemon=True)
+      self._thread.start()
 
   def _stamp(self, name: str) -> tuple[int, float]:
     st = os.stat(os.path.join(self.local, name))
     return st.st_size, st.st_mtime
 
   def push(self, force: bool = False) -> None:
-    """Uploads the files that changed since the last push."""
-    if not self.bucket or (not force and time.monotonic() - self._last < self.every):
-      return
-    self._last = time.monotonic()
+    """Asks for an upload of the files that changed since the last one."""
+    if self.bucket and (force or time.monotonic() - self._last >= self.every):
+      self._last = time.monotonic()
+      self._due.set()
+
+  def _upload_when_due(self) -> None:
+    while self._due.wait() and not self._stop.is_set():
+      self._due.clear()
+      try:
+        self._upload()
+      except Exception as e:  # pylint: disable=broad-except  # raised by close(), at the end
+        self._error = e
+
+  def _upload(self) -> None:
     for root, _, names in os.walk(self.local):
       for n in names:
         name = os.path.relpath(os.path.join(root, n), self.local)
@@ -235,6 +254,17 @@ class Mirror:
 
   def close(self) -> None:
     """Uploads what is left and removes the local copy (a bucket workdir's)."""
-    if self.bucket:
-      self.push(force=True)
-      shutil.rmtree(self.local, ignore_errors=True)
+    if self._thread is None:
+      return
+    self._stop.set()
+    self._due.set()
+    self._thread.join()
+    self._thread = None
+    try:
+      self._upload()
+    except Exception as e:  # pylint: disable=broad-except
+      self._error = self._error or e
+    if self._error is not None:
+      raise ConfigError(f'uploading the run\'s records to {self.url} failed ({_why(self._error)}); '
+                        f'they are kept in {self.local}; the checkpoints are not affected')
+    shutil.rmtree(self.local, ignore_errors=True)
