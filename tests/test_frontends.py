@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 import disttrain
@@ -172,6 +173,35 @@ def test_keras_add_loss_changes_the_loss_by_exactly_its_sum():
   activity = 1e-2 * np.mean(h1.sum(axis=1))
   assert activity > 1e-3 * ce  # large enough that leaving it out would fail the check below
   np.testing.assert_allclose(metrics['loss'], ce + activity, rtol=1e-5)
+
+
+class _SowsALoss(nn.Module):
+  """Sows an auxiliary loss (a mean over the call's rows, as a router's balance loss is)."""
+
+  @nn.compact
+  def __call__(self, x, train):
+    del train
+    h = nn.Dense(16)(x.reshape(x.shape[0], -1))
+    self.sow('losses', 'aux', 0.1 * jnp.mean(jnp.square(h)))
+    return nn.Dense(10)(nn.relu(h))
+
+
+def test_linen_sown_losses_are_the_model_loss_on_any_layout(tmp_path):
+  """The 'losses' collection is summed into the loss (not kept as state), and shard_map's
+  per-device shares of it add up to 1 device's loss."""
+  model = LinenModel(_SowsALoss())
+  initial, batch, _, metrics = _first_step(make_config(mesh__data=1), model)
+  assert not initial.mutable  # sown values are not state
+  p = initial.params
+  x = batch['image'].reshape(len(batch['label']), -1)
+  h = x @ p['Dense_0']['kernel'] + p['Dense_0']['bias']
+  logits = np.maximum(h, 0) @ p['Dense_1']['kernel'] + p['Dense_1']['bias']
+  ce, aux = np.mean(optax_ce(logits, batch['label'])), 0.1 * np.mean(h ** 2)
+  assert aux > 1e-2 * ce  # large enough that leaving it out would fail the check below
+  np.testing.assert_allclose(metrics['loss'], ce + aux, rtol=1e-5)
+  ref = _losses(_three_steps(mesh__data=1), model, tmp_path / 'one', 1)
+  shard8 = _losses(_three_steps(mesh__data=8, step_mode='shard_map'), model, tmp_path / 's8', 8)
+  np.testing.assert_allclose(shard8, ref, rtol=1e-5)
 
 
 def optax_ce(logits, labels):

@@ -14,11 +14,15 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import linen as nn
 
 from disttrain.errors import ConfigError, DataError
 
 InputKey = str | tuple[str, ...]
+# A Linen module's model losses: `self.sow('losses', name, value)` with scalar means over the
+# examples of the call (e.g. a router's load-balancing loss); the adapter sums them every call.
+LOSSES = 'losses'
 
 
 def model_inputs(batch: dict, input_key: InputKey) -> tuple:
@@ -37,7 +41,8 @@ def model_inputs(batch: dict, input_key: InputKey) -> tuple:
 class LinenModel:
   """Wraps a Linen module called as `module(batch[input_key], train=...)`.
 
-  `input_key` may be a tuple of fields, passed as positional arguments in that order.
+  `input_key` may be a tuple of fields, passed as positional arguments in that order. Values the
+  module sows into the 'losses' collection are its model loss (their sum), not state.
   """
   module: nn.Module
   input_key: InputKey = 'image'
@@ -49,17 +54,21 @@ class LinenModel:
   def init(self, rng: jax.Array, batch: dict) -> dict:
     params_rng, dropout_rng = jax.random.split(rng)
     args, kwargs = self.inputs(batch)
-    variables = self.module.init({'params': params_rng, 'dropout': dropout_rng}, *args,
-                                 train=False, **kwargs)
-    return nn.unbox(variables)
+    variables = dict(nn.unbox(self.module.init({'params': params_rng, 'dropout': dropout_rng},
+                                               *args, train=False, **kwargs)))
+    variables.pop(LOSSES, None)  # values of one call, not state
+    return variables
 
   def apply(self, variables: dict, batch: dict, *, train: bool, rng: jax.Array | None):
-    mutable = [name for name in variables if name != 'params'] if train else False
+    mutable = [name for name in variables if name != 'params'] if train else []
     rngs = {'dropout': rng} if rng is not None else {}
     args, kwargs = self.inputs(batch)
-    out = self.module.apply(variables, *args, train=train, rngs=rngs, mutable=mutable, **kwargs)
-    outputs, new_mutable = out if train else (out, {})
-    return outputs, new_mutable, 0.0
+    outputs, new_mutable = self.module.apply(variables, *args, train=train, rngs=rngs,
+                                             mutable=[*mutable, LOSSES], **kwargs)
+    new_mutable = dict(new_mutable)
+    losses = jax.tree.leaves(new_mutable.pop(LOSSES, {}))
+    model_loss = sum((jnp.sum(jnp.asarray(l, jnp.float32)) for l in losses), jnp.float32(0.0))
+    return outputs, (new_mutable if train else {}), model_loss
 
   def logical_specs(self, batch: dict) -> Any:
     """Logical axis names from `nn.with_logical_partitioning` metadata (None where absent).
@@ -70,7 +79,9 @@ class LinenModel:
       args, kwargs = self.inputs(b)
       return self.module.init({'params': jax.random.key(0), 'dropout': jax.random.key(0)}, *args,
                               train=False, **kwargs)
-    return nn.get_partition_spec(jax.eval_shape(init, batch))
+    specs = dict(nn.get_partition_spec(jax.eval_shape(init, batch)))
+    specs.pop(LOSSES, None)
+    return specs
 
   def with_batch_axes(self, axes) -> 'LinenModel':
     """For shard_map/pmap: BatchNorm statistics must reduce over the batch axes, not one device."""
