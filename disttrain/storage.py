@@ -73,24 +73,35 @@ def path(url: str) -> epath.Path:
   return epath.Path(url)
 
 
-@functools.cache
 def _configure(kind: str) -> None:
-  """Client settings, once per process, before a client of `kind` is made."""
+  """Client settings from the environment as it is now (each file system instance fsspec caches
+  is keyed by them, so a changed endpoint gets a new client)."""
   import fsspec  # pylint: disable=g-import-not-at-top
-  # Listings must be fresh: other processes and attempts write the same prefixes.
-  fsspec.config.conf.setdefault(kind, {})['use_listings_cache'] = False
-  if kind == 'gs' and os.environ.get('STORAGE_EMULATOR_HOST'):
-    emulator = os.environ['STORAGE_EMULATOR_HOST']
-    fsspec.config.conf['gs']['token'] = 'anon'
-    os.environ.setdefault('TENSORSTORE_GCS_HTTP_URL', emulator)
-    os.environ.setdefault('GOOGLE_AUTH_TOKEN_FOR_TESTING', 'anonymous')  # no metadata lookup
-    # gcsfs's default class asks the (gRPC) control API for a bucket's layout, which emulators
-    # do not serve (a 60 s timeout per bucket): the emulator gets the plain JSON-API class.
-    from gcsfs import core  # pylint: disable=g-import-not-at-top
-    fsspec.register_implementation('gs', core.GCSFileSystem, clobber=True)
-    fsspec.register_implementation('gcs', core.GCSFileSystem, clobber=True)
+  conf = fsspec.config.conf.setdefault(kind, {})
+  conf['use_listings_cache'] = False  # other processes and attempts write the same prefixes
+  if kind == 'gs':
+    emulator = os.environ.get('STORAGE_EMULATOR_HOST')
+    if emulator:
+      conf.update(token='anon', endpoint_url=emulator)
+      os.environ.setdefault('TENSORSTORE_GCS_HTTP_URL', emulator)
+      os.environ.setdefault('GOOGLE_AUTH_TOKEN_FOR_TESTING', 'anonymous')  # no metadata lookup
+      _plain_gcsfs()
+    else:
+      for key in ('token', 'endpoint_url'):
+        conf.pop(key, None)
   if kind == 's3':
+    conf['endpoint_url'] = s3_endpoint()[0]
     _serve_s3()
+
+
+@functools.cache
+def _plain_gcsfs() -> None:
+  """gcsfs's default class asks the (gRPC) control API for a bucket's layout, which emulators do
+  not serve (a 60 s timeout per bucket): the emulator gets the plain JSON-API class."""
+  import fsspec  # pylint: disable=g-import-not-at-top
+  from gcsfs import core  # pylint: disable=g-import-not-at-top
+  fsspec.register_implementation('gs', core.GCSFileSystem, clobber=True)
+  fsspec.register_implementation('gcs', core.GCSFileSystem, clobber=True)
 
 
 def s3_endpoint() -> tuple[str | None, str | None]:

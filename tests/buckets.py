@@ -10,6 +10,7 @@
 The environment goes to os.environ, so the launcher subprocesses inherit it.
 """
 
+import atexit
 import contextlib
 import http.server
 import json
@@ -149,15 +150,23 @@ class Servers:
     self._gcs_root.cleanup()
 
 
+_STARTED: list = []
+
+
 @contextlib.contextmanager
 def running():
-  """The servers, their settings in os.environ for the block (then the environment as before)."""
+  """The servers, started once per test process (clients and tensorstore keep the endpoints
+  they first saw), with their settings in os.environ for the block, then the environment as
+  before."""
+  if not _STARTED:
+    _STARTED.append(Servers())
+    atexit.register(_STARTED[0].close)
+  servers = _STARTED[0]
   saved = dict(os.environ)
-  servers = Servers()
   os.environ.update(servers.env)
   try:
     yield servers
   finally:
-    servers.close()
+    servers.hits.clear()
     os.environ.clear()
     os.environ.update(saved)

@@ -464,30 +464,41 @@ def test_watchdog_names_the_process_that_hung(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # 6. The supervisor restarts a gang that lost a process, from its last committed checkpoint.
 
-def test_supervisor_restarts_a_killed_job_to_the_uninterrupted_end(runs, tmp_path):
-  """Process 1 of a 2 x 4 job is SIGKILLed after the step-10 checkpoint (the OOM killer, say):
-  local_cluster stops process 0 and exits 137, launch/supervise.py starts the gang again, which
-  resumes from step 10 and ends with the uninterrupted run's losses and parameters (bitwise);
-  metrics.jsonl and TensorBoard show each step once; events.jsonl has both attempts."""
-  two, _ = runs('jit')
-  overrides = {**BASE, **CASES['jit']}
+def _kill_process_1_when(ready, overrides: dict, workdir) -> str:
+  """Runs a supervised 2 x 4 job of OPS (slow reads), SIGKILLs its process 1 once `ready()` (the
+  OOM killer, say), and returns the supervisor's output after the job has ended with status 0."""
   command = [sys.executable, 'launch/supervise.py', '--backoff_seconds=0.5', '--',
-             *_cluster_cmd(*_train_flags(overrides, tmp_path, OPS), grace=5)]
+             *_cluster_cmd(*_train_flags(overrides, workdir, OPS), grace=5)]
   proc = subprocess.Popen(command, cwd=ROOT, env={**_env(), 'SLOW_READS': '0.1'},
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     deadline = time.monotonic() + 180
-    while _last_logged_step(tmp_path) < 13 or not (tmp_path / 'checkpoints' / '10').is_dir():
+    while not ready():
       assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
       time.sleep(0.05)
-    (victim,) = [p for p in _job_processes(tmp_path) if '--process_id=1' in p.cmdline()]
-    logged_at_kill = _last_logged_step(tmp_path)
+    (victim,) = [p for p in _job_processes(workdir) if '--process_id=1' in p.cmdline()]
     victim.send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=JOB_TIMEOUT + 60)
   finally:
     if proc.poll() is None:
       proc.kill()
   assert proc.returncode == 0, out[-4000:]
+  return out
+
+
+def test_supervisor_restarts_a_killed_job_to_the_uninterrupted_end(runs, tmp_path):
+  """Process 1 of a 2 x 4 job is SIGKILLed after the step-10 checkpoint (the OOM killer, say):
+  local_cluster stops process 0 and exits 137, launch/supervise.py starts the gang again, which
+  resumes from step 10 and ends with the uninterrupted run's losses and parameters (bitwise);
+  metrics.jsonl and TensorBoard show each step once; events.jsonl has both attempts."""
+  two, _ = runs('jit')
+  seen = []
+
+  def ready() -> bool:  # a few steps logged past the step-10 checkpoint
+    seen.append(_last_logged_step(tmp_path))
+    return seen[-1] >= 13 and (tmp_path / 'checkpoints' / '10').is_dir()
+  out = _kill_process_1_when(ready, {**BASE, **CASES['jit']}, tmp_path)
+  logged_at_kill = seen[-1]
   assert 'supervise: attempt 1 killed by SIGKILL at committed step 10; restarting' in out, \
       out[-4000:]
   assert '[0] resumed from step 10' in out
@@ -536,30 +547,21 @@ def test_bucket_job_killed_restarts_to_the_uninterrupted_end(runs, servers, sche
   two, _ = runs('jit')
   url = servers.bucket(scheme, f'job-{scheme}') + '/run'
   overrides = {**BASE, **CASES['jit'], 'checkpoint_every_steps': 5, 'max_to_keep': 2}
-  command = [sys.executable, 'launch/supervise.py', '--backoff_seconds=0.5', '--',
-             *_cluster_cmd(*_train_flags(overrides, url, OPS), grace=5)]
-  proc = subprocess.Popen(command, cwd=ROOT, env={**_env(), 'SLOW_READS': '0.1'},
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  try:
-    deadline = time.monotonic() + 180
-    while max(storage.committed_steps(url + '/checkpoints'), default=0) < 10:
-      assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
-      time.sleep(0.2)
-    time.sleep(0.5)  # a few steps past the checkpoint, lost with the kill
-    (victim,) = [p for p in _job_processes(url) if '--process_id=1' in p.cmdline()]
-    victim.send_signal(signal.SIGKILL)
-    out, _ = proc.communicate(timeout=JOB_TIMEOUT + 60)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-  assert proc.returncode == 0, out[-4000:]
-  assert f'supervise: attempt 1 killed by SIGKILL at committed step' in out, out[-4000:]
+
+  def ready() -> bool:  # the step-10 checkpoint committed in the bucket, a few steps past it
+    if max(storage.committed_steps(url + '/checkpoints'), default=0) < 10:
+      return False
+    time.sleep(0.5)
+    return True
+  out = _kill_process_1_when(ready, overrides, url)
+  assert 'supervise: attempt 1 killed by SIGKILL at committed step' in out, out[-4000:]
   assert '[0] resumed from step' in out
   train = helpers.metrics_records(url)
   assert [r['step'] for r in train] == list(range(1, STEPS + 1))
   assert {r['step']: r['loss'] for r in train} == _losses(two)  # bitwise, every step
   assert sorted(p.name for p in storage.path(url + '/checkpoints').iterdir()) == ['25', '30']
-  for a, b in zip(helpers.saved_params(url, STEPS), helpers.saved_params(two, STEPS), strict=True):
+  for a, b in zip(helpers.saved_params(url, STEPS), helpers.saved_params(two, STEPS),
+                  strict=True):
     np.testing.assert_array_equal(a, b)
   restored = disttrain.train(_config(overrides), url)  # onto 1 x 8: nothing left to train
   assert restored.step == STEPS
