@@ -73,6 +73,10 @@ class Checkpointer:
                               if storage.is_bucket(self.directory) else None))
     self._manager = _Manager(self.directory, options=options,
                                           item_handlers=_handlers())
+    # orbax deletes torn saves in a background thread that only its next save waits for: finish
+    # it now, before steps are listed, and so that a run ending early (bad input) does not exit
+    # under it (the thread then prints a RuntimeError traceback).
+    getattr(self._manager, '_maybe_await_cleanup_tmp_directory', lambda: None)()
     self._started: list[int] = []  # steps whose save was started, oldest first
     self._need: int | None = None  # bytes a save needs at most (set by the first save)
 
