@@ -128,6 +128,8 @@ def _serve_s3() -> None:
       spec['driver'] = 's3'
       endpoint, region = s3_endpoint()
       spec.update({k: v for k, v in (('endpoint', endpoint), ('aws_region', region)) if v})
+      if os.environ.get('AWS_ACCESS_KEY_ID'):  # the default chain logs 10 lines per save
+        spec['aws_credentials'] = {'type': 'environment'}  # probing ~/.aws/ first
     return spec
 
   def build_s3(directory, *args, **kwargs):
