@@ -9,6 +9,10 @@
 2. GPT-2 small (124 M parameters, batch 16 x 1,024 tokens) over 8 fake CPU devices, fsdp=8 and
    data 2 x fsdp 2 x tensor 2: compile seconds, and state bytes per device against the total
    divided by the ways the parameters are split.
+3. Long context: the tiny Llama (launch/configs/llama.py: 4 x 128, GQA 4/2 heads) on one
+   sequence of T = 16,384 tokens per step (a batch data parallelism cannot split), on 1 device
+   and with mesh.context=8: temporaries per device and per token, and the longest T (doubling
+   from 4,096) whose step fits --limit_mib per device with and without the split.
 """
 
 import json
@@ -19,20 +23,24 @@ import sys
 from absl import app, flags
 
 _JSON = flags.DEFINE_string('json', None, 'Write the rows here.')
+_LIMIT_MIB = flags.DEFINE_integer('limit_mib', 1024, 'Long context: the per-device limit.')
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GPT = os.path.join(_ROOT, 'launch', 'configs', 'gpt.py')
 _SMALL = (('float32', {}), ('grad_accum_steps=4', {'grad_accum_steps': 4}),
           ('model.remat=full', {'model.remat': 'full'}),
           ('bfloat16', {'precision.compute_dtype': 'bfloat16'}),
           ('bfloat16, remat=full', {'precision.compute_dtype': 'bfloat16', 'model.remat': 'full'}))
+_LLAMA = os.path.join(_ROOT, 'launch', 'configs', 'llama.py')
+_LONG = 16_384
+_CONTEXT = (('1 device', {'mesh.data': 1}, 1), ('context=8', {'mesh.data': 1, 'mesh.context': 8}, 8))
 _GPT2_MESHES = (('fsdp=8', {'mesh.data': 1, 'mesh.fsdp': 8}, 8),
                 ('data 2 x fsdp 2 x tensor 2', {'mesh.data': 2, 'mesh.fsdp': 2,
                                                 'mesh.tensor': 2}, 4))
 
 
-def _config(size: str, overrides: dict):
+def _config(size: str, overrides: dict, path: str = _GPT):
   import disttrain  # pylint: disable=g-import-not-at-top
-  cd = runpy.run_path(_GPT)['get_config'](size)
+  cd = runpy.run_path(path)['get_config'](size)
   for key, value in overrides.items():
     node = cd
     *parents, leaf = key.split('.')
@@ -66,6 +74,33 @@ def rows() -> list[dict]:
     out.append({'model': 'gpt2_small, 8 devices', 'setting': name, **info.to_json(),
                 'state_total_bytes': total, 'split_ways': ways,
                 'state_vs_even_split': round(info.state_bytes / (total / ways), 3)})
+  return out + _long_context_rows()
+
+
+def _long_step(t: int, mesh: dict, n: int):
+  """The compiled train step of the tiny Llama on one sequence of t tokens, over n devices."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from disttrain import run as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.records import ID  # pylint: disable=g-import-not-at-top
+  window = jax.ShapeDtypeStruct((1, t), np.int32)
+  spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
+  cfg = _config('tiny', {'global_batch_size': 1, 'data.seq_len': t, **mesh}, _LLAMA)
+  return run_lib.plan(cfg, spec, jax.devices()[:n]).compile()
+
+
+def _long_context_rows() -> list[dict]:
+  out = []
+  for name, mesh, n in _CONTEXT:
+    info = _long_step(_LONG, mesh, n)
+    longest, t = 0, 4096
+    while t <= 2**20:  # doubling until the step no longer fits the limit
+      if _long_step(t, mesh, n).peak_bytes > _LIMIT_MIB.value * 2**20:
+        break
+      longest, t = t, 2 * t
+    out.append({'model': f'llama tiny, T = {_LONG:,}', 'setting': name, **info.to_json(),
+                'temp_bytes_per_token': info.temp_bytes / _LONG,
+                'longest_t_within_limit': longest, 'limit_mib': _LIMIT_MIB.value})
   return out
 
 
@@ -82,6 +117,12 @@ def table(results: list[dict]) -> str:
     lines.append(f'| {r["model"]} | {r["setting"]} | {r["compile_seconds"]:.1f} | '
                  f'{_mib(r["state_bytes"])} | {_mib(r["temp_bytes"])} | {_mib(r["peak_bytes"])} | '
                  f'{kept} | {split} |')
+  long = [r for r in results if 'longest_t_within_limit' in r]
+  if long:
+    lines += ['', '| long context | temp bytes per token (per device) | longest T within '
+              f'{long[0]["limit_mib"]:,} MiB per device |', '| --- | --- | --- |']
+    lines += [f'| {r["setting"]} | {r["temp_bytes_per_token"]:,.0f} | '
+              f'{r["longest_t_within_limit"]:,} |' for r in long]
   return '\n'.join(lines)
 
 

@@ -17,8 +17,9 @@ import ml_collections
 
 from disttrain.errors import ConfigError
 
-MESH_AXES = ('data', 'fsdp', 'tensor')
+MESH_AXES = ('data', 'fsdp', 'context', 'tensor')  # the last axes get the closest devices
 BATCH_AXES = ('data', 'fsdp')  # the global batch is split over these axes
+SEQUENCE_AXIS = 'context'  # a language model's positions are split over this axis
 SHARDINGS = ('replicate', 'fsdp')
 STEP_MODES = ('jit', 'shard_map', 'pmap')
 FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft')  # read data.train_files
@@ -47,6 +48,7 @@ class MeshConfig:
   """Device mesh shape; exactly one axis may be -1 (= all remaining devices)."""
   data: int = -1
   fsdp: int = 1
+  context: int = 1  # splits each sequence's positions (language models, step_mode=jit)
   tensor: int = 1
 
   def __post_init__(self):
@@ -372,6 +374,10 @@ class Config:
           f'step_mode=pmap is data parallel only, got mesh.fsdp={self.mesh.fsdp} '
           f'mesh.tensor={self.mesh.tensor} sharding={self.sharding}; use step_mode=jit or '
           'shard_map for fsdp/tensor layouts')
+    if self.mesh.context != 1 and self.step_mode != 'jit':
+      raise ConfigError(
+          f'mesh.context={self.mesh.context} splits sequences inside the jit step, not '
+          f'step_mode={self.step_mode}; use step_mode=jit')
     if self.step_mode == 'shard_map' and self.mesh.tensor != 1:
       raise ConfigError(
           f'step_mode=shard_map splits the batch only, got mesh.tensor={self.mesh.tensor}; use '

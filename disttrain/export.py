@@ -34,7 +34,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
   from disttrain import hf, hf_config, tensorfiles, trained  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   lm = trained.load(workdir=workdir, step=step, devices=jax.devices()[:1], ema=ema,
-                    mesh={'data': 1, 'fsdp': 1, 'tensor': 1})
+                    mesh={'data': 1, 'fsdp': 1, 'context': 1, 'tensor': 1})
   family = lm.model.family
   np_dtype = np.float32 if dtype == 'float32' else ml_dtypes.bfloat16
   os.makedirs(out, exist_ok=True)

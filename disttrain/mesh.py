@@ -1,4 +1,5 @@
-"""Device mesh over ('data', 'fsdp', 'tensor') from the config, checked against the devices."""
+"""Device mesh over ('data', 'fsdp', 'context', 'tensor') from the config, checked against the
+devices and against the batch and the model that will run on it."""
 
 import math
 from collections.abc import Sequence
@@ -6,7 +7,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from disttrain.config import BATCH_AXES, MESH_AXES, Config, MeshConfig
+from disttrain.config import BATCH_AXES, MESH_AXES, SEQUENCE_AXIS, Config, MeshConfig
 from disttrain.errors import ConfigError
 
 
@@ -53,3 +54,17 @@ def check_batch_sizes(cfg: Config, mesh: Mesh) -> None:
     raise ConfigError(f'global_batch_size={cfg.global_batch_size} does not split into '
                       f'grad_accum_steps={m} micro-batches over {ways} devices on mesh axes '
                       f'{BATCH_AXES}; use a multiple of {ways * m}')
+
+
+def check_context(model, tokens: int, mesh: Mesh) -> None:
+  """A context axis > 1 needs a model that splits its sequence, and a length it divides."""
+  ways = mesh.shape[SEQUENCE_AXIS]
+  if ways == 1:
+    return
+  if not getattr(model, 'splits_sequence', False):
+    raise ConfigError(f'mesh.{SEQUENCE_AXIS}={ways} splits sequences, which only the language '
+                      f'models do (gpt, llama); {type(model).__name__} does not: use '
+                      f'mesh.{SEQUENCE_AXIS}=1')
+  if tokens % ways:
+    raise ConfigError(f'sequences of {tokens} tokens (data.seq_len) do not split over '
+                      f'mesh.{SEQUENCE_AXIS}={ways}; use a length that is a multiple of {ways}')

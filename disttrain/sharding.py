@@ -15,7 +15,7 @@ import jax
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from disttrain.config import BATCH_AXES, Config
+from disttrain.config import BATCH_AXES, SEQUENCE_AXIS, Config
 from disttrain.errors import ShardingError
 
 
@@ -141,13 +141,24 @@ _ACTIVATIONS = contextvars.ContextVar('disttrain_activation_rules', default=None
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh, logical_rules: tuple):
   """While a jit-style step is traced: `constrain` maps activations' logical axes to mesh axes
-  ('batch' -> the batch axes, the rest as config logical_rules map parameters)."""
-  rules = {'batch': BATCH_AXES, **{name: axis for name, axis in logical_rules if name != 'batch'}}
+  ('batch' -> the batch axes, 'sequence' -> the context axis, the rest as config logical_rules
+  map parameters)."""
+  rules = {**{name: axis for name, axis in logical_rules},
+           'batch': BATCH_AXES, 'sequence': SEQUENCE_AXIS}
   token = _ACTIVATIONS.set((mesh, rules))
   try:
     yield
   finally:
     _ACTIVATIONS.reset(token)
+
+
+def sequence_split() -> tuple[Mesh, str] | None:
+  """(mesh, axis) while a jit-style step is traced on a mesh that splits positions, else None:
+  attention then gathers keys and values over that axis."""
+  context = _ACTIVATIONS.get()
+  if context is None or context[0].shape.get(SEQUENCE_AXIS, 1) == 1:
+    return None
+  return context[0], SEQUENCE_AXIS
 
 
 def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:

@@ -62,6 +62,10 @@ def build(model, task, tx, cfg: Config, mesh: Mesh, lay: Layout, batch_sharding:
     eval_fn = lambda state, batch: ctx.eval_sums(state, batch)
   else:
     eval_fn = lambda state, batch: step_lib.with_count(eval_step(ctx, state, batch), batch)
+  if cfg.step_mode == 'jit':  # activations split as in the train step (e.g. positions)
+    def eval_fn(state, batch, unsplit=eval_fn):
+      with sharding_lib.activation_rules(mesh, cfg.logical_rules):
+        return unsplit(state, batch)
   evaluate = jax.jit(eval_fn, in_shardings=(lay.shardings, batch_sharding),
                      out_shardings=replicated)
   if cfg.step_mode == 'pmap':

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from disttrain import models
-from disttrain.config import ModelConfig
+from disttrain import mesh as mesh_lib, models, sharding
+from disttrain.config import MeshConfig, ModelConfig
 from disttrain.models import attention as attention_lib
 
 
@@ -60,6 +60,34 @@ def test_attention_equals_the_naive_form_and_its_gradients(case, implementation)
   grad = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), (0, 1, 2)))
   for got, want in zip(grad(ours)(q, k, v), grad(naive)(q, k, v)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('implementation', ['xla', 'blockwise'])
+def test_positions_split_over_context_equal_the_naive_form(implementation):
+  """Under a jit step on data 2 x context 2 x tensor 2 (and context 8), queries split over
+  'context' against all-gathered keys and values: packed rows, GQA; values and gradients."""
+  b, t, n, g, d = 4, 64, 4, 2, 8
+  keys = jax.random.split(jax.random.key(1), 4)
+  q = jax.random.normal(keys[0], (b, t, n, d))
+  k, v = (jax.random.normal(key, (b, t, g, d)) for key in keys[1:3])
+  seg = jnp.sort(jax.random.randint(keys[3], (b, t), 0, 4), axis=-1)[:, ::-1]
+  naive = lambda q, k, v: _naive(q, k, v, seg, seg, 0)
+  want = (naive(q, k, v), jax.grad(lambda *a: jnp.sum(jnp.sin(naive(*a))), (0, 1, 2))(q, k, v))
+  for shape in ({'data': 2, 'context': 2, 'tensor': 2}, {'context': 8}):
+    mesh = mesh_lib.build(MeshConfig(**{'data': 1, **shape}), jax.devices()[:8])
+
+    def ours(q, k, v):
+      with sharding.activation_rules(mesh, (('heads', 'tensor'), ('kv_heads', 'tensor'))):
+        q, k, v = (sharding.constrain(x, ('batch', 'sequence', heads, None))
+                   for x, heads in ((q, 'heads'), (k, 'kv_heads'), (v, 'kv_heads')))
+        return attention_lib.attention(q, k, v, q_segments_BxT=seg, kv_segments_BxS=seg,
+                                       implementation=implementation, block_size=8)
+    compiled = jax.jit(ours).lower(q, k, v).compile().as_text()
+    assert 'all-gather' in compiled, 'keys and values are gathered over context'
+    np.testing.assert_allclose(jax.jit(ours)(q, k, v), want[0], rtol=1e-5, atol=1e-5)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(ours(*a))), (0, 1, 2)))(q, k, v)
+    for got, expected in zip(grads, want[1]):
+      np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_blockwise_never_holds_the_whole_score_matrix():

@@ -95,6 +95,9 @@ BAD_INPUTS = [
     ('param_rule_too_many_dims',
      ['--fake_devices=8', "--config.param_rules=(('Dense_0/kernel', (None, 'tensor', 'data')),)"],
      ['ShardingError', 'Dense_0/kernel', 'spec of 3 dims'], r'give one entry per dimension'),
+    ('context_without_a_language_model',
+     ['--fake_devices=8', '--config.mesh.data=4', '--config.mesh.context=2'],
+     ['mesh.context=2', 'only the language models do'], r'use mesh.context=1'),
     ('wrong_type_int', ['--config.global_batch_size=abc'],
      ["--config.global_batch_size='abc'", 'not an int'], r'pass an int'),
     ('wrong_type_float', ['--config.learning_rate=fast'],
@@ -199,7 +202,7 @@ def test_run_json(run):
   for key in ('mesh', 'sharding', 'step_mode', 'data', 'model', 'global_batch_size'):
     assert key in info['config'], key
   assert info['config']['global_batch_size'] == 16
-  assert info['mesh'] == {'data': 8, 'fsdp': 1, 'tensor': 1}
+  assert info['mesh'] == {'data': 8, 'fsdp': 1, 'context': 1, 'tensor': 1}
   assert info['num_devices'] == 8
   assert info['num_processes'] == 1
   assert info['step_mode'] == 'jit'
@@ -235,7 +238,7 @@ def test_run_json_fsdp_specs(tmp_path):
                   '--config.sharding=fsdp', '--config.fsdp_min_size=1000')
   assert result.returncode == 0, result.stdout + result.stderr
   info = json.loads((tmp_path / 'run.json').read_text())
-  assert info['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1}
+  assert info['mesh'] == {'data': 1, 'fsdp': 8, 'context': 1, 'tensor': 1}
   specs = info['param_specs']
   # hidden=32 on 8x8 digits: Dense_0 (64, 32) = 2048 and Dense_1 (32, 32) = 1024 elements are
   # split; Dense_2 (32, 10) = 320 and the biases stay whole.

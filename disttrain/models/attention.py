@@ -13,6 +13,14 @@ are float32 whatever the inputs' dtype. Implementations:
   blockwise  flash attention in plain JAX (online softmax over key blocks, a custom VJP that
              recomputes the probabilities): never more than [B, N, block, block] logits at once.
   auto       cudnn where it applies, else blockwise once T x S > 1024^2, else xla.
+
+Context parallelism: inside a jit step on a mesh whose 'context' axis splits positions
+(sharding.sequence_split), each device keeps its T / C queries and all-gathers keys, values and
+their segment ids over that axis (MaxText's default on GPUs; the backward reduce-scatters their
+gradients), then runs one of the implementations above with q_offset = its first position. Keys
+and values are G K wide (G <= N heads), so the gather moves less than the activations; every
+device scans every key block (masked ones too), so the causal work is balanced without
+reordering positions. A ring (ppermute) would hold one K/V block at a time instead of all S.
 """
 
 import functools
@@ -20,6 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from disttrain import sharding
 
 IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'blockwise')
 _DENSE_MAX_KEYS = 1024  # auto: beyond 1024 x 1024 logits per head, blockwise
@@ -37,6 +48,39 @@ def attention(q_BxTxNxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, 
   t, s = q_BxTxNxK.shape[1], k_BxSxGxK.shape[1]
   if (q_segments_BxT is None) != (kv_segments_BxS is None):
     raise ValueError('give both q_segments and kv_segments, or neither')
+  split = sharding.sequence_split()
+  if split is not None and isinstance(q_offset, int) and q_offset == 0 and t == s:
+    return _positions_split(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, *split,
+                            implementation=implementation, block_size=block_size)
+  return _local(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, kv_segments_BxS, q_offset,
+                implementation, block_size)
+
+
+def _positions_split(q, k, v, segments, mesh, axis: str, **options) -> jax.Array:
+  """Self-attention with positions split over `axis`: each device's queries against the keys
+  and values all-gathered from every device (see the module docstring)."""
+  # XLA:CPU aborts compiling a bf16 all-gather's gradient (ChangeOpDataType, jax 0.12): gather
+  # float32 there; accelerators gather the compute dtype.
+  wide = jnp.float32 if mesh.devices.flat[0].platform == 'cpu' else None
+
+  def local(q, k, v, segments):
+    def gather(x):
+      if wide is not None and jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.all_gather(x.astype(wide), axis, axis=1, tiled=True).astype(x.dtype)
+      return jax.lax.all_gather(x, axis, axis=1, tiled=True)
+    offset = jax.lax.axis_index(axis) * q.shape[1]
+    kv_segments = None if segments is None else gather(segments)
+    return _local(q, gather(k), gather(v), segments, kv_segments, offset,
+                  options['implementation'], options['block_size'])
+  split = P(None, axis)  # manual over `axis` only: GSPMD keeps the batch and heads split
+  return jax.shard_map(local, mesh=mesh, in_specs=(split, split, split, split),
+                       out_specs=split, axis_names={axis}, check_vma=False)(q, k, v, segments)
+
+
+def _local(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, kv_segments_BxS, q_offset,
+           implementation: str, block_size: int) -> jax.Array:
+  """attention() on arrays this device holds whole along T and S."""
+  t, s = q_BxTxNxK.shape[1], k_BxSxGxK.shape[1]
   if implementation == 'auto':
     implementation = 'blockwise' if t * s > _DENSE_MAX_KEYS**2 else 'xla'
     if _cudnn_applies(q_BxTxNxK, q_offset, t, s):

@@ -73,10 +73,10 @@ class Block(nn.Module):
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.use_bias, cfg.fused_qkv, cfg.dtype,
         rope=cfg.rope, implementation=cfg.attention, block_size=cfg.attention_block,
         name='attention')(h, positions_BxT, segments_BxT, decode, cache)
-    x_BxTxD = constrain(x_BxTxD + dropout(attended), ('batch', None, None))
+    x_BxTxD = constrain(x_BxTxD + dropout(attended), ('batch', 'sequence', None))
     h = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'mlp_norm')(x_BxTxD)
     h = layers.Mlp(cfg.mlp, cfg.mlp_dim, cfg.use_bias, cfg.dtype, name='mlp')(h)
-    return constrain(x_BxTxD + dropout(h), ('batch', None, None)), cache
+    return constrain(x_BxTxD + dropout(h), ('batch', 'sequence', None)), cache
 
 
 def _remat_policy(remat: str):
@@ -103,7 +103,7 @@ class Decoder(nn.Module):
       table = self.param('positions', weights((None, 'embed'), nn.initializers.normal(0.01)),
                          (cfg.learned_positions, cfg.width))
       x_BxTxD = x_BxTxD + jnp.take(table, positions, axis=0)
-    x_BxTxD = constrain(x_BxTxD.astype(cfg.dtype), ('batch', None, None))
+    x_BxTxD = constrain(x_BxTxD.astype(cfg.dtype), ('batch', 'sequence', None))
     x_BxTxD = nn.Dropout(cfg.dropout, deterministic=not train)(x_BxTxD)
     block = Block
     if cfg.remat != 'none':
@@ -120,7 +120,7 @@ class Decoder(nn.Module):
     else:
       logits_BxTxV = nn.Dense(cfg.padded_vocab, use_bias=False, dtype=cfg.dtype, name='unembed',
                               kernel_init=weights(('embed', 'vocab')))(x_BxTxD)
-    logits_BxTxV = constrain(logits_BxTxV, ('batch', None, 'vocab'))
+    logits_BxTxV = constrain(logits_BxTxV, ('batch', 'sequence', 'vocab'))
     real_V = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
     logits_BxTxV = jnp.where(real_V, logits_BxTxV.astype(jnp.float32), -1e9)
     return logits_BxTxV if decode is None else (logits_BxTxV, cache)
@@ -147,6 +147,7 @@ class LanguageModel(LinenModel):
   """
   input_key: Any = 'tokens'
   family: str = ''  # 'gpt' or 'llama': which Hugging Face layout its weights map to
+  splits_sequence = True  # mesh.context may split its positions (attention gathers K/V)
 
   @property
   def cfg(self) -> DecoderConfig:

@@ -111,13 +111,13 @@ class Attention(nn.Module):
     n, g, k = self.num_heads, self.num_kv_heads, self.head_dim
     if self.fused_qkv:
       qkv = self._dense((3, n, k), (None, 'heads', 'head_dim'), 'qkv')(x_BxTxD)
-      qkv = constrain(qkv, ('batch', None, None, 'heads', None))
+      qkv = constrain(qkv, ('batch', 'sequence', None, 'heads', None))
       q, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     else:
       q = constrain(self._dense((n, k), ('heads', 'head_dim'), 'query')(x_BxTxD),
-                    ('batch', None, 'heads', None))
+                    ('batch', 'sequence', 'heads', None))
       key, value = (constrain(self._dense((g, k), ('kv_heads', 'head_dim'), name)(x_BxTxD),
-                              ('batch', None, 'kv_heads', None)) for name in ('key', 'value'))
+                              ('batch', 'sequence', 'kv_heads', None)) for name in ('key', 'value'))
     if self.rope is not None:
       inv_freq = np.asarray(self.rope, np.float32)
       q, key = apply_rope(q, positions_BxT, inv_freq), apply_rope(key, positions_BxT, inv_freq)
@@ -159,6 +159,8 @@ class Mlp(nn.Module):
     if self.kind == 'swiglu':
       h_BxTxF = (nn.silu(self._dense(self.hidden, ('embed', 'mlp'), 'gate')(x_BxTxD))
                  * self._dense(self.hidden, ('embed', 'mlp'), 'up')(x_BxTxD))
-      return self._dense(d, ('mlp', 'embed'), 'down')(constrain(h_BxTxF, ('batch', None, 'mlp')))
+      h_BxTxF = constrain(h_BxTxF, ('batch', 'sequence', 'mlp'))
+      return self._dense(d, ('mlp', 'embed'), 'down')(h_BxTxF)
     h_BxTxF = nn.gelu(self._dense(self.hidden, ('embed', 'mlp'), 'mlp_in')(x_BxTxD))
-    return self._dense(d, ('mlp', 'embed'), 'mlp_out')(constrain(h_BxTxF, ('batch', None, 'mlp')))
+    h_BxTxF = constrain(h_BxTxF, ('batch', 'sequence', 'mlp'))
+    return self._dense(d, ('mlp', 'embed'), 'mlp_out')(h_BxTxF)

@@ -1,0 +1,152 @@
+"""Context parallelism: a language model's positions split over mesh.context equal 1 device.
+
+Tolerances as in tests/test_equivalence.py: one step agrees to float reassociation (rtol 1e-5 on
+the loss and gradients); over 10 steps float32 losses to 1e-4 and bf16 to 2e-3 (bf16 rounds
+partial sums in another order, as in tests/test_llama.py). Packed rows (three documents of random
+lengths per row, padding at the end) keep their segments apart across the split; both 10-step
+runs use 2 micro-batches, bf16 also remat. The memory test compiles one 16,384-token sequence
+and reads XLA's memory analysis; nothing runs.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import disttrain
+from disttrain import data, errors, spmd
+from disttrain.step import Variant
+from disttrain import run as run_lib
+from tests import helpers
+from tests.conftest import ROOT
+from tests.helpers import assert_trees_close, devices, to_numpy
+from tests.test_equivalence import _assert_new_params_close
+
+CONFIGS = {'llama': ROOT / 'launch' / 'configs' / 'llama.py',
+           'gpt': ROOT / 'launch' / 'configs' / 'gpt.py'}
+TINY = {'model.num_layers': 2, 'model.hidden': 64, 'model.num_heads': 4, 'model.mlp_dim': 128,
+        'data.seq_len': 32, 'global_batch_size': 8, 'data.text.bytes': 100_000,
+        'data.eval_examples': 64, 'eval_batch_size': 64, 'eval_every_steps': 0,
+        'model.attention_block': 8}
+ONE = {'mesh.data': 1}
+LAYOUTS = {'context=8': {'mesh.data': 1, 'mesh.context': 8},
+           'data 2 x context 2 x tensor 2': {'mesh.data': 2, 'mesh.context': 2,
+                                             'mesh.tensor': 2}}
+
+
+def _config(name: str, **overrides) -> disttrain.Config:
+  cd = helpers.config_file(CONFIGS[name])
+  extra = {'model.num_kv_heads': 2} if name == 'llama' else {'model.vocab_size': 256}
+  return disttrain.from_config_dict(helpers.override(cd, {**TINY, **extra, **overrides}))
+
+
+def _packed(rows: int, t: int, vocab: int, seed: int = 0) -> dict:
+  """Rows of three documents of random lengths each, then padding (segment 0, target -1)."""
+  rng = np.random.default_rng(seed)
+  out = {k: np.zeros((rows, t), np.int32) for k in ('tokens', 'segment_ids', 'positions')}
+  out['targets'] = np.full((rows, t), -1, np.int32)
+  for r in range(rows):
+    cuts = np.sort(rng.choice(np.arange(2, t - 2), 3, replace=False))
+    start = 0
+    for segment, end in enumerate(cuts, 1):
+      n = end - start
+      out['tokens'][r, start:end] = rng.integers(0, vocab, n)
+      out['targets'][r, start:end - 1] = out['tokens'][r, start + 1:end]
+      out['segment_ids'][r, start:end] = segment
+      out['positions'][r, start:end] = np.arange(n)
+      start = end
+  return out
+
+
+def _one_step(cfg, n: int, m: int = 1, train_data=None):
+  """(loss, gradients, new params) of one step from the initial state, M micro-batches."""
+  kw = {} if train_data is None else {'train_data': train_data, 'eval_data': train_data}
+  run = disttrain.setup(cfg, devices=devices(n), **kw)
+  it = data.TrainIterator(run.train_data, cfg.global_batch_size, cfg.seed, run.batch_sharding)
+  batch = next(it)
+  it.close()
+  cd = disttrain.defaults(cfg)
+  cd.grad_accum_steps = m
+  steps = spmd.build(run.model, run.task, run.tx, disttrain.from_config_dict(cd), run.mesh,
+                     run.layout, run.batch_sharding)
+  state = steps.place(run.state)
+  grads = to_numpy(steps.grads(state, batch))
+  new_state, metrics = steps.train(state, batch)
+  return float(metrics['loss']), grads, to_numpy(steps.export(new_state).params)
+
+
+def _check_one_step(name: str, layout: str, packed: bool, ms=(1,)):
+  train_data = _packed(64, 32, 256) if packed else None
+  ref_loss, ref_grads, ref_params = _one_step(_config(name, **ONE), 1, train_data=train_data)
+  for m in ms:
+    loss, grads, params = _one_step(_config(name, **LAYOUTS[layout]), 8, m, train_data)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'{name} {layout} gradient (M={m})')
+    _assert_new_params_close(params, ref_params, ref_grads, lr=_config(name).learning_rate)
+
+
+@pytest.mark.parametrize('name', ['llama', pytest.param('gpt', marks=pytest.mark.slow)])
+def test_one_step_with_positions_split_equals_one_device(name):
+  """Causal rows on context=8 and packed rows on data 2 x context 2 x tensor 2, the latter
+  with 2 micro-batches too."""
+  _check_one_step(name, 'context=8', packed=False)
+  _check_one_step(name, 'data 2 x context 2 x tensor 2', packed=True, ms=(1, 2))
+
+
+@pytest.mark.slow
+def test_packed_rows_on_context_eight_and_causal_rows_on_the_cube():
+  _check_one_step('llama', 'context=8', packed=True)
+  _check_one_step('llama', 'data 2 x context 2 x tensor 2', packed=False, ms=(1, 2))
+
+
+def _losses(cfg, workdir, n: int) -> list[float]:
+  result = disttrain.train(cfg, str(workdir), devices=devices(n))
+  assert result.trace_count == 1
+  return [r['loss'] for r in result.records if r['split'] == 'train']
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('precision,remat,rtol', [('float32', 'none', 1e-4),
+                                                  ('bfloat16', 'full', 2e-3)])
+def test_ten_steps_with_positions_split_equal_one_device(tmp_path, precision, remat, rtol):
+  common = {'num_train_steps': 10, 'log_every_steps': 1, 'precision.compute_dtype': precision,
+            'model.remat': remat}
+  reference = _losses(_config('llama', **ONE, **common), tmp_path / 'one', 1)
+  split = {**LAYOUTS['data 2 x context 2 x tensor 2'], 'grad_accum_steps': 2}
+  np.testing.assert_allclose(_losses(_config('llama', **split, **common), tmp_path / 'split', 8),
+                             reference, rtol=rtol)
+  assert reference[-1] < reference[0]
+
+
+def _temp_bytes(cfg, n: int) -> int:
+  run = disttrain.setup(cfg, devices=devices(n))
+  info = run.steps.compile(Variant(full_batch=True), run.state, run_lib.train_batch_spec(run))
+  return info.temp_bytes
+
+
+def test_one_long_sequence_on_context_eight_needs_a_quarter_of_the_temporaries():
+  """One sequence of T = 16,384 per step (data parallelism cannot split it): the compiled
+  step's temporaries per device with context=8 against 1 device."""
+  long = {'data.seq_len': 16_384, 'global_batch_size': 1, 'data.text.bytes': 40_000,
+          'data.eval_examples': 1, 'eval_batch_size': 1, 'model.attention_block': 512,
+          'model.num_layers': 1}
+  one = _temp_bytes(_config('llama', **ONE, **long), 1)
+  split = _temp_bytes(_config('llama', **LAYOUTS['context=8'], **long), 8)
+  assert split <= 0.25 * one, (split, one)
+
+
+@pytest.mark.parametrize('overrides,message', [
+    ({'mesh.context': 3, 'mesh.data': 1}, 'sequences of 32 tokens (data.seq_len) do not split '
+                                          'over mesh.context=3'),
+    ({'mesh.context': 2, 'mesh.data': 4, 'step_mode': 'shard_map'},
+     'mesh.context=2 splits sequences inside the jit step, not step_mode=shard_map'),
+])
+def test_bad_context_settings_are_one_line(overrides, message):
+  n = 3 if overrides['mesh.context'] == 3 else 8
+  with pytest.raises(errors.ConfigError, match=message.replace('(', r'\(').replace(')', r'\)')):
+    disttrain.setup(_config('llama', **overrides), devices=devices(n))
+
+
+def test_context_with_a_model_that_does_not_split_sequences_is_one_line():
+  cfg = helpers.make_config(mesh__data=4, mesh__context=2)
+  with pytest.raises(errors.ConfigError, match='only the language models do'):
+    disttrain.setup(cfg, devices=devices(8))
