@@ -17,9 +17,10 @@ import ml_collections
 
 from disttrain.errors import ConfigError
 
-MESH_AXES = ('data', 'fsdp', 'context', 'tensor')  # the last axes get the closest devices
-BATCH_AXES = ('data', 'fsdp')  # the global batch is split over these axes
+MESH_AXES = ('data', 'fsdp', 'expert', 'context', 'tensor')  # the last get the closest devices
+BATCH_AXES = ('data', 'fsdp', 'expert')  # the global batch is split over these axes
 SEQUENCE_AXIS = 'context'  # a language model's positions are split over this axis
+EXPERT_AXIS = 'expert'  # MoE layers' experts (logical axis 'experts') are split over this axis
 SHARDINGS = ('replicate', 'fsdp')
 STEP_MODES = ('jit', 'shard_map', 'pmap')
 FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft')  # read data.train_files
@@ -48,6 +49,7 @@ class MeshConfig:
   """Device mesh shape; exactly one axis may be -1 (= all remaining devices)."""
   data: int = -1
   fsdp: int = 1
+  expert: int = 1  # splits MoE experts (model.num_experts), and the batch elsewhere (step_mode=jit)
   context: int = 1  # splits each sequence's positions (language models, step_mode=jit)
   tensor: int = 1
 
@@ -183,6 +185,12 @@ class ModelConfig:
   # 0 = data.seq_len
   attention: str = 'auto'  # auto, xla, cudnn, blockwise (disttrain/models/attention.py)
   attention_block: int = 512  # blockwise attention: query and key block length
+  num_experts: int = 0  # language models: experts per mixture-of-experts layer; 0 = dense MLP
+  experts_per_token: int = 2  # MoE: experts each token is routed to (top k)
+  expert_capacity: float = 1.25  # MoE: slots per expert per row = this x T k / E (0 = T:
+  # dropless); choices beyond are dropped and reported as moe_dropped
+  router_aux_weight: float = 0.01  # MoE: weight of the load-balancing loss (Switch)
+  router_z_weight: float = 0.001  # MoE: weight of the router z-loss (ST-MoE)
 
   def __post_init__(self):
     _positive('model.hidden', self.hidden)
@@ -199,6 +207,15 @@ class ModelConfig:
     _positive('model.max_seq_len', self.max_seq_len, allow_zero=True)
     _one_of('model.attention', self.attention, ATTENTION)
     _positive('model.attention_block', self.attention_block)
+    _positive('model.num_experts', self.num_experts, allow_zero=True)
+    _positive('model.experts_per_token', self.experts_per_token)
+    _positive('model.expert_capacity', self.expert_capacity, allow_zero=True)
+    _positive('model.router_aux_weight', self.router_aux_weight, allow_zero=True)
+    _positive('model.router_z_weight', self.router_z_weight, allow_zero=True)
+    if self.num_experts and self.experts_per_token > self.num_experts:
+      raise ConfigError(f'model.experts_per_token={self.experts_per_token} > model.num_experts='
+                        f'{self.num_experts}: a token picks distinct experts; use at most '
+                        f'{self.num_experts}')
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f'model.dropout={self.dropout} must be in [0, 1); pass a rate in [0, 1) '
                         '(0 disables dropout)')
@@ -377,6 +394,10 @@ class Config:
     if self.mesh.context != 1 and self.step_mode != 'jit':
       raise ConfigError(
           f'mesh.context={self.mesh.context} splits sequences inside the jit step, not '
+          f'step_mode={self.step_mode}; use step_mode=jit')
+    if self.mesh.expert != 1 and self.step_mode != 'jit':
+      raise ConfigError(
+          f'mesh.expert={self.mesh.expert} splits experts inside the jit step, not '
           f'step_mode={self.step_mode}; use step_mode=jit')
     if self.step_mode == 'shard_map' and self.mesh.tensor != 1:
       raise ConfigError(

@@ -34,8 +34,13 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
   from disttrain import hf, hf_config, tensorfiles, trained  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   lm = trained.load(workdir=workdir, step=step, devices=jax.devices()[:1], ema=ema,
-                    mesh={'data': 1, 'fsdp': 1, 'context': 1, 'tensor': 1})
+                    mesh={'data': 1, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1})
   family = lm.model.family
+  if lm.model.cfg.num_experts:
+    from disttrain.errors import ConfigError  # pylint: disable=g-import-not-at-top
+    raise ConfigError(f'{workdir} holds a mixture-of-experts model (model.num_experts='
+                      f'{lm.model.cfg.num_experts}), which the {family} Hugging Face layout '
+                      'has no place for; export a dense model (model.num_experts=0)')
   np_dtype = np.float32 if dtype == 'float32' else ml_dtypes.bfloat16
   os.makedirs(out, exist_ok=True)
   special = {k: v for k, v in (('bos_token_id', lm.tokenizer.bos_id),

@@ -1,4 +1,4 @@
-"""Device mesh over ('data', 'fsdp', 'context', 'tensor') from the config, checked against the
+"""Device mesh over ('data', 'fsdp', 'expert', 'context', 'tensor') from the config, checked against the
 devices and against the batch and the model that will run on it."""
 
 import math
@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from disttrain.config import BATCH_AXES, MESH_AXES, SEQUENCE_AXIS, Config, MeshConfig
+from disttrain.config import (BATCH_AXES, EXPERT_AXIS, MESH_AXES, SEQUENCE_AXIS, Config,
+                              MeshConfig)
 from disttrain.errors import ConfigError
 
 
@@ -41,9 +42,14 @@ def axis_sizes(mesh: Mesh) -> dict[str, int]:
   return {name: int(size) for name, size in mesh.shape.items()}
 
 
+def batch_ways(mesh: Mesh) -> int:
+  """How many ways the global batch is split: the product of the batch axes."""
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
 def check_batch_sizes(cfg: Config, mesh: Mesh) -> None:
   """Both batch sizes split evenly over the batch axes; micro-batches over them too."""
-  ways = mesh.shape['data'] * mesh.shape['fsdp']
+  ways = batch_ways(mesh)
   for name, size in (('global_batch_size', cfg.global_batch_size),
                      ('eval_batch_size', cfg.eval_batch)):
     if size % ways:
@@ -56,8 +62,18 @@ def check_batch_sizes(cfg: Config, mesh: Mesh) -> None:
                       f'{BATCH_AXES}; use a multiple of {ways * m}')
 
 
-def check_context(model, tokens: int, mesh: Mesh) -> None:
-  """A context axis > 1 needs a model that splits its sequence, and a length it divides."""
+def check_model(model, tokens: int, mesh: Mesh) -> None:
+  """The context and expert axes fit the model: a sequence length the context axis divides,
+  a number of experts the expert axis divides."""
+  ways = mesh.shape[EXPERT_AXIS]
+  experts = getattr(model, 'num_experts', 0)
+  if ways > 1 and not experts:
+    raise ConfigError(f'mesh.{EXPERT_AXIS}={ways} splits the experts of mixture-of-experts '
+                      f'layers, but the model has none: set model.num_experts (language '
+                      f'models) or use mesh.data={ways} for data parallelism')
+  if experts % ways:
+    raise ConfigError(f'model.num_experts={experts} is not divisible by mesh.{EXPERT_AXIS}='
+                      f'{ways}; use a number of experts that is a multiple of {ways}')
   ways = mesh.shape[SEQUENCE_AXIS]
   if ways == 1:
     return

@@ -80,7 +80,7 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
   task = task or models.task(cfg.model)
   config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
   tx = tx or config_tx
-  mesh_lib.check_context(model, _tokens(model, data.element_spec(train)), mesh)
+  mesh_lib.check_model(model, _tokens(model, data.element_spec(train)), mesh)
   state, lay = state_lib.create(model, tx, data.element_spec(train), cfg, mesh)
   steps = spmd.build(model, task, tx, cfg, mesh, lay, batch_sharding, train_step, eval_step)
   return Setup(cfg, mesh, train, evals, model, task, tx, lr_schedule, batch_sharding, state, lay,
@@ -187,7 +187,7 @@ def plan(cfg: Config, spec: dict, devices: Sequence[jax.Device] | None = None, m
   model = model or models.build(cfg.model, cfg.precision.compute_dtype, cfg.data.seq_len)
   task = task or models.task(cfg.model)
   tx = tx or optim.build(cfg)[0]
-  mesh_lib.check_context(model, _tokens(model, spec), mesh)
+  mesh_lib.check_model(model, _tokens(model, spec), mesh)
   lay = state_lib.layout(model, tx, spec, cfg, mesh)
   batch_sharding = data.batch_sharding(mesh)
   steps = spmd.build(model, task, tx, cfg, mesh, lay, batch_sharding)

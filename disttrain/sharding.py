@@ -15,7 +15,7 @@ import jax
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from disttrain.config import BATCH_AXES, SEQUENCE_AXIS, Config
+from disttrain.config import BATCH_AXES, EXPERT_AXIS, SEQUENCE_AXIS, Config
 from disttrain.errors import ShardingError
 
 
@@ -64,7 +64,7 @@ def _rule_spec(path: str, shape, logical: P | None, cfg: Config, mesh: Mesh,
       _check_spec(path, shape, spec, mesh, f'param_rules {pattern!r}')
       return spec
   if logical is not None and len(logical) == len(shape):
-    mapping = dict(cfg.logical_rules)
+    mapping = {'experts': EXPERT_AXIS, **dict(cfg.logical_rules)}
     spec = []
     for name, dim in zip(logical, shape):
       axis = mapping.get(name) if isinstance(name, str) else None
@@ -141,9 +141,9 @@ _ACTIVATIONS = contextvars.ContextVar('disttrain_activation_rules', default=None
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh, logical_rules: tuple):
   """While a jit-style step is traced: `constrain` maps activations' logical axes to mesh axes
-  ('batch' -> the batch axes, 'sequence' -> the context axis, the rest as config logical_rules
-  map parameters)."""
-  rules = {**{name: axis for name, axis in logical_rules},
+  ('batch' -> the batch axes, 'sequence' -> the context axis, 'experts' -> the expert axis, the
+  rest as config logical_rules map parameters)."""
+  rules = {'experts': EXPERT_AXIS, **{name: axis for name, axis in logical_rules},
            'batch': BATCH_AXES, 'sequence': SEQUENCE_AXIS}
   token = _ACTIVATIONS.set((mesh, rules))
   try:

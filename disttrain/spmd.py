@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from disttrain import pmap, sharding as sharding_lib, step as step_lib
+from disttrain import mesh as mesh_lib, pmap, sharding as sharding_lib, step as step_lib
 from disttrain.compiled import Steps
 from disttrain.config import BATCH_AXES, Config
 from disttrain.errors import ConfigError
@@ -85,7 +85,7 @@ def build(model, task, tx, cfg: Config, mesh: Mesh, lay: Layout, batch_sharding:
   else:  # shard_map
     local = StepContext(**{**ctx.__dict__, 'model': step_lib.with_batch_axes(
         model, BATCH_AXES, state_mutable=lay.shardings.mutable)})
-    ways = mesh.shape['data'] * mesh.shape['fsdp']
+    ways = mesh_lib.batch_ways(mesh)
 
     def local_grads(params, mutable, batch, key, all_metrics, full_batch):
       count = full_count if full_batch and full_count is not None else jax.lax.psum(

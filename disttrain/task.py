@@ -70,7 +70,11 @@ class NextToken:
   def weights(self, batch: dict) -> jax.Array:
     return self.token_weights(batch).sum(axis=-1) * batch[MASK]
 
-  def per_example(self, logits_BxTxV: jax.Array, batch: dict) -> dict[str, jax.Array]:
+  def per_example(self, logits_BxTxV: Any, batch: dict) -> dict[str, jax.Array]:
+    extra = {}
+    if isinstance(logits_BxTxV, dict):  # a mixture of experts: {'logits', 'moe_dropped': [B]}
+      extra = {k: v for k, v in logits_BxTxV.items() if k != 'logits'}
+      logits_BxTxV = logits_BxTxV['logits']
     targets_BxT = batch[self.target_key]
     weights_BxT = self.token_weights(batch)
     logits_BxTxV = logits_BxTxV.astype(jnp.float32)
@@ -80,7 +84,7 @@ class NextToken:
     loss_BxT = jnp.where((weights_BxT > 0) & (targets_BxT >= logits_BxTxV.shape[-1]), jnp.nan,
                          loss_BxT)
     correct_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT) * weights_BxT
-    return {'loss': loss_BxT.sum(-1), 'accuracy': correct_BxT.sum(-1)}
+    return {'loss': loss_BxT.sum(-1), 'accuracy': correct_BxT.sum(-1), **extra}
 
 
 @dataclasses.dataclass(frozen=True)

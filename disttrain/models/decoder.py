@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from disttrain.models import layers
+from disttrain.models import layers, moe
 from disttrain.models.layers import Decode, constrain, weights
-from disttrain.models.linen import LinenModel, model_inputs
+from disttrain.models.linen import LOSSES, LinenModel, model_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,11 @@ class DecoderConfig:
   attention_block: int = 512
   dtype: Any = jnp.float32
   vocab_multiple: int = 128
+  num_experts: int = 0  # > 0: mixture-of-experts feed-forward layers (disttrain/models/moe.py)
+  experts_per_token: int = 2
+  expert_capacity: float = 1.25
+  router_aux_weight: float = 0.01
+  router_z_weight: float = 0.001
 
   @property
   def head_dim(self) -> int:
@@ -75,7 +80,12 @@ class Block(nn.Module):
         name='attention')(h, positions_BxT, segments_BxT, decode, cache)
     x_BxTxD = constrain(x_BxTxD + dropout(attended), ('batch', 'sequence', None))
     h = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'mlp_norm')(x_BxTxD)
-    h = layers.Mlp(cfg.mlp, cfg.mlp_dim, cfg.use_bias, cfg.dtype, name='mlp')(h)
+    if cfg.num_experts:
+      h = moe.MoeMlp(cfg.num_experts, cfg.experts_per_token, cfg.expert_capacity, cfg.mlp,
+                     cfg.mlp_dim, cfg.dtype, cfg.router_aux_weight, cfg.router_z_weight,
+                     name='moe')(h)
+    else:
+      h = layers.Mlp(cfg.mlp, cfg.mlp_dim, cfg.use_bias, cfg.dtype, name='mlp')(h)
     return constrain(x_BxTxD + dropout(h), ('batch', 'sequence', None)), cache
 
 
@@ -108,7 +118,8 @@ class Decoder(nn.Module):
     block = Block
     if cfg.remat != 'none':
       block = nn.remat(Block, policy=_remat_policy(cfg.remat), prevent_cse=False)
-    blocks = nn.scan(block, variable_axes={'params': 0},
+    # Sown per-layer values (router losses, dropped choices) stack over layers like the weights.
+    blocks = nn.scan(block, variable_axes={'params': 0, LOSSES: 0, moe.MOE: 0},
                      split_rngs={'params': True, 'dropout': True},
                      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
                      length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
@@ -143,7 +154,8 @@ class LanguageModel(LinenModel):
 
   FLOPs per token: 6 N + 12 L T D (PaLM's and nanoGPT's count: forward and backward of every
   weight matmul, plus attention's two T-long matmuls per layer, D = heads x head size), where N
-  excludes the parameters only looked up (positions; the token embedding unless tied).
+  excludes the parameters only looked up (positions; the token embedding unless tied) and, with
+  experts, those of the E - k experts a token does not run.
   """
   input_key: Any = 'tokens'
   family: str = ''  # 'gpt' or 'llama': which Hugging Face layout its weights map to
@@ -152,6 +164,26 @@ class LanguageModel(LinenModel):
   @property
   def cfg(self) -> DecoderConfig:
     return self.module.cfg
+
+  @property
+  def num_experts(self) -> int:
+    return self.cfg.num_experts
+
+  def init(self, rng: jax.Array, batch: dict) -> dict:
+    variables = super().init(rng, batch)
+    variables.pop(moe.MOE, None)  # values of one call, not state
+    return variables
+
+  def apply(self, variables: dict, batch: dict, *, train: bool, rng: jax.Array | None):
+    """Logits; with experts {'logits', 'moe_dropped': [B] dropped choices per row in tokens,
+    the mean over layers}, which NextToken reports beside the loss."""
+    if not self.cfg.num_experts:
+      return super().apply(variables, batch, train=train, rng=rng)
+    outputs, new_mutable, model_loss = super().apply(variables, batch, train=train, rng=rng,
+                                                     sown=(moe.MOE,))
+    dropped = jax.tree.leaves(new_mutable.pop(moe.MOE, {}))
+    return ({'logits': outputs, 'moe_dropped': sum(d.mean(0) for d in dropped)},
+            new_mutable, model_loss)
 
   def inputs(self, batch: dict) -> tuple[tuple, dict]:
     return model_inputs(batch, self.input_key), {k: batch[k] for k in PACKED_FIELDS if k in batch}
@@ -166,4 +198,7 @@ class LanguageModel(LinenModel):
     lookups = cfg.learned_positions * cfg.width
     if not cfg.tied_embeddings:
       lookups += cfg.padded_vocab * cfg.width
+    if cfg.num_experts:  # a token runs k of the E experts: the others' weights are not its FLOPs
+      per_expert = (3 if cfg.mlp == 'swiglu' else 2) * cfg.width * cfg.mlp_dim
+      lookups += (cfg.num_experts - cfg.experts_per_token) * per_expert * cfg.num_layers
     return float(t * (6 * (num_params - lookups) + 12 * cfg.num_layers * t * cfg.width))

@@ -16,6 +16,13 @@ def check_heads(cfg: ModelConfig) -> None:
                       f'{cfg.num_heads}; use a width that is a multiple of the head count')
 
 
+def decoder_moe(cfg: ModelConfig) -> dict:
+  """The mixture-of-experts fields of a decoder (both families read them)."""
+  return dict(num_experts=cfg.num_experts, experts_per_token=cfg.experts_per_token,
+              expert_capacity=cfg.expert_capacity, router_aux_weight=cfg.router_aux_weight,
+              router_z_weight=cfg.router_z_weight)
+
+
 def decoder_config(cfg: ModelConfig, dtype, context: int) -> DecoderConfig:
   """The decoder a GPT model config describes (`context`: data.seq_len, the default table size)."""
   check_heads(cfg)
@@ -31,7 +38,8 @@ def decoder_config(cfg: ModelConfig, dtype, context: int) -> DecoderConfig:
       mlp='gelu', norm=cfg.norm or 'layernorm', norm_eps=cfg.norm_eps, use_bias=True,
       fused_qkv=True, learned_positions=cfg.max_seq_len or context, rope=None,
       tied_embeddings=cfg.tied_embeddings, dropout=cfg.dropout, remat=cfg.remat,
-      attention=cfg.attention, attention_block=cfg.attention_block, dtype=dtype)
+      attention=cfg.attention, attention_block=cfg.attention_block, dtype=dtype,
+      **decoder_moe(cfg))
 
 
 def build(cfg: ModelConfig, dtype, context: int) -> LanguageModel:

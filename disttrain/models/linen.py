@@ -59,16 +59,20 @@ class LinenModel:
     variables.pop(LOSSES, None)  # values of one call, not state
     return variables
 
-  def apply(self, variables: dict, batch: dict, *, train: bool, rng: jax.Array | None):
+  def apply(self, variables: dict, batch: dict, *, train: bool, rng: jax.Array | None,
+            sown: tuple[str, ...] = ()):
+    """(outputs, new mutable collections, model loss); `sown` collections (values of this call
+    that a subclass reads) are returned with the new collections, whether training or not."""
     mutable = [name for name in variables if name != 'params'] if train else []
     rngs = {'dropout': rng} if rng is not None else {}
     args, kwargs = self.inputs(batch)
     outputs, new_mutable = self.module.apply(variables, *args, train=train, rngs=rngs,
-                                             mutable=[*mutable, LOSSES], **kwargs)
+                                             mutable=[*mutable, LOSSES, *sown], **kwargs)
     new_mutable = dict(new_mutable)
     losses = jax.tree.leaves(new_mutable.pop(LOSSES, {}))
     model_loss = sum((jnp.sum(jnp.asarray(l, jnp.float32)) for l in losses), jnp.float32(0.0))
-    return outputs, (new_mutable if train else {}), model_loss
+    values = {name: new_mutable.pop(name) for name in sown if name in new_mutable}
+    return outputs, {**(new_mutable if train else {}), **values}, model_loss
 
   def logical_specs(self, batch: dict) -> Any:
     """Logical axis names from `nn.with_logical_partitioning` metadata (None where absent).

@@ -43,7 +43,8 @@ def decoder_config(cfg: ModelConfig, dtype, context: int) -> DecoderConfig:
       default_mlp_dim(cfg.hidden), mlp='swiglu', norm='rmsnorm', norm_eps=cfg.norm_eps,
       use_bias=False, fused_qkv=False, learned_positions=0, rope=tuple(float(f) for f in inv_freq),
       tied_embeddings=cfg.tied_embeddings, dropout=cfg.dropout, remat=cfg.remat,
-      attention=cfg.attention, attention_block=cfg.attention_block, dtype=dtype)
+      attention=cfg.attention, attention_block=cfg.attention_block, dtype=dtype,
+      **gpt.decoder_moe(cfg))
 
 
 def build(cfg: ModelConfig, dtype, context: int) -> LanguageModel:

@@ -1,0 +1,117 @@
+"""The mixture-of-experts feed-forward layer of the language models (model.num_experts > 0).
+
+  router     float32 logits [B, T, E] = x W_r; each token picks its top k experts
+             (model.experts_per_token), weighted by a softmax over the k chosen logits (Mixtral)
+  dispatch   per row, expert e takes at most C = ceil(model.expert_capacity x T k / E) token slots
+             (at most T; capacity 0 = T: dropless), first choices before second choices, in
+             position order (GShard, Switch); a choice beyond its expert's capacity is dropped
+             (the token keeps its residual) and counted in records as `moe_dropped`
+  experts    E feed-forward layers of the family's kind (SwiGLU or GELU, no biases) on
+             [E, B, C, D], one batched matmul per weight
+  combine    y[b, t] = sum over its kept choices of gate x expert output
+
+Dispatch and combine are one-hot einsums, so the layer is plain XLA on any backend. Expert
+weights name the logical axis 'experts', which the mesh's `expert` axis splits; tokens are split
+over the batch axes (data, fsdp, expert) outside the layer and over (data, fsdp) x experts inside
+it, so XLA turns the dispatch and combine into all-to-alls over `expert`.
+
+Model losses (the task adds them; `losses` collection): the load-balancing loss E sum_e f_e p_e
+(Switch; f_e the fraction of token choices routed to e, p_e the mean router probability of e),
+times model.router_aux_weight, and the router z-loss mean(logsumexp(logits)^2) (ST-MoE), times
+model.router_z_weight; each over the whole batch of the call, so they are the same on any layout.
+"""
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from disttrain.models.layers import INIT, constrain, weights
+
+MOE = 'moe'  # the collection of per-row dropped choices (read by LanguageModel)
+
+
+def capacity(tokens: int, experts: int, top_k: int, factor: float) -> int:
+  """Slots per expert per row: ceil(factor T k / E), at most T (a token picks an expert once)."""
+  if factor <= 0:
+    return tokens
+  return min(tokens, max(1, math.ceil(factor * tokens * top_k / experts)))
+
+
+def route(experts_BxTxK: jax.Array, gates_BxTxK: jax.Array, num_experts: int, slots: int):
+  """(dispatch [B, T, E, C] 0/1, combine [B, T, E, C] gates, kept choices per row [B]).
+
+  A row's choices queue for their expert in (choice rank, position) order; the first `slots`
+  of each queue are kept.
+  """
+  b, t, k = experts_BxTxK.shape
+  chosen_BxTxKxE = jax.nn.one_hot(experts_BxTxK, num_experts, dtype=jnp.int32)
+  queue = chosen_BxTxKxE.transpose(0, 2, 1, 3).reshape(b, k * t, num_experts)
+  position = (jnp.cumsum(queue, axis=1) - 1).reshape(b, k, t, num_experts).transpose(0, 2, 1, 3)
+  kept_BxTxKxE = chosen_BxTxKxE * (position < slots)
+  slot_BxTxKxExC = jax.nn.one_hot(position, slots, dtype=jnp.float32) * kept_BxTxKxE[..., None]
+  dispatch = slot_BxTxKxExC.sum(2)
+  combine = (slot_BxTxKxExC * gates_BxTxK[..., None, None].astype(jnp.float32)).sum(2)
+  return dispatch, combine, kept_BxTxKxE.sum((1, 2, 3))
+
+
+def router_losses(logits_BxTxE: jax.Array, experts_BxTxK: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(load-balancing loss E sum_e f_e p_e, z-loss mean logsumexp^2) over all tokens."""
+  e, k = logits_BxTxE.shape[-1], experts_BxTxK.shape[-1]
+  probs = jax.nn.softmax(logits_BxTxE, axis=-1)
+  fraction = jax.nn.one_hot(experts_BxTxK, e).sum(2).mean((0, 1)) / k
+  balance = e * jnp.sum(fraction * probs.mean((0, 1)))
+  z = jnp.mean(jax.nn.logsumexp(logits_BxTxE, axis=-1) ** 2)
+  return balance, z
+
+
+class MoeMlp(nn.Module):
+  """Top-k routed experts in place of the dense MLP; see the module docstring."""
+  num_experts: int
+  top_k: int
+  capacity_factor: float
+  kind: str  # 'gelu' or 'swiglu'
+  hidden: int
+  dtype: Any
+  aux_weight: float
+  z_weight: float
+
+  def _experts(self, name: str, shape: tuple, axes: tuple) -> jax.Array:
+    return self.param(name, weights(('experts',) + axes, INIT), (self.num_experts,) + shape)
+
+  @nn.compact
+  def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    _, t, d = x_BxTxD.shape
+    e, k, f = self.num_experts, self.top_k, self.hidden
+    logits_BxTxE = nn.Dense(e, use_bias=False, dtype=jnp.float32, name='router',
+                            kernel_init=weights(('embed', None)))(x_BxTxD.astype(jnp.float32))
+    top_logits, experts_BxTxK = jax.lax.top_k(logits_BxTxE, k)
+    gates_BxTxK = jax.nn.softmax(top_logits, axis=-1)
+    balance, z = router_losses(logits_BxTxE, experts_BxTxK)
+    self.sow('losses', 'router_balance', self.aux_weight * balance)
+    self.sow('losses', 'router_z', self.z_weight * z)
+    slots = capacity(t, e, k, self.capacity_factor)
+    dispatch, combine, kept_B = route(experts_BxTxK, gates_BxTxK, e, slots)
+    self.sow(MOE, 'dropped', (t * k - kept_B) / k)  # tokens' worth of dropped choices per row
+    # Dispatched where the tokens are (rows split over every batch axis), then resharded to
+    # experts over 'expert': one all-to-all each way (XLA otherwise gathers all tokens).
+    x_ExBxCxD = constrain(jnp.einsum('btec,btd->ebcd', dispatch.astype(self.dtype), x_BxTxD),
+                          (None, 'batch', None, None))
+    x_ExBxCxD = constrain(x_ExBxCxD, ('experts', 'batch', None, None))
+    if self.kind == 'swiglu':
+      gate = self._experts('gate', (d, f), ('embed', 'mlp')).astype(self.dtype)
+      up = self._experts('up', (d, f), ('embed', 'mlp')).astype(self.dtype)
+      h_ExBxCxF = (nn.silu(jnp.einsum('ebcd,edf->ebcf', x_ExBxCxD, gate))
+                   * jnp.einsum('ebcd,edf->ebcf', x_ExBxCxD, up))
+      down = self._experts('down', (f, d), ('mlp', 'embed')).astype(self.dtype)
+    else:
+      w_in = self._experts('mlp_in', (d, f), ('embed', 'mlp')).astype(self.dtype)
+      h_ExBxCxF = nn.gelu(jnp.einsum('ebcd,edf->ebcf', x_ExBxCxD, w_in))
+      down = self._experts('mlp_out', (f, d), ('mlp', 'embed')).astype(self.dtype)
+    h_ExBxCxF = constrain(h_ExBxCxF, ('experts', 'batch', None, 'mlp'))
+    y_ExBxCxD = constrain(jnp.einsum('ebcf,efd->ebcd', h_ExBxCxF, down),
+                          ('experts', 'batch', None, None))
+    y_ExBxCxD = constrain(y_ExBxCxD, (None, 'batch', None, None))
+    return jnp.einsum('btec,ebcd->btd', combine.astype(self.dtype), y_ExBxCxD)
