@@ -231,6 +231,7 @@ def train_step_fn(module: nn.Module, tx: optax.GradientTransformation, traces: l
   the batch is cut into M contiguous blocks and lax.scan sums their gradients.
   `token_weighted` (language models): packed rows' positions and segment ids go to the model,
   and the loss is the sum over tokens with a target (>= 0, loss_mask) / their count in the batch.
+  Values the module sows into 'losses' (a mixture of experts' router losses) are added.
   """
   cast = lambda tree: jax.tree.map(
       lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
@@ -242,13 +243,17 @@ def train_step_fn(module: nn.Module, tx: optax.GradientTransformation, traces: l
     packed = {k: batch[k] for k in ('positions', 'segment_ids') if k in batch}
     logits, new_mutable = module.apply(
         {'params': cast(params), **mutable}, cast(batch[input_key]), train=True,
-        rngs={'dropout': key}, mutable=list(mutable), **packed)
+        rngs={'dropout': key}, mutable=[*mutable, 'losses'], **packed)
+    new_mutable = dict(new_mutable)
+    # Values the module sows into 'losses' (an MoE router's) are added to the loss, per call.
+    model_loss = sum(jnp.sum(l.astype(jnp.float32))
+                     for l in jax.tree.leaves(new_mutable.pop('losses', {}))) / micro_batches
     targets = batch[label_key]
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
                                                           jnp.maximum(targets, 0))
     if not token_weighted:
-      return ce.mean(), new_mutable
-    return jnp.sum(jnp.where(counted(batch), ce, 0.0)) / total, new_mutable
+      return ce.mean() + model_loss, new_mutable
+    return jnp.sum(jnp.where(counted(batch), ce, 0.0)) / total + model_loss, new_mutable
 
   def train_step(state: dict, batch: dict):
     traces[0] += 1

@@ -13,6 +13,8 @@
    sequence of T = 16,384 tokens per step (a batch data parallelism cannot split), on 1 device
    and with mesh.context=8: temporaries per device and per token, and the longest T (doubling
    from 4,096) whose step fits --limit_mib per device with and without the split.
+4. Mixture of experts: the tiny Llama with 8 experts (2 per token) per layer, batch 32 x 128, on
+   1 device and with mesh.expert=8: state bytes per device, and the experts' share of them.
 """
 
 import json
@@ -74,7 +76,30 @@ def rows() -> list[dict]:
     out.append({'model': 'gpt2_small, 8 devices', 'setting': name, **info.to_json(),
                 'state_total_bytes': total, 'split_ways': ways,
                 'state_vs_even_split': round(info.state_bytes / (total / ways), 3)})
-  return out + _long_context_rows()
+  return out + _long_context_rows() + _moe_rows()
+
+
+def _moe_rows() -> list[dict]:
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from disttrain import run as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.records import ID  # pylint: disable=g-import-not-at-top
+  window = jax.ShapeDtypeStruct((1, 128), np.int32)
+  spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
+  out = []
+  for name, mesh, n in (('1 device', {'mesh.data': 1}, 1),
+                        ('expert=8', {'mesh.data': 1, 'mesh.expert': 8}, 8)):
+    cfg = _config('tiny', {'global_batch_size': 32, 'data.seq_len': 128, 'model.num_experts': 8,
+                           'model.experts_per_token': 2, **mesh}, _LLAMA)
+    plan = run_lib.plan(cfg, spec, jax.devices()[:n])
+    params = plan.state.params
+    experts = sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                  for x in jax.tree.leaves(params['blocks']['moe']) if x.ndim == 4)
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(plan.state))
+    info = plan.compile()
+    out.append({'model': 'llama tiny, 8 experts (k = 2)', 'setting': name, **info.to_json(),
+                'state_total_bytes': total, 'expert_param_bytes': experts})
+  return out
 
 
 def _long_step(t: int, mesh: dict, n: int):

@@ -31,11 +31,12 @@ from disttrain.models.linen import LinenModel
 from disttrain.step import Variant
 
 _MODEL = flags.DEFINE_enum('model', 'mlp_small',
-                           ['mlp_small', 'mlp', 'transformer', 'gpt', 'llama'],
+                           ['mlp_small', 'mlp', 'transformer', 'gpt', 'llama', 'moe'],
                            'mlp_small: seed 000 (784-64-64-10, batch 256); mlp: seed 004 '
                            '(mnist_mlp, Dropout + BatchNorm, batch 128); transformer: char_lm; '
                            'gpt / llama: launch/configs/gpt.py / llama.py at --size (with '
-                           '--with_data, llama reads packed, tokenized documents).')
+                           '--with_data, llama reads packed, tokenized documents); moe: llama '
+                           'at --size with 8 experts, 2 per token.')
 _SIZE = flags.DEFINE_string('size', None, '--model=gpt or llama: a size of its config file '
                             '(default: small / tiny).')
 _GPT_SIZE = flags.DEFINE_string('gpt_size', None, 'Deprecated name of --size for --model=gpt.')
@@ -48,9 +49,10 @@ _GRAD_ACCUM = flags.DEFINE_integer('grad_accum_steps', 1, 'Micro-batches per ste
 _REMAT = flags.DEFINE_enum('remat', 'none', ['none', 'full', 'dots_saveable',
                                              'dots_with_no_batch_dims_saveable'],
                            '--model=gpt: model.remat (the module is shared by both sides).')
-_SHARDING = flags.DEFINE_enum('sharding', 'replicate', ['replicate', 'fsdp', 'tensor'],
+_SHARDING = flags.DEFINE_enum('sharding', 'replicate', ['replicate', 'fsdp', 'tensor', 'expert'],
                               'replicate: data parallel; fsdp: mesh.fsdp = all devices; tensor: '
-                              'mesh.tensor = 2, hidden features split.')
+                              'mesh.tensor = 2, hidden features split; expert: mesh.expert = all '
+                              'devices (--model=moe).')
 _STEP_MODE = flags.DEFINE_enum('step_mode', 'jit', ['jit', 'shard_map', 'pmap'], 'Step style.')
 _BATCH = flags.DEFINE_integer('global_batch_size', 0, "0 = the model's seed batch size.")
 _FAKE_DEVICES = flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
@@ -290,8 +292,8 @@ def _check_flags(k: int, num_devices: int) -> None:
 def _config(num_devices: int):
   """disttrain's config for the flags: the seed MLPs on synthetic 784-feature data (Adam 1e-3),
   or launch/configs/char_lm.py's transformer on its text."""
-  if _MODEL.value in ('transformer', 'gpt', 'llama'):
-    name = 'char_lm' if _MODEL.value == 'transformer' else _MODEL.value
+  if _MODEL.value in ('transformer', 'gpt', 'llama', 'moe'):
+    name = {'transformer': 'char_lm', 'moe': 'llama'}.get(_MODEL.value, _MODEL.value)
     spec = importlib.util.spec_from_file_location(f'{name}_config',
                                                   os.path.join(_CONFIGS, f'{name}.py'))
     module = importlib.util.module_from_spec(spec)
@@ -299,6 +301,8 @@ def _config(num_devices: int):
     size = _SIZE.value or _GPT_SIZE.value or {'gpt': 'small', 'llama': 'tiny'}.get(name)
     cd = module.get_config(size) if size else module.get_config()
     cd.model.remat = _REMAT.value
+    if _MODEL.value == 'moe':
+      cd.model.num_experts, cd.model.experts_per_token = 8, 2
     if name == 'llama' and _WITH_DATA.value:
       _packed_documents(cd)
   else:
@@ -326,6 +330,8 @@ def _config(num_devices: int):
     cd.mesh.data, cd.mesh.fsdp = 1, -1
   elif _SHARDING.value == 'tensor':
     cd.mesh.tensor = min(2, num_devices)
+  elif _SHARDING.value == 'expert':
+    cd.mesh.data, cd.mesh.expert = 1, -1
   return config_lib.from_config_dict(cd)
 
 

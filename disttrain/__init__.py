@@ -5,16 +5,9 @@ config`) or a bad command line is then answered without loading jax, flax and or
 """
 
 import importlib
-import os
 
 __version__ = '0.2.0'
 
-# XLA:CPU's concurrency-optimized scheduler lets devices of one program reach independent
-# collectives in different orders, which deadlocks (seen with MoE all-to-alls on 8 CPU devices,
-# jax 0.12); read when the CPU backend starts, so set before it does. Only CPU code changes.
-_SEQUENTIAL_CPU = '--xla_cpu_enable_concurrency_optimized_scheduler'
-if _SEQUENTIAL_CPU not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {_SEQUENTIAL_CPU}=false".strip()
 
 # Public name -> the module that defines it.
 _EXPORTS = {

@@ -188,6 +188,8 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
   """Train steps with their records, evals, checkpoints, stops and profile; the final Result."""
   cfg, steps, writer = run.cfg, run.steps, acts.out.writer
   bound_in_flight = _must_bound_in_flight(run.mesh)
+  if bound_in_flight:  # the program that made (or restored) the state has finished everywhere
+    jax.block_until_ready(device_state)
   acts.records.start(first_step)
   phases.finished(first_step)
   step_no, previous, stop = first_step, None, None

@@ -150,6 +150,9 @@ def accumulated_grads(model, task, params, mutable, batch, rng, count, policy: P
   Gradients and sums accumulate in float32; dropout keys are fold_in(rng, i) for micro-batch i;
   mutable collections (BatchNorm statistics) are updated by each micro-batch in turn.
   """
+  # The count's reduction before the model's: XLA:CPU runs independent collectives in any order
+  # per device, and a count all-reduce beside a model's own (MoE) deadlocked 8 CPU devices.
+  batch, count = jax.lax.optimization_barrier((batch, count))
   if m == 1:
     return _grads(model, task, params, mutable, batch, rng, count, policy, model_loss_share,
                   all_metrics)
@@ -206,11 +209,13 @@ def update(tx, state: TrainState, grads, sums, count, new_mutable, all_metrics: 
 def eval_sums(model, task, state: TrainState, batch: dict, policy: Policy) -> Metrics:
   """Masked sums of the task's per-example values over an eval batch, with 'count' (the summed
   weights), and for per-token tasks 'num_examples' and 'num_tokens'."""
+  count = total_weight(task, batch)
+  batch, count = jax.lax.optimization_barrier((batch, count))  # as in accumulated_grads
   outputs, _, model_loss = model.apply({'params': policy.cast(state.params), **state.mutable},
                                        policy.cast_batch(batch), train=False, rng=None)
   sums = {k: jnp.sum(v.astype(jnp.float32) * batch[MASK])
           for k, v in task.per_example(outputs, batch).items()}
-  sums['count'] = total_weight(task, batch)
+  sums['count'] = count
   if getattr(task, 'per_token', False):
     sums.update(num_examples=jnp.sum(batch[MASK]), num_tokens=sums['count'])
   if 'loss' in sums:

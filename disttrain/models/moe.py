@@ -87,7 +87,9 @@ class MoeMlp(nn.Module):
     e, k, f = self.num_experts, self.top_k, self.hidden
     logits_BxTxE = nn.Dense(e, use_bias=False, dtype=jnp.float32, name='router',
                             kernel_init=weights(('embed', None)))(x_BxTxD.astype(jnp.float32))
-    top_logits, experts_BxTxK = jax.lax.top_k(logits_BxTxE, k)
+    # A stable sort, not lax.top_k: GSPMD gathers top_k's operand over the batch (jax 0.12).
+    experts_BxTxK = jnp.argsort(-logits_BxTxE, axis=-1)[..., :k]
+    top_logits = jnp.take_along_axis(logits_BxTxE, experts_BxTxK, axis=-1)
     gates_BxTxK = jax.nn.softmax(top_logits, axis=-1)
     balance, z = router_losses(logits_BxTxE, experts_BxTxK)
     self.sow('losses', 'router_balance', self.aux_weight * balance)
