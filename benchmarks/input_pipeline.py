@@ -75,8 +75,9 @@ def _iterator(source, workers: int, transforms):
   import jax  # pylint: disable=g-import-not-at-top
   from disttrain import data  # pylint: disable=g-import-not-at-top
   from disttrain.records import Data, Records  # pylint: disable=g-import-not-at-top
-  mesh = jax.make_mesh((1, 1, 1), ('data', 'fsdp', 'tensor'),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()[:1])
+  from disttrain import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.config import MeshConfig  # pylint: disable=g-import-not-at-top
+  mesh = mesh_lib.build(MeshConfig(data=1), jax.devices()[:1])
   return data.TrainIterator(Records(Data(source, transforms), 'train', 0), _BATCH.value, 0,
                             data.batch_sharding(mesh), prefetch=2, workers=workers)
 

@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from disttrain import data
+from disttrain import data, mesh as mesh_lib
+from disttrain.config import MeshConfig
 from disttrain.errors import DataError
 from disttrain.records import ID, MASK, Records
 
@@ -14,9 +15,9 @@ N, B = 100, 16  # 6 batches per epoch, 4 examples dropped per epoch
 
 
 def _mesh(n: int, shape: tuple[int, int, int] | None = None) -> jax.sharding.Mesh:
-  """A (data, fsdp, tensor) mesh over the first n devices."""
-  return jax.make_mesh(shape or (n, 1, 1), ('data', 'fsdp', 'tensor'),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()[:n])
+  """The run's mesh over the first n devices, data x fsdp x tensor = `shape` (default n x 1 x 1)."""
+  data_, fsdp, tensor = shape or (n, 1, 1)
+  return mesh_lib.build(MeshConfig(data=data_, fsdp=fsdp, tensor=tensor), jax.devices()[:n])
 
 
 def _split(n: int = N) -> Records:

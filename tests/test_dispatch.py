@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 import disttrain
+from disttrain import mesh as mesh_lib
+from disttrain.config import MeshConfig
 from disttrain.errors import ConfigError
 from tests.helpers import devices, make_config, to_numpy
 
@@ -39,8 +41,7 @@ def test_cadences_must_be_multiples_of_steps_per_dispatch():
 def test_iterator_positions_are_in_batches_whatever_k():
   from disttrain import data, records, sources  # pylint: disable=g-import-not-at-top
   split = records.Records(sources.build(make_config())['train_data'], 'train', 0)
-  mesh = jax.make_mesh((8, 1, 1), ('data', 'fsdp', 'tensor'),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  mesh = mesh_lib.build(MeshConfig(data=8), jax.devices()[:8])
   sharding = data.batch_sharding(mesh)
   four = data.TrainIterator(split, 64, 0, sharding, batches_per_element=4)
   first = next(four)

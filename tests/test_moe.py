@@ -110,6 +110,7 @@ def _check_one_step(name: str, layouts):
     _assert_new_params_close(params, ref_params, ref_grads, lr=_config(name).learning_rate)
 
 
+@pytest.mark.slow
 def test_one_step_with_experts_split_equals_one_device():
   _check_one_step('llama', ['expert=8', 'data 2 x expert 4'])
 
