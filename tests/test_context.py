@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import data, errors, spmd
+from disttrain import errors
 from disttrain.step import Variant
 from disttrain import run as run_lib
 from tests import helpers
 from tests.conftest import ROOT
-from tests.helpers import assert_trees_close, devices, to_numpy
+from tests.helpers import assert_trees_close, devices
 from tests.test_equivalence import _assert_new_params_close
+from tests.test_llama import _one_step
 
 CONFIGS = {'llama': ROOT / 'launch' / 'configs' / 'llama.py',
            'gpt': ROOT / 'launch' / 'configs' / 'gpt.py'}
@@ -55,23 +56,6 @@ def _packed(rows: int, t: int, vocab: int, seed: int = 0) -> dict:
       out['positions'][r, start:end] = np.arange(n)
       start = end
   return out
-
-
-def _one_step(cfg, n: int, m: int = 1, train_data=None):
-  """(loss, gradients, new params) of one step from the initial state, M micro-batches."""
-  kw = {} if train_data is None else {'train_data': train_data, 'eval_data': train_data}
-  run = disttrain.setup(cfg, devices=devices(n), **kw)
-  it = data.TrainIterator(run.train_data, cfg.global_batch_size, cfg.seed, run.batch_sharding)
-  batch = next(it)
-  it.close()
-  cd = disttrain.defaults(cfg)
-  cd.grad_accum_steps = m
-  steps = spmd.build(run.model, run.task, run.tx, disttrain.from_config_dict(cd), run.mesh,
-                     run.layout, run.batch_sharding)
-  state = steps.place(run.state)
-  grads = to_numpy(steps.grads(state, batch))
-  new_state, metrics = steps.train(state, batch)
-  return float(metrics['loss']), grads, to_numpy(steps.export(new_state).params)
 
 
 def _check_one_step(name: str, cases):

@@ -33,9 +33,11 @@ def _config(**overrides) -> disttrain.Config:
   return disttrain.from_config_dict(helpers.override(cd, {**TINY, **overrides}))
 
 
-def _one_step(cfg, n: int, m: int = 1):
-  """(loss, gradients, new params) of one step from the initial state, M micro-batches."""
-  run = disttrain.setup(cfg, devices=devices(n))
+def _one_step(cfg, n: int, m: int = 1, train_data=None):
+  """(loss, gradients, new params) of one step from the initial state, M micro-batches; on
+  `train_data` (in-memory rows) instead of the config's data when given."""
+  kw = {} if train_data is None else {'train_data': train_data, 'eval_data': train_data}
+  run = disttrain.setup(cfg, devices=devices(n), **kw)
   it = data.TrainIterator(run.train_data, cfg.global_batch_size, cfg.seed, run.batch_sharding)
   batch = next(it)
   it.close()

@@ -20,7 +20,7 @@ from disttrain import data, errors, export, run as run_lib
 from disttrain.models import moe
 from disttrain.step import Variant
 from tests import helpers
-from tests.test_context import _one_step
+from tests.test_llama import _one_step
 from tests.helpers import assert_trees_close, devices
 from tests.test_equivalence import _assert_new_params_close
 

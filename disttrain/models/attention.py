@@ -51,12 +51,13 @@ def attention(q_BxTxNxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, 
   split = sharding.sequence_split()
   if split is not None and isinstance(q_offset, int) and q_offset == 0 and t == s:
     return _positions_split(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, *split,
-                            implementation=implementation, block_size=block_size)
+                            implementation, block_size)
   return _local(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, kv_segments_BxS, q_offset,
                 implementation, block_size)
 
 
-def _positions_split(q, k, v, segments, mesh, axis: str, **options) -> jax.Array:
+def _positions_split(q, k, v, segments, mesh, axis: str, implementation: str,
+                     block_size: int) -> jax.Array:
   """Self-attention with positions split over `axis`: each device's queries against the keys
   and values all-gathered from every device (see the module docstring)."""
   # XLA:CPU aborts compiling a bf16 all-gather's gradient (ChangeOpDataType, jax 0.12): gather
@@ -70,8 +71,8 @@ def _positions_split(q, k, v, segments, mesh, axis: str, **options) -> jax.Array
       return jax.lax.all_gather(x, axis, axis=1, tiled=True)
     offset = jax.lax.axis_index(axis) * q.shape[1]
     kv_segments = None if segments is None else gather(segments)
-    return _local(q, gather(k), gather(v), segments, kv_segments, offset,
-                  options['implementation'], options['block_size'])
+    return _local(q, gather(k), gather(v), segments, kv_segments, offset, implementation,
+                  block_size)
   split = P(None, axis)  # manual over `axis` only: GSPMD keeps the batch and heads split
   return jax.shard_map(local, mesh=mesh, in_specs=(split, split, split, split),
                        out_specs=split, axis_names={axis}, check_vma=False)(q, k, v, segments)
