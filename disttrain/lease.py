@@ -61,10 +61,12 @@ class Lease:
     self._thread: threading.Thread | None = None
 
   def _read(self) -> dict | None:
+    """The lease; None if there is none; {} if it cannot be read now (a torn write, a glitch)."""
     try:
-      return json.loads(storage.read_text(self.path) or 'null')
-    except (OSError, json.JSONDecodeError):  # none, or one being replaced right now
-      return None
+      text = storage.read_text(self.path)
+      return None if text is None else json.loads(text)
+    except (OSError, json.JSONDecodeError):
+      return {}
 
   def _write(self) -> None:
     # Readers see the old lease or the new one, never half of one.
@@ -94,15 +96,15 @@ class Lease:
       time.sleep(min(1.0, seconds / 8))
       now = self._read()
       if now is None:
-        return
-      if now.get('refreshed') != holder.get('refreshed'):
+        return  # released
+      if now and now.get('refreshed') != holder.get('refreshed'):
         self._refuse(now)
 
   def acquire(self) -> None:
     if self.seconds <= 0:
       return
     holder = self._read()
-    if holder is not None:
+    if holder:  # an unreadable one was torn by a crash: nobody refreshes it
       self._outlive(holder)
     try:
       self._write()
@@ -127,6 +129,6 @@ class Lease:
     self._thread.join()
     self._thread = None
     holder = self._read()
-    if holder is not None and holder.get('pid') == self.me['pid'] \
+    if holder and holder.get('pid') == self.me['pid'] \
         and holder.get('host') == self.me['host']:
       storage.path(self.path).unlink(missing_ok=True)

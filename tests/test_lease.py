@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from disttrain import storage
 from disttrain.errors import ConfigError
 from disttrain.lease import FILE, Lease
 from tests.conftest import ROOT
@@ -58,7 +59,7 @@ def test_a_lease_from_another_host_is_refused_while_refreshed_and_taken_once_exp
 
   def refresh():
     while not done.wait(0.5):
-      (tmp_path / FILE).write_text(json.dumps({**lease, 'refreshed': time.time()}))
+      storage.write_text(str(tmp_path / FILE), json.dumps({**lease, 'refreshed': time.time()}))
   refresher = threading.Thread(target=refresh)
   refresher.start()
   start = time.monotonic()
