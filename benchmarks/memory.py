@@ -15,6 +15,12 @@
    from 4,096) whose step fits --limit_mib per device with and without the split.
 4. Mixture of experts: the tiny Llama with 8 experts (2 per token) per layer, batch 32 x 128, on
    1 device and with mesh.expert=8: state bytes per device, and the experts' share of them.
+
+  python benchmarks/memory.py --accelerator [--json=out.json]
+
+compiles GPT-2 small (batch 32 x 1,024 tokens) for this host's first GPU or TPU instead: float32,
+bf16 with XLA's attention, bf16 with the default (cuDNN's fused kernel on a GPU), and bf16 with
+remat=full: what an accelerator's bf16 dots and fused attention save, which XLA:CPU cannot show.
 """
 
 import json
@@ -25,6 +31,8 @@ import sys
 from absl import app, flags
 
 _JSON = flags.DEFINE_string('json', None, 'Write the rows here.')
+_ACCELERATOR = flags.DEFINE_bool('accelerator', False, 'GPT-2 small on this host\'s first '
+                                  'accelerator instead of the rows above on CPU.')
 _LIMIT_MIB = flags.DEFINE_integer('limit_mib', 1024, 'Long context: the per-device limit.')
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GPT = os.path.join(_ROOT, 'launch', 'configs', 'gpt.py')
@@ -32,6 +40,12 @@ _SMALL = (('float32', {}), ('grad_accum_steps=4', {'grad_accum_steps': 4}),
           ('model.remat=full', {'model.remat': 'full'}),
           ('bfloat16', {'precision.compute_dtype': 'bfloat16'}),
           ('bfloat16, remat=full', {'precision.compute_dtype': 'bfloat16', 'model.remat': 'full'}))
+_ON_ACCELERATOR = (('float32', {}),
+                   ('bfloat16, attention=xla', {'precision.compute_dtype': 'bfloat16',
+                                                'model.attention': 'xla'}),
+                   ('bfloat16', {'precision.compute_dtype': 'bfloat16'}),
+                   ('bfloat16, remat=full', {'precision.compute_dtype': 'bfloat16',
+                                             'model.remat': 'full'}))
 _LLAMA = os.path.join(_ROOT, 'launch', 'configs', 'llama.py')
 _LONG = 16_384
 _CONTEXT = (('1 device', {'mesh.data': 1}, 1), ('context=8', {'mesh.data': 1, 'mesh.context': 8}, 8))
@@ -77,6 +91,22 @@ def rows() -> list[dict]:
                 'state_total_bytes': total, 'split_ways': ways,
                 'state_vs_even_split': round(info.state_bytes / (total / ways), 3)})
   return out + _long_context_rows() + _moe_rows()
+
+
+def accelerator_rows() -> list[dict]:
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from disttrain import run as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.records import ID  # pylint: disable=g-import-not-at-top
+  device = jax.devices()[0]
+  window = jax.ShapeDtypeStruct((1, 1024), np.int32)
+  spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
+  out = []
+  for name, overrides in _ON_ACCELERATOR:
+    plan = run_lib.plan(_config('gpt2_small', {'mesh.data': 1, **overrides}), spec, [device])
+    out.append({'model': f'gpt2_small, batch 32, {device.device_kind}', 'setting': name,
+                **plan.compile().to_json()})
+  return out
 
 
 def _moe_rows() -> list[dict]:
@@ -156,9 +186,16 @@ def main(argv):
     print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
     sys.exit(2)
   import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update('jax_platforms', 'cpu')
-  jax.config.update('jax_num_cpu_devices', 8)
-  results = rows()
+  if _ACCELERATOR.value:
+    if jax.devices()[0].platform == 'cpu':
+      print('error: --accelerator: this host has no GPU or TPU; leave the flag out for the CPU '
+            'rows', file=sys.stderr)
+      sys.exit(2)
+    results = accelerator_rows()
+  else:
+    jax.config.update('jax_platforms', 'cpu')
+    jax.config.update('jax_num_cpu_devices', 8)
+    results = rows()
   print(table(results))
   if _JSON.value:
     with open(_JSON.value, 'w', encoding='utf-8') as f:

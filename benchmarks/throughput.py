@@ -53,6 +53,9 @@ _SHARDING = flags.DEFINE_enum('sharding', 'replicate', ['replicate', 'fsdp', 'te
                               'replicate: data parallel; fsdp: mesh.fsdp = all devices; tensor: '
                               'mesh.tensor = 2, hidden features split; expert: mesh.expert = all '
                               'devices (--model=moe).')
+_ATTENTION = flags.DEFINE_enum('attention', None, ['auto', 'xla', 'cudnn', 'blockwise'],
+                               '--model=gpt, llama or moe: model.attention of both sides '
+                               "(default: the config's, auto).")
 _STEP_MODE = flags.DEFINE_enum('step_mode', 'jit', ['jit', 'shard_map', 'pmap'], 'Step style.')
 _BATCH = flags.DEFINE_integer('global_batch_size', 0, "0 = the model's seed batch size.")
 _FAKE_DEVICES = flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
@@ -301,6 +304,8 @@ def _config(num_devices: int):
     size = _SIZE.value or _GPT_SIZE.value or {'gpt': 'small', 'llama': 'tiny'}.get(name)
     cd = module.get_config(size) if size else module.get_config()
     cd.model.remat = _REMAT.value
+    if _ATTENTION.value:
+      cd.model.attention = _ATTENTION.value
     if _MODEL.value == 'moe':
       cd.model.num_experts, cd.model.experts_per_token = 8, 2
     if name == 'llama' and _WITH_DATA.value:
