@@ -123,8 +123,9 @@ def run() -> list[dict]:
   devices = jax.devices()
   _check_flags(k, len(devices))
   cfg = _config(len(devices))
+  # Others: the model train() would build (compute dtype, context length), made by setup.
   model = (LinenModel(baselines.SmallMLP(hidden=cfg.model.hidden)) if _MODEL.value == 'mlp_small'
-           else models.build(cfg.model))
+           else None)
   run_ = disttrain.setup(cfg, model=model, devices=devices)
   lm = disttrain.run.throughput(run_)  # tokens and model FLOPs of language models
   compiles = [0]  # XLA compilations and persistent-cache hits: either means a step was rebuilt
