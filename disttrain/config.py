@@ -15,12 +15,10 @@ from typing import Any
 
 import ml_collections
 
+from disttrain import mesh as mesh_axes
 from disttrain.errors import ConfigError
 
-MESH_AXES = ('data', 'fsdp', 'expert', 'context', 'tensor')  # the last get the closest devices
-BATCH_AXES = ('data', 'fsdp', 'expert')  # the global batch is split over these axes
-SEQUENCE_AXIS = 'context'  # a language model's positions are split over this axis
-EXPERT_AXIS = 'expert'  # MoE layers' experts (logical axis 'experts') are split over this axis
+MESH_AXES = mesh_axes.AXES  # disttrain/mesh.py owns the axes and what each is for
 SHARDINGS = ('replicate', 'fsdp')
 STEP_MODES = ('jit', 'shard_map', 'pmap')
 FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft')  # read data.train_files

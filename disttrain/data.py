@@ -22,8 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from disttrain.config import BATCH_AXES
 from disttrain.errors import DataError, first_line
+from disttrain.mesh import Parallelism
 from disttrain.formats import array_record_source, decode, encode, write_array_record, write_tokens
 from disttrain.records import ID, MASK, RESERVED, Data, Records
 
@@ -38,8 +38,8 @@ _STATE_VERSION = 2
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
-  """Shards the leading (batch) axis over BATCH_AXES; trailing axes stay whole."""
-  return NamedSharding(mesh, P(BATCH_AXES))
+  """Shards the leading (batch) axis over the mesh's batch axes; trailing axes stay whole."""
+  return Parallelism(mesh).rows
 
 
 def local_rows(sharding: NamedSharding, global_batch_size: int) -> np.ndarray:

@@ -31,10 +31,10 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
   """Writes the model of `workdir` to `out`; returns a one-line summary."""
   import jax  # pylint: disable=g-import-not-at-top
   import ml_dtypes  # pylint: disable=g-import-not-at-top
-  from disttrain import hf, hf_config, tensorfiles, trained  # pylint: disable=g-import-not-at-top
+  from disttrain import hf, hf_config, mesh, tensorfiles, trained  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   lm = trained.load(workdir=workdir, step=step, devices=jax.devices()[:1], ema=ema,
-                    mesh={'data': 1, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1})
+                    mesh={axis: 1 for axis in mesh.AXES})
   family = lm.model.family
   if lm.model.cfg.num_experts:
     from disttrain.errors import ConfigError  # pylint: disable=g-import-not-at-top

@@ -48,6 +48,10 @@ class Setup:
   layout: state_lib.Layout
   steps: Steps
 
+  @property
+  def parallel(self) -> mesh_lib.Parallelism:
+    return mesh_lib.Parallelism(self.mesh)
+
 
 def setup(cfg: Config, model: Any = None, task: Any = None,
           devices: Sequence[jax.Device] | None = None, tx: Any = None,
@@ -59,8 +63,9 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
   `eval_data` (one source, or {name: source} for several); both default to cfg.data.name's
   built-in set when train_data is None. A dict of arrays is one in-memory source.
   """
-  mesh = mesh_lib.build(cfg.mesh, devices)
-  mesh_lib.check_batch_sizes(cfg, mesh)
+  parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
+  parallel.check_batch_sizes(cfg)
+  mesh = parallel.mesh
   data.check_workers(cfg.data.workers)
   if train_data is None:
     built = sources.build(cfg)
@@ -69,7 +74,7 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
   train = Records(train_data, 'train', cfg.seed)
   evals = {name: Records(source, name, cfg.seed)
            for name, source in records_lib.named_sources(eval_data).items()}
-  batch_sharding = data.batch_sharding(mesh)
+  batch_sharding = parallel.rows
   for records in evals.values():
     data.check_eval_size(records, cfg.eval_batch, batch_sharding)
     if records.spec.keys() != train.spec.keys():
@@ -80,7 +85,7 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
   task = task or models.task(cfg.model)
   config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
   tx = tx or config_tx
-  mesh_lib.check_model(model, _tokens(model, data.element_spec(train)), mesh)
+  parallel.check_model(model, _tokens(model, data.element_spec(train)))
   state, lay = state_lib.create(model, tx, data.element_spec(train), cfg, mesh)
   steps = spmd.build(model, task, tx, cfg, mesh, lay, batch_sharding, train_step, eval_step)
   return Setup(cfg, mesh, train, evals, model, task, tx, lr_schedule, batch_sharding, state, lay,
@@ -182,14 +187,15 @@ def plan(cfg: Config, spec: dict, devices: Sequence[jax.Device] | None = None, m
          task: Any = None, tx: Any = None) -> Plan:
   """The steps of `cfg` for data of element spec `spec` ({field: ShapeDtypeStruct((1, ...))}),
   with an abstract state: the memory of a model too large to create on this host."""
-  mesh = mesh_lib.build(cfg.mesh, devices)
-  mesh_lib.check_batch_sizes(cfg, mesh)
+  parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
+  parallel.check_batch_sizes(cfg)
+  mesh = parallel.mesh
   model = model or models.build(cfg.model, cfg.precision.compute_dtype, cfg.data.seq_len)
   task = task or models.task(cfg.model)
   tx = tx or optim.build(cfg)[0]
-  mesh_lib.check_model(model, _tokens(model, spec), mesh)
+  parallel.check_model(model, _tokens(model, spec))
   lay = state_lib.layout(model, tx, spec, cfg, mesh)
-  batch_sharding = data.batch_sharding(mesh)
+  batch_sharding = parallel.rows
   steps = spmd.build(model, task, tx, cfg, mesh, lay, batch_sharding)
   batch = {k: jax.ShapeDtypeStruct((cfg.global_batch_size,) + s.shape[1:], s.dtype,
                                    sharding=batch_sharding)

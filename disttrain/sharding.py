@@ -15,7 +15,8 @@ import jax
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from disttrain.config import BATCH_AXES, EXPERT_AXIS, SEQUENCE_AXIS, Config
+from disttrain.config import Config
+from disttrain.mesh import Parallelism
 from disttrain.errors import ShardingError
 
 
@@ -64,7 +65,7 @@ def _rule_spec(path: str, shape, logical: P | None, cfg: Config, mesh: Mesh,
       _check_spec(path, shape, spec, mesh, f'param_rules {pattern!r}')
       return spec
   if logical is not None and len(logical) == len(shape):
-    mapping = {'experts': EXPERT_AXIS, **dict(cfg.logical_rules)}
+    mapping = Parallelism(mesh).activation_rules(cfg.logical_rules)
     spec = []
     for name, dim in zip(logical, shape):
       axis = mapping.get(name) if isinstance(name, str) else None
@@ -79,10 +80,11 @@ def _rule_spec(path: str, shape, logical: P | None, cfg: Config, mesh: Mesh,
   return (None,) * len(shape)
 
 
-def _add_fsdp(path, shape, spec, fsdp: int, min_size: int, replicated: list) -> tuple:
-  """Splits the largest free dimension divisible by `fsdp`; records why when it cannot."""
+def _add_fsdp(path, shape, spec, axis: str, fsdp: int, min_size: int, replicated: list) -> tuple:
+  """Splits the largest free dimension divisible by `fsdp` over `axis`; records why when it
+  cannot."""
   named = [n for e in spec for n in (e if isinstance(e, tuple) else (e,))]
-  if 'fsdp' in named:
+  if axis in named:
     replicated.append(f'{path} {shape}: already split over fsdp by a rule')
     return spec
   if math.prod(shape) < min_size:
@@ -93,7 +95,7 @@ def _add_fsdp(path, shape, spec, fsdp: int, min_size: int, replicated: list) -> 
     replicated.append(f'{path} {shape}: no free dimension divisible by fsdp={fsdp}')
     return spec
   dim = max(free, key=lambda i: shape[i])
-  return spec[:dim] + ('fsdp',) + spec[dim + 1:]
+  return spec[:dim] + (axis,) + spec[dim + 1:]
 
 
 def specs_for(tree: Any, cfg: Config, mesh: Mesh, logical: Any = None,
@@ -105,13 +107,15 @@ def specs_for(tree: Any, cfg: Config, mesh: Mesh, logical: Any = None,
                     jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, P) or x is None))
   if len(logical_leaves) != len(leaves):
     logical_leaves = [None] * len(leaves)
-  fsdp = mesh.shape['fsdp'] if cfg.sharding == 'fsdp' else 1
+  parallel = Parallelism(mesh)
+  fsdp = parallel.fsdp if cfg.sharding == 'fsdp' else 1
   replicated, specs = [], []
   for (path, leaf), names in zip(leaves, logical_leaves):
     name = prefix + path_str(path)
     spec = _rule_spec(name, tuple(leaf.shape), names, cfg, mesh, replicated)
     if fsdp > 1:
-      spec = _add_fsdp(name, tuple(leaf.shape), spec, fsdp, cfg.fsdp_min_size, replicated)
+      spec = _add_fsdp(name, tuple(leaf.shape), spec, parallel.fsdp_axis, fsdp,
+                       cfg.fsdp_min_size, replicated)
     specs.append(P(*spec))
   return jax.tree_util.tree_unflatten(treedef, specs), replicated
 
@@ -143,9 +147,7 @@ def activation_rules(mesh: Mesh, logical_rules: tuple):
   """While a jit-style step is traced: `constrain` maps activations' logical axes to mesh axes
   ('batch' -> the batch axes, 'sequence' -> the context axis, 'experts' -> the expert axis, the
   rest as config logical_rules map parameters)."""
-  rules = {'experts': EXPERT_AXIS, **{name: axis for name, axis in logical_rules},
-           'batch': BATCH_AXES, 'sequence': SEQUENCE_AXIS}
-  token = _ACTIVATIONS.set((mesh, rules))
+  token = _ACTIVATIONS.set((mesh, Parallelism(mesh).activation_rules(logical_rules)))
   try:
     yield
   finally:
@@ -156,9 +158,9 @@ def sequence_split() -> tuple[Mesh, str] | None:
   """(mesh, axis) while a jit-style step is traced on a mesh that splits positions, else None:
   attention then gathers keys and values over that axis."""
   context = _ACTIVATIONS.get()
-  if context is None or context[0].shape.get(SEQUENCE_AXIS, 1) == 1:
+  if context is None or Parallelism(context[0]).context == 1:
     return None
-  return context[0], SEQUENCE_AXIS
+  return context[0], Parallelism.sequence_axis
 
 
 def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:

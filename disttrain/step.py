@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from disttrain.errors import ConfigError
 from disttrain.records import MASK
 from disttrain.state import TrainState
 
@@ -97,14 +96,14 @@ def _like(new: Any, old: Any) -> Any:
   return jax.tree.map(lambda n, o: n.astype(o.dtype), new, old)
 
 
-def _grads(model, task, params, mutable, batch, rng, count, policy: Policy,
-           model_loss_share: float = 1.0, all_metrics: bool = True):
+def _grads(model, task, params, mutable, batch, rng, policy: Policy, share: float, *, count,
+           all_metrics: bool):
   """Gradient of sum(loss x mask) / count + model loss, the masked sums, and new collections.
 
-  `model_loss_share` is 1 / (number of calls the global batch is split into: devices in
-  shard_map/pmap, micro-batches): each call's model loss (a mean over its rows) enters once per
-  call and the sum averages. `all_metrics=False` sums only the loss. `count` is the global number
-  of valid examples: a cross-device sum of the mask, or the static global batch size.
+  `share` is 1 / (number of calls the global batch is split into: devices in shard_map/pmap,
+  micro-batches): each call's model loss (a mean over its rows) enters once per call and the sum
+  averages. `all_metrics=False` sums only the loss. `count` is the global number of valid
+  examples: a cross-device sum of the mask, or the static global batch size.
   """
   def loss_fn(params):
     outputs, new_mutable, model_loss = model.apply(
@@ -113,7 +112,7 @@ def _grads(model, task, params, mutable, batch, rng, count, policy: Policy,
     if not all_metrics:
       per_example = {'loss': per_example['loss']}
     sums = {k: jnp.sum(v.astype(jnp.float32) * batch[MASK]) for k, v in per_example.items()}
-    model_loss = jnp.asarray(model_loss, jnp.float32) * model_loss_share
+    model_loss = jnp.asarray(model_loss, jnp.float32) * share
     # Reported 'loss' includes the model loss (times count, since records divide by count).
     sums['loss'] = sums['loss'] + model_loss * count
     return sums['loss'] / count, (sums, new_mutable)
@@ -142,47 +141,52 @@ class Gather:
   split: Any  # NamedSharding per parameter, as stored
 
 
-def accumulated_grads(model, task, params, mutable, batch, rng, count, policy: Policy,
-                      m: int = 1, model_loss_share: float = 1.0, all_metrics: bool = True,
-                      gather: Gather | None = None):
-  """`_grads` of the global batch as the sum over M micro-batches, one after another (lax.scan).
+def microbatched(grads_fn, m: int, gather: Gather | None = None):
+  """A gradient function of one batch, `grads_fn(params, mutable, batch, rng, policy, share) ->
+  (grads, sums, mutable)`, made the sum over M micro-batches, one after another (lax.scan).
 
   Gradients and sums accumulate in float32; dropout keys are fold_in(rng, i) for micro-batch i;
   mutable collections (BatchNorm statistics) are updated by each micro-batch in turn.
   """
+  if m == 1:
+    return grads_fn
+
+  def accumulated(params, mutable, batch, rng, policy: Policy, share: float):
+    # Cast (then gather) once: d loss / d params equals the float32 cast of d loss / d cast(params).
+    compute_params = policy.cast(params)
+    if gather is not None:
+      compute_params = jax.lax.with_sharding_constraint(compute_params, gather.whole)
+    one = functools.partial(grads_fn, compute_params, policy=Policy(jnp.float32), share=share / m)
+
+    def body(carry, xs):
+      grads, sums, mutable = carry
+      batch_i, i = xs
+      g, s, mutable = one(mutable, batch_i, jax.random.fold_in(rng, i))
+      add = lambda a, b: a + b.astype(jnp.float32)
+      grads = jax.tree.map(add, grads, g)
+      if gather is not None:
+        grads = jax.lax.with_sharding_constraint(grads, gather.split)
+      return (grads, jax.tree.map(add, sums, s), mutable), None
+
+    micro = micro_batches(policy.cast_batch(batch), m)
+    shapes = jax.eval_shape(lambda: one(mutable, jax.tree.map(lambda x: x[0], micro), rng))
+    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
+    with jax.named_scope('micro_batches'):
+      (grads, sums, mutable), _ = jax.lax.scan(
+          body, (zeros(shapes[0]), zeros(shapes[1]), mutable), (micro, jnp.arange(m)))
+    return grads, sums, mutable
+  return accumulated
+
+
+def accumulated_grads(ctx: 'StepContext', params, mutable, batch, rng, count, share: float = 1.0,
+                      all_metrics: bool = True):
+  """(grads, sums, new mutable) of `batch` under ctx's policy, in ctx.micro_batches pieces."""
   # The count's reduction before the model's: XLA:CPU runs independent collectives in any order
   # per device, and a count all-reduce beside a model's own (MoE) deadlocked 8 CPU devices.
   batch, count = jax.lax.optimization_barrier((batch, count))
-  if m == 1:
-    return _grads(model, task, params, mutable, batch, rng, count, policy, model_loss_share,
-                  all_metrics)
-  share = model_loss_share / m
-  # Cast (then gather) once: d loss / d params equals the float32 cast of d loss / d cast(params).
-  compute_params = policy.cast(params)
-  if gather is not None:
-    compute_params = jax.lax.with_sharding_constraint(compute_params, gather.whole)
-  identity = Policy(jnp.float32)
-
-  def body(carry, xs):
-    grads, sums, mutable = carry
-    batch_i, i = xs
-    g, s, mutable = _grads(model, task, compute_params, mutable, batch_i,
-                           jax.random.fold_in(rng, i), count, identity, share, all_metrics)
-    add = lambda a, b: a + b.astype(jnp.float32)
-    grads = jax.tree.map(add, grads, g)
-    if gather is not None:
-      grads = jax.lax.with_sharding_constraint(grads, gather.split)
-    return (grads, jax.tree.map(add, sums, s), mutable), None
-
-  micro = micro_batches(policy.cast_batch(batch), m)
-  first = jax.tree.map(lambda x: x[0], micro)
-  shapes = jax.eval_shape(lambda: _grads(model, task, compute_params, mutable, first, rng, count,
-                                         identity, share, all_metrics))
-  zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
-  with jax.named_scope('micro_batches'):
-    (grads, sums, mutable), _ = jax.lax.scan(
-        body, (zeros(shapes[0]), zeros(shapes[1]), mutable), (micro, jnp.arange(m)))
-  return grads, sums, mutable
+  one = functools.partial(_grads, ctx.model, ctx.task, count=count, all_metrics=all_metrics)
+  return microbatched(one, ctx.micro_batches, ctx.gather)(params, mutable, batch, rng,
+                                                          ctx.policy, share)
 
 
 def update(tx, state: TrainState, grads, sums, count, new_mutable, all_metrics: bool = True,
@@ -253,8 +257,8 @@ class StepContext:
     """(grads, masked sums, global weight, new mutable) of the global-batch mean loss."""
     count = total_weight(self.task, batch)
     grads, sums, new_mutable = accumulated_grads(
-        self.model, self.task, state.params if params is None else params, state.mutable, batch,
-        dropout_key(state), count, self.policy, self.micro_batches, gather=self.gather)
+        self, state.params if params is None else params, state.mutable, batch,
+        dropout_key(state), count)
     return grads, sums, count, new_mutable
 
   def apply_gradients(self, state: TrainState, grads, sums, count, new_mutable):
@@ -277,24 +281,6 @@ class StepContext:
     return jnp.sum(values_B.astype(jnp.float32) * batch[MASK])
 
 
-def with_defaults(task, state: TrainState, metrics: Metrics, batch: dict):
-  """A custom step's metrics, completed with what logging and the NaN guard read."""
-  if 'loss' not in metrics:
-    raise ConfigError(f'the custom train_step returned metrics {sorted(metrics)} without a '
-                      "scalar 'loss'; return (state, {'loss': ..., ...})")
-  metrics = dict(metrics)
-  metrics.setdefault('count', total_weight(task, batch))
-  return state, metrics
-
-
-def with_count(sums: Metrics, batch: dict) -> Metrics:
-  """A custom eval step's sums, with the batch's valid count unless it gave its own."""
-  if not isinstance(sums, dict):
-    raise ConfigError(f'the custom eval_step returned {type(sums).__name__}; return a dict of '
-                      'masked sums over the batch, e.g. {"top5": ctx.masked_sum(correct, batch)}')
-  return {'count': jnp.sum(batch[MASK]), **sums}
-
-
 def with_batch_axes(model, axes, state_mutable):
   """The model with cross-device BatchNorm statistics; refuses silent per-device statistics."""
   if jax.tree.leaves(state_mutable):
@@ -307,8 +293,7 @@ def per_device_grads(ctx: StepContext, params, mutable, batch, key, count, axes,
   """shard_map/pmap: this device's share of the gradient, summed over `axes` once (after any
   micro-batch loop). Dropout keys are folded with the device's index along `axes`."""
   key = jax.random.fold_in(key, jax.lax.axis_index(axes))
-  grads, sums, new_mutable = accumulated_grads(ctx.model, ctx.task, params, mutable, batch, key,
-                                               count, ctx.policy, ctx.micro_batches, 1.0 / ways,
-                                               all_metrics)
+  grads, sums, new_mutable = accumulated_grads(ctx, params, mutable, batch, key, count,
+                                               1.0 / ways, all_metrics)
   # Each device holds d(its loss x mask sum / global count); their sum is the global gradient.
   return jax.lax.psum(grads, axes), jax.lax.psum(sums, axes), new_mutable

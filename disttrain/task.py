@@ -106,7 +106,7 @@ class LossWithAux:
 class PerDeviceLoss:
   """Adds 'loss_device_<d>': the mean loss over the d-th of `num_devices` row blocks.
 
-  The global batch is laid out in contiguous row blocks over the batch axes ('data', 'fsdp'),
+  The global batch is laid out in contiguous row blocks over the batch axes (disttrain/mesh.py),
   so block d is what device d holds when the batch is split over `num_devices` devices (bobbin's
   per-device StepInfo.loss). They are functions of the global batch, so they are the same numbers
   on any layout. step_mode=jit only: shard_map/pmap call the task on one device's rows, where

@@ -64,3 +64,32 @@ def test_rule_that_does_not_divide_is_one_line_error():
   with pytest.raises(ShardingError, match='not divisible') as err:
     _state(cfg)
   assert '\n' not in str(err.value)
+
+
+def test_one_object_owns_the_axes_and_splits_each_batch_field():
+  """mesh.Parallelism: sizes by role, rows over the batch axes, and inside a jit step the
+  sequence fields ([B, T]) also over context; no other module spells an axis."""
+  import pathlib
+  import re
+  import numpy as np
+  from jax.sharding import PartitionSpec as P
+  from disttrain.config import MeshConfig
+  from disttrain.mesh import AXES, BATCH_AXES, Parallelism
+  parallel = Parallelism.from_config(MeshConfig(data=2, context=2, tensor=2), devices(8))
+  assert (parallel.batch_ways, parallel.context, parallel.fsdp) == (2, 2, 1)
+  batch = {'tokens': np.zeros((4, 16), np.int32), 'targets': np.zeros((4, 16), np.int32),
+           'image': np.zeros((4, 8, 8), np.float32), 'id': np.zeros((4,), np.int32)}
+  placed = jax.device_put(batch, parallel.rows)
+  split = jax.jit(lambda b: parallel.constrain_batch(b, 16))(placed)
+  shards = {k: v.addressable_shards[0].data.shape for k, v in split.items()}
+  assert shards == {'tokens': (2, 8), 'targets': (2, 8), 'image': (2, 8, 8), 'id': (2,)}
+  assert parallel.batch_spec((4, 16), 16) == P(BATCH_AXES, 'context')
+  assert parallel.batch_spec((4, 8, 8), 16) == P(BATCH_AXES)  # no dimension of 16 positions
+  root = pathlib.Path(__file__).parent.parent / 'disttrain'
+  # An axis name in a spec, a mesh shape lookup or a collective (docs and config values aside).
+  literal = re.compile(r"""(P\(|shape\[|axis_name|psum|all_gather|make_mesh)[^#]*['"](%s)['"]"""
+                       % '|'.join(AXES))
+  spelled = [f'{path.relative_to(root)}:{n}' for path in sorted(root.rglob('*.py'))
+             if path.name != 'mesh.py'
+             for n, line in enumerate(path.read_text().splitlines(), 1) if literal.search(line)]
+  assert not spelled, spelled

@@ -98,7 +98,7 @@ class MoeMlp(nn.Module):
     dispatch, combine, kept_B = route(experts_BxTxK, gates_BxTxK, e, slots)
     self.sow(MOE, 'dropped', (t * k - kept_B) / k)  # tokens' worth of dropped choices per row
     # Dispatched where the tokens are (rows split over every batch axis), then resharded to
-    # experts over 'expert': one all-to-all each way (XLA otherwise gathers all tokens).
+    # experts over the expert axis: one all-to-all each way (XLA otherwise gathers all tokens).
     x_ExBxCxD = constrain(jnp.einsum('btec,btd->ebcd', dispatch.astype(self.dtype), x_BxTxD),
                           (None, 'batch', None, None))
     x_ExBxCxD = constrain(x_ExBxCxD, ('experts', 'batch', None, None))
