@@ -15,6 +15,9 @@
    from 4,096) whose step fits --limit_mib per device with and without the split.
 4. Mixture of experts: the tiny Llama with 8 experts (2 per token) per layer, batch 32 x 128, on
    1 device and with mesh.expert=8: state bytes per device, and the experts' share of them.
+5. Pipeline stages: GPT-2 small (12 layers, batch 16 x 1,024, 4 micro-batches) on S = 1, 2, 4
+   devices with mesh.stage=S: state and temporaries per device (S = 1 accumulates the 4
+   micro-batches one after another; GPipe holds every micro-batch's activations).
 
   python benchmarks/memory.py --accelerator [--json=out.json]
 
@@ -90,7 +93,24 @@ def rows() -> list[dict]:
     out.append({'model': 'gpt2_small, 8 devices', 'setting': name, **info.to_json(),
                 'state_total_bytes': total, 'split_ways': ways,
                 'state_vs_even_split': round(info.state_bytes / (total / ways), 3)})
-  return out + _long_context_rows() + _moe_rows()
+  return out + _long_context_rows() + _moe_rows() + _pipeline_rows()
+
+
+def _pipeline_rows() -> list[dict]:
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from disttrain import run as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.records import ID  # pylint: disable=g-import-not-at-top
+  window = jax.ShapeDtypeStruct((1, 1024), np.int32)
+  spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
+  out = []
+  for s in (1, 2, 4):
+    cfg = _config('gpt2_small', {'global_batch_size': 16, 'grad_accum_steps': 4,
+                                 'mesh.data': 1, 'mesh.stage': s})
+    plan = run_lib.plan(cfg, spec, jax.devices()[:s])
+    out.append({'model': 'gpt2_small, batch 16 x 1,024, M = 4', 'setting': f'stage={s}',
+                **plan.compile().to_json()})
+  return out
 
 
 def accelerator_rows() -> list[dict]:

@@ -46,6 +46,7 @@ def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:
 class MeshConfig:
   """Device mesh shape; exactly one axis may be -1 (= all remaining devices)."""
   data: int = -1
+  stage: int = 1  # pipeline stages: a language model's layers, micro-batched (step_mode=jit)
   fsdp: int = 1
   expert: int = 1  # splits MoE experts (model.num_experts), and the batch elsewhere (step_mode=jit)
   context: int = 1  # splits each sequence's positions (language models, step_mode=jit)
@@ -393,6 +394,15 @@ class Config:
       raise ConfigError(
           f'mesh.context={self.mesh.context} splits sequences inside the jit step, not '
           f'step_mode={self.step_mode}; use step_mode=jit')
+    if self.mesh.stage != 1 and self.step_mode != 'jit':
+      raise ConfigError(
+          f'mesh.stage={self.mesh.stage} pipelines layers inside the jit step, not '
+          f'step_mode={self.step_mode}; use step_mode=jit')
+    if self.mesh.stage > 1 and self.grad_accum_steps < self.mesh.stage:
+      raise ConfigError(
+          f'mesh.stage={self.mesh.stage} needs at least as many micro-batches as stages, got '
+          f'grad_accum_steps={self.grad_accum_steps}; set grad_accum_steps >= '
+          f'{self.mesh.stage} (more cut the pipeline bubble, (S - 1) / (M + S - 1))')
     if self.mesh.expert != 1 and self.step_mode != 'jit':
       raise ConfigError(
           f'mesh.expert={self.mesh.expert} splits experts inside the jit step, not '

@@ -2,6 +2,7 @@
 
 Axes, by role (config `mesh.<axis>`; the last get the closest devices):
   data     rows of the global batch; everything else replicated
+  stage    pipeline stages: a language model's layers (logical 'layers'), micro-batched
   fsdp     rows of the batch, and each parameter's largest free dimension (sharding='fsdp')
   expert   rows of the batch, and the experts of mixture-of-experts layers (logical 'experts')
   context  the positions of a language model's sequences (logical 'sequence')
@@ -22,9 +23,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from disttrain.errors import ConfigError
 
-AXES = ('data', 'fsdp', 'expert', 'context', 'tensor')
+AXES = ('data', 'stage', 'fsdp', 'expert', 'context', 'tensor')
 BATCH_AXES = ('data', 'fsdp', 'expert')  # the global batch's rows are split over these
-FSDP_AXIS, EXPERT_AXIS, SEQUENCE_AXIS = 'fsdp', 'expert', 'context'
+FSDP_AXIS, EXPERT_AXIS, SEQUENCE_AXIS, STAGE_AXIS = 'fsdp', 'expert', 'context', 'stage'
 
 
 def resolve_shape(cfg, num_devices: int) -> tuple[int, ...]:
@@ -63,7 +64,8 @@ class Parallelism:
     return cls(build(cfg, devices))
 
   batch_axes = BATCH_AXES
-  fsdp_axis, expert_axis, sequence_axis = FSDP_AXIS, EXPERT_AXIS, SEQUENCE_AXIS
+  fsdp_axis, expert_axis, sequence_axis, stage_axis = (FSDP_AXIS, EXPERT_AXIS, SEQUENCE_AXIS,
+                                                       STAGE_AXIS)
 
   @functools.cached_property
   def sizes(self) -> dict[str, int]:
@@ -77,6 +79,10 @@ class Parallelism:
   @property
   def context(self) -> int:
     return self.sizes[SEQUENCE_AXIS]
+
+  @property
+  def stages(self) -> int:
+    return self.sizes[STAGE_AXIS]
 
   @property
   def experts(self) -> int:
@@ -124,9 +130,10 @@ class Parallelism:
     return jax.tree.map(drop, specs, is_leaf=lambda x: isinstance(x, P))
 
   def activation_rules(self, logical_rules: tuple) -> dict:
-    """Logical activation axes -> mesh axes: 'batch' to the batch axes, 'sequence' to context,
-    'experts' to expert, the rest as logical_rules map parameters."""
-    return {'experts': EXPERT_AXIS, **dict(logical_rules), 'batch': BATCH_AXES,
+    """Logical axes -> mesh axes: 'batch' to the batch axes, 'sequence' to context, 'experts'
+    to expert, 'layers' (a scanned stack) to stage, the rest as logical_rules say."""
+    stages = {'layers': STAGE_AXIS} if self.stages > 1 else {}
+    return {'experts': EXPERT_AXIS, **stages, **dict(logical_rules), 'batch': BATCH_AXES,
             'sequence': SEQUENCE_AXIS}
 
   def check_batch_sizes(self, cfg) -> None:
@@ -154,6 +161,22 @@ class Parallelism:
     if experts % ways:
       raise ConfigError(f'model.num_experts={experts} is not divisible by mesh.{EXPERT_AXIS}='
                         f'{ways}; use a number of experts that is a multiple of {ways}')
+    stages, layers = self.stages, getattr(model, 'num_layers', 0)
+    experts = getattr(model, 'num_experts', 0)
+    if stages > 1 and not getattr(model, 'pipelines', False):
+      raise ConfigError(f'mesh.{STAGE_AXIS}={stages} splits the layers of a language model '
+                        f'(gpt, llama); {type(model).__name__} has none to split: use '
+                        f'mesh.{STAGE_AXIS}=1')
+    if stages > 1 and (experts or self.context > 1 or getattr(model, 'dropout', 0)):
+      raise ConfigError(f'mesh.{STAGE_AXIS}={stages} with mixture-of-experts layers, '
+                        f'mesh.{SEQUENCE_AXIS} > 1 or dropout is not built (got '
+                        f'model.num_experts={experts}, mesh.{SEQUENCE_AXIS}={self.context}, '
+                        f'dropout={getattr(model, "dropout", 0)}); use mesh.{STAGE_AXIS}=1 '
+                        f'or leave those out')
+    if stages > 1 and layers % stages:
+      raise ConfigError(f'model.num_layers={layers} do not split into mesh.{STAGE_AXIS}='
+                        f'{stages} stages of equal depth; use a stage count that divides '
+                        f'{layers}')
     ways = self.context
     if ways == 1:
       return

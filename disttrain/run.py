@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 import disttrain
 from disttrain import data, metrics, models, optim, records as records_lib, sources, spmd
 from disttrain import mesh as mesh_lib
+from disttrain.models import pipeline
 from disttrain import sharding as sharding_lib
 from disttrain import state as state_lib
 from disttrain import step as step_lib
@@ -248,7 +249,23 @@ def run_info(run: Setup) -> dict:
                    'python': platform.python_version()},
       'platform': mesh.devices.flat[0].platform,
       'device_kind': mesh.devices.flat[0].device_kind,
+      **({'pipeline': _pipeline_info(run)} if run.parallel.stages > 1 else {}),
   }
+
+
+def _pipeline_info(run: Setup) -> dict:
+  """Stages, micro-batches, GPipe's bubble, and the state bytes of the staged layers (split over
+  the stage axis) and of the rest, whole and per device."""
+  axis, parts = run.parallel.stage_axis, {'layer': [], 'other': []}
+  for leaf in jax.tree.leaves(run.state):
+    names = [n for e in leaf.sharding.spec for n in (e if isinstance(e, tuple) else (e,))]
+    parts['layer' if axis in names else 'other'].append(leaf)
+  s, m = run.parallel.stages, run.cfg.grad_accum_steps
+  out = {'stages': s, 'micro_batches': m, 'bubble_fraction': pipeline.bubble_fraction(s, m)}
+  for name, leaves in parts.items():
+    out[f'{name}_state_bytes'] = sum(int(x.nbytes) for x in leaves)
+    out[f'{name}_state_bytes_per_device'] = shard_bytes(leaves)
+  return out
 
 
 def _spec_json(records: Records) -> dict:

@@ -143,15 +143,24 @@ _ACTIVATIONS = contextvars.ContextVar('disttrain_activation_rules', default=None
 
 
 @contextlib.contextmanager
-def activation_rules(mesh: Mesh, logical_rules: tuple):
+def activation_rules(mesh: Mesh, logical_rules: tuple, micro_batches: int = 1):
   """While a jit-style step is traced: `constrain` maps activations' logical axes to mesh axes
-  ('batch' -> the batch axes, 'sequence' -> the context axis, 'experts' -> the expert axis, the
-  rest as config logical_rules map parameters)."""
-  token = _ACTIVATIONS.set((mesh, Parallelism(mesh).activation_rules(logical_rules)))
+  (Parallelism.activation_rules); a pipelined model splits the batch into `micro_batches`."""
+  parallel = Parallelism(mesh)
+  token = _ACTIVATIONS.set((mesh, parallel.activation_rules(logical_rules), micro_batches))
   try:
     yield
   finally:
     _ACTIVATIONS.reset(token)
+
+
+def pipeline_split() -> tuple[Mesh, str, tuple, int] | None:
+  """(mesh, stage axis, batch axes, micro-batches) while a jit-style step is traced on a mesh
+  with pipeline stages, else None: a stack of layers then runs as disttrain/models/pipeline.py."""
+  context = _ACTIVATIONS.get()
+  if context is None or Parallelism(context[0]).stages == 1:
+    return None
+  return context[0], Parallelism.stage_axis, Parallelism.batch_axes, context[2]
 
 
 def sequence_split() -> tuple[Mesh, str] | None:
@@ -169,7 +178,7 @@ def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
   context = _ACTIVATIONS.get()
   if context is None:
     return x
-  mesh, rules = context
+  mesh, rules, _ = context
   used, spec = set(), []
   for name, dim in zip(logical_axes, x.shape):
     entry = rules.get(name) if name is not None else None

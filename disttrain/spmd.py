@@ -33,12 +33,14 @@ from disttrain.step import Metrics, StepContext, Variant
 def context(model, task, tx, cfg: Config, mesh: Mesh, lay: Layout) -> StepContext:
   """The StepContext of a config: precision policy, micro-batches, fsdp gathering."""
   parallel, gather = Parallelism(mesh), None
-  if cfg.grad_accum_steps > 1 and cfg.step_mode == 'jit' and parallel.fsdp > 1:
+  # Pipeline stages run the micro-batches themselves (disttrain/models/pipeline.py).
+  micro_batches = cfg.grad_accum_steps if parallel.stages == 1 else 1
+  if micro_batches > 1 and cfg.step_mode == 'jit' and parallel.fsdp > 1:
     gather = step_lib.Gather(whole=parallel.without_fsdp(lay.param_specs),
                              split=lay.shardings.params)
   return StepContext(model=model, task=task, tx=tx,
                      policy=step_lib.Policy(jnp.dtype(cfg.precision.compute_dtype)),
-                     micro_batches=cfg.grad_accum_steps, gather=gather)
+                     micro_batches=micro_batches, gather=gather)
 
 
 class StepStyle:
@@ -115,7 +117,8 @@ class JitStep(StepStyle):
   rules say."""
 
   def tracing(self):
-    return sharding_lib.activation_rules(self.parallel.mesh, self.cfg.logical_rules)
+    return sharding_lib.activation_rules(self.parallel.mesh, self.cfg.logical_rules,
+                                         self.cfg.grad_accum_steps)
 
   def grads(self, state, batch, all_metrics, full_batch):
     ctx = self.ctx

@@ -108,13 +108,15 @@ def test_a_second_launch_into_a_live_run_refuses_and_leaves_it_alone(tmp_path):
              f'--workdir={tmp_path}', '--fake_devices=2', '--config.model.hidden=32',
              '--config.num_train_steps=40', '--config.checkpoint_every_steps=10',
              '--config.log_every_steps=1']
-  env = dict(os.environ, JAX_PLATFORMS='cpu', SLOW_READS='0.1')
+  # 0.2 s per read: the first run trains for 8 s after its first record, longer than a second
+  # launcher takes to start and be refused on a slow day (it was not, with 3 s).
+  env = dict(os.environ, JAX_PLATFORMS='cpu', SLOW_READS='0.2')
   env.pop('XLA_FLAGS', None)
   first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
   try:
     deadline = time.monotonic() + 120
-    while not (tmp_path / 'checkpoints' / '10').is_dir():
+    while not (tmp_path / 'metrics.jsonl').is_file():  # training
       assert first.poll() is None and time.monotonic() < deadline, first.returncode
       time.sleep(0.05)
     second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,

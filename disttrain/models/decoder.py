@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from disttrain.models import layers, moe
+from disttrain import sharding
+from disttrain.models import layers, moe, pipeline
 from disttrain.models.layers import Decode, constrain, weights
 from disttrain.models.linen import LOSSES, LinenModel, model_inputs
 
@@ -123,8 +124,18 @@ class Decoder(nn.Module):
                      split_rngs={'params': True, 'dropout': True},
                      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
                      length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
-    x_BxTxD, cache = blocks(cfg, train, name='blocks')(x_BxTxD, positions, segment_ids, decode,
-                                                      cache)
+    split = sharding.pipeline_split()
+    if split is not None and decode is None and not self.is_initializing():
+      def layer(params, h, positions, segment_ids):  # one block, unbound: its weights passed in
+        return Block(cfg, train, parent=None).apply({'params': params}, h, positions,
+                                                    segment_ids, None, None)[0]
+      x_BxTxD = pipeline.run(layer, self.variables['params']['blocks'], x_BxTxD,
+                             (positions, segment_ids), *split,
+                             remat_policy=cfg.remat != 'none' and _remat_policy(cfg.remat),
+                             remat=cfg.remat != 'none')
+    else:
+      x_BxTxD, cache = blocks(cfg, train, name='blocks')(x_BxTxD, positions, segment_ids, decode,
+                                                        cache)
     x_BxTxD = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'final_norm')(x_BxTxD)
     if cfg.tied_embeddings:
       logits_BxTxV = jnp.einsum('btd,vd->btv', x_BxTxD, embedding_VxD.astype(cfg.dtype))
@@ -160,6 +171,7 @@ class LanguageModel(LinenModel):
   input_key: Any = 'tokens'
   family: str = ''  # 'gpt' or 'llama': which Hugging Face layout its weights map to
   splits_sequence = True  # mesh.context may split its positions (attention gathers K/V)
+  pipelines = True  # mesh.stage may split its layers (disttrain/models/pipeline.py)
 
   @property
   def cfg(self) -> DecoderConfig:
@@ -168,6 +180,14 @@ class LanguageModel(LinenModel):
   @property
   def num_experts(self) -> int:
     return self.cfg.num_experts
+
+  @property
+  def num_layers(self) -> int:
+    return self.cfg.num_layers
+
+  @property
+  def dropout(self) -> float:
+    return self.cfg.dropout
 
   def init(self, rng: jax.Array, batch: dict) -> dict:
     variables = super().init(rng, batch)
