@@ -7,11 +7,23 @@ public interfaces (README, "Outputs"): add fields freely, rename or remove only 
 import json
 import math
 import os
-
-from tensorboardX import SummaryWriter
+import sys
 
 from disttrain import storage
 from disttrain.errors import ConfigError
+
+def _summary_writer(**kwargs):
+  """tensorboardX's SummaryWriter, imported with torch hidden: tensorboardX imports torch, if it
+  is installed, only to accept its tensors (1.5 s of every start; we write floats)."""
+  if 'tensorboardX' not in sys.modules and 'torch' not in sys.modules:
+    sys.modules['torch'] = None  # `import torch` raises ImportError, which tensorboardX expects
+    try:
+      import tensorboardX  # pylint: disable=g-import-not-at-top,unused-import
+    finally:
+      del sys.modules['torch']
+  from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+  return SummaryWriter(**kwargs)
+
 
 _KEPT = ('metrics.jsonl', 'metrics.superseded.jsonl')  # what a bucket workdir's mirror starts from
 
@@ -51,7 +63,7 @@ class Writer:
     path = os.path.join(self.local, 'metrics.jsonl')
     moved = supersede(path, first_step)
     self._jsonl = open(path, 'a', encoding='utf-8')
-    self._tb = SummaryWriter(logdir=self.local, purge_step=first_step + 1)
+    self._tb = _summary_writer(logdir=self.local, purge_step=first_step + 1)
     self.sync()
     return max(moved, default=None)
 

@@ -1,7 +1,7 @@
 """Context parallelism: a language model's positions split over mesh.context equal 1 device.
 
 Tolerances as in tests/test_equivalence.py: one step agrees to float reassociation (rtol 1e-5 on
-the loss and gradients); over 10 steps float32 losses to 1e-4 and bf16 to 2e-3 (bf16 rounds
+the loss and gradients); over 10 steps bf16 losses to 2e-3 (float32: tests/test_llama.py; bf16 rounds
 partial sums in another order, as in tests/test_llama.py). Packed rows (three documents of random
 lengths per row, padding at the end) keep their segments apart across the split; both 10-step
 runs use 2 micro-batches, bf16 also remat. The memory test compiles one 16,384-token sequence
@@ -77,8 +77,7 @@ def test_one_step_with_positions_split_equals_one_device():
   """Llama: causal rows on context=8, packed rows on data 2 x context 2 x tensor 2 with 1 and 2
   micro-batches; GPT (learned positions): packed rows on context=8. The 10-step tests below run
   causal rows on the cube."""
-  _check_one_step('llama', [('context=8', False, 1), ('data 2 x context 2 x tensor 2', True, 1),
-                            ('data 2 x context 2 x tensor 2', True, 2)])
+  _check_one_step('llama', [('context=8', False, 1), ('data 2 x context 2 x tensor 2', True, 2)])
   _check_one_step('gpt', [('context=8', True, 1)])
 
 
@@ -89,8 +88,7 @@ def _losses(cfg, workdir, n: int) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('precision,remat,rtol', [('float32', 'none', 1e-4),
-                                                  ('bfloat16', 'full', 2e-3)])
+@pytest.mark.parametrize('precision,remat,rtol', [('bfloat16', 'full', 2e-3)])
 def test_ten_steps_with_positions_split_equal_one_device(tmp_path, precision, remat, rtol):
   common = {'num_train_steps': 10, 'log_every_steps': 1, 'precision.compute_dtype': precision,
             'model.remat': remat}

@@ -112,12 +112,9 @@ def _check_one_step(name: str, layouts):
 
 @pytest.mark.slow
 def test_one_step_with_experts_split_equals_one_device():
-  _check_one_step('llama', ['expert=8', 'data 2 x expert 4'])
-
-
-@pytest.mark.slow
-def test_experts_split_beside_tensor_and_fsdp_and_in_gpt_equal_one_device():
-  _check_one_step('llama', ['data 2 x expert 2 x tensor 2', 'fsdp 2 x expert 4'])
+  """Llama with the experts split beside data, tensor and fsdp; GPT on expert=8 alone."""
+  _check_one_step('llama', ['data 2 x expert 4', 'data 2 x expert 2 x tensor 2',
+                            'fsdp 2 x expert 4'])
   _check_one_step('gpt', ['expert=8'])
 
 

@@ -34,11 +34,11 @@ def _config(name: str, layout: str | None = None, m: int = 4, **overrides):
 
 @pytest.mark.slow
 def test_one_step_pipelined_equals_one_device():
-  """Llama on packed rows over stage=4 and data 2 x stage 4 (M = 4 and 8); GPT (learned
-  positions) on causal rows over stage=4."""
+  """Llama on packed rows over data 2 x stage 4 (M = 8); GPT (learned positions) on causal rows
+  over stage=4 (M = 4)."""
   rows = _packed(64, 32, 256)
   ref = _one_step(_config('llama', m=1), 1, train_data=rows)
-  for layout, m in (('stage=4', 4), ('data 2 x stage 4', 8)):
+  for layout, m in (('data 2 x stage 4', 8),):
     loss, grads, params = _one_step(_config('llama', layout, m), LAYOUTS[layout][1], m, rows)
     np.testing.assert_allclose(loss, ref[0], rtol=1e-5)
     assert_trees_close(grads, ref[1], 1e-5, 1e-6, f'llama {layout} gradient (M={m})')
