@@ -31,7 +31,8 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
   """Writes the model of `workdir` to `out`; returns a one-line summary."""
   import jax  # pylint: disable=g-import-not-at-top
   import ml_dtypes  # pylint: disable=g-import-not-at-top
-  from disttrain import hf, hf_config, mesh, tensorfiles, trained  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from disttrain import hf, hf_config, mesh, tensorfiles, trained
   start = time.perf_counter()
   lm = trained.load(workdir=workdir, step=step, devices=jax.devices()[:1], ema=ema,
                     mesh={axis: 1 for axis in mesh.AXES})

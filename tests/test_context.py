@@ -1,8 +1,8 @@
 """Context parallelism: a language model's positions split over mesh.context equal 1 device.
 
 Tolerances as in tests/test_equivalence.py: one step agrees to float reassociation (rtol 1e-5 on
-the loss and gradients); over 10 steps bf16 losses to 2e-3 (float32: tests/test_llama.py; bf16 rounds
-partial sums in another order, as in tests/test_llama.py). Packed rows (three documents of random
+the loss and gradients); over 10 steps bf16 losses to 2e-3 (bf16 rounds partial sums in another
+order, as in tests/test_llama.py, which also runs float32's 10 steps). Packed rows (three documents of random
 lengths per row, padding at the end) keep their segments apart across the split; both 10-step
 runs use 2 micro-batches, bf16 also remat. The memory test compiles one 16,384-token sequence
 and reads XLA's memory analysis; nothing runs.

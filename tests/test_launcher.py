@@ -58,7 +58,8 @@ BAD_INPUTS = [
      ['unknown config field no_such_field', '--config.no_such_field=1', 'global_batch_size'],
      r'use one of them'),
     ('unknown_nested_field', ['--fake_devices=8', '--config.mesh.nope=2'],
-     ['unknown config field mesh.nope', 'context, data, expert, fsdp, tensor'], r'use one of them'),
+     ['unknown config field mesh.nope', 'context, data, expert, fsdp, stage, tensor'],
+     r'use one of them'),
     ('field_of_a_value', ['--config.mesh.data.x=2'],
      ['mesh.data', "'x'"], r'set --config\.mesh\.data=<value>'),
     ('value_for_a_group', ['--config.mesh=3'],
@@ -211,7 +212,7 @@ def test_run_json(run):
   for key in ('mesh', 'sharding', 'step_mode', 'data', 'model', 'global_batch_size'):
     assert key in info['config'], key
   assert info['config']['global_batch_size'] == 16
-  assert info['mesh'] == {'data': 8, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}
+  assert info['mesh'] == {'data': 8, 'stage': 1, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}
   assert info['num_devices'] == 8
   assert info['num_processes'] == 1
   assert info['step_mode'] == 'jit'
@@ -247,7 +248,7 @@ def test_run_json_fsdp_specs(tmp_path):
                   '--config.sharding=fsdp', '--config.fsdp_min_size=1000')
   assert result.returncode == 0, result.stdout + result.stderr
   info = json.loads((tmp_path / 'run.json').read_text())
-  assert info['mesh'] == {'data': 1, 'fsdp': 8, 'expert': 1, 'context': 1, 'tensor': 1}
+  assert info['mesh'] == {'data': 1, 'stage': 1, 'fsdp': 8, 'expert': 1, 'context': 1, 'tensor': 1}
   specs = info['param_specs']
   # hidden=32 on 8x8 digits: Dense_0 (64, 32) = 2048 and Dense_1 (32, 32) = 1024 elements are
   # split; Dense_2 (32, 10) = 320 and the biases stay whole.

@@ -34,7 +34,8 @@ def test_pretrain_export_import_finetune_and_sample(tmp_path):
        '--out=data/docs/tokenizer.json')
   out = _run(tmp_path, train, f'--config={configs / "llama_docs.py"}', '--workdir=runs/llama_docs',
              *short)
-  assert "mesh {'data': 1, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 2}" in out and 'sample: ' in out
+  mesh = "mesh {'data': 1, 'stage': 1, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 2}"
+  assert mesh in out and 'sample: ' in out
   assert 'perplexity' in [l for l in out.splitlines() if l.startswith('done:')][0]
   out = _run(tmp_path, '-m', 'disttrain.export', '--workdir=runs/llama_docs',
              '--out=runs/llama_docs/hf')
