@@ -24,7 +24,10 @@ from tests.test_llama import _one_step
 ONE = {'mesh.data': 1, 'model.num_layers': 4, 'global_batch_size': 16}
 LAYOUTS = {'stage=4': ({'mesh.data': 1, 'mesh.stage': 4}, 4),
            'data 2 x stage 4': ({'mesh.data': 2, 'mesh.stage': 4}, 8),
-           'stage=2': ({'mesh.data': 1, 'mesh.stage': 2}, 2)}
+           'stage=2': ({'mesh.data': 1, 'mesh.stage': 2}, 2),
+           'stage 2 x fsdp 2 x tensor 2': ({'mesh.data': 1, 'mesh.stage': 2, 'mesh.fsdp': 2,
+                                            'mesh.tensor': 2, 'sharding': 'fsdp',
+                                            'fsdp_min_size': 1024}, 8)}
 
 
 def _config(name: str, layout: str | None = None, m: int = 4, **overrides):
@@ -34,27 +37,29 @@ def _config(name: str, layout: str | None = None, m: int = 4, **overrides):
 
 @pytest.mark.slow
 def test_one_step_pipelined_equals_one_device():
-  """Llama on packed rows over data 2 x stage 4 (M = 8); GPT (learned positions) on causal rows
-  over stage=4 (M = 4)."""
+  """Llama on packed rows over stage=4 (M = 4) and stage 2 x fsdp 2 x tensor 2 (M = 2); GPT
+  (learned positions) on causal rows over data 2 x stage 4 (M = 8)."""
   rows = _packed(64, 32, 256)
   ref = _one_step(_config('llama', m=1), 1, train_data=rows)
-  for layout, m in (('data 2 x stage 4', 8),):
+  for layout, m in (('stage=4', 4), ('stage 2 x fsdp 2 x tensor 2', 2)):
     loss, grads, params = _one_step(_config('llama', layout, m), LAYOUTS[layout][1], m, rows)
     np.testing.assert_allclose(loss, ref[0], rtol=1e-5)
     assert_trees_close(grads, ref[1], 1e-5, 1e-6, f'llama {layout} gradient (M={m})')
     _assert_new_params_close(params, ref[2], ref[1], lr=_config('llama').learning_rate)
   ref = _one_step(_config('gpt', m=1), 1)
-  loss, grads, _ = _one_step(_config('gpt', 'stage=4'), 4, 4)
+  loss, grads, _ = _one_step(_config('gpt', 'data 2 x stage 4', 8), 8, 8)
   np.testing.assert_allclose(loss, ref[0], rtol=1e-5)
-  assert_trees_close(grads, ref[1], 1e-5, 1e-6, 'gpt stage=4 gradient')
+  assert_trees_close(grads, ref[1], 1e-5, 1e-6, 'gpt data 2 x stage 4 gradient')
 
 
 @pytest.mark.slow
-def test_ten_bf16_remat_steps_on_data_and_stages_equal_one_device(tmp_path):
+@pytest.mark.parametrize('name,layout,n', [('llama', 'data 2 x stage 4', 8),
+                                           ('gpt', 'stage=4', 4)])
+def test_ten_bf16_remat_steps_pipelined_equal_one_device(tmp_path, name, layout, n):
   common = {'num_train_steps': 10, 'log_every_steps': 1, 'precision.compute_dtype': 'bfloat16',
             'model.remat': 'full'}
-  reference = _losses(_config('llama', m=4, **common), tmp_path / 'one', 1)
-  piped = _losses(_config('llama', 'data 2 x stage 4', **common), tmp_path / 'piped', 8)
+  reference = _losses(_config(name, m=4, **common), tmp_path / 'one', 1)
+  piped = _losses(_config(name, layout, **common), tmp_path / 'piped', n)
   np.testing.assert_allclose(piped, reference, rtol=2e-3)
   assert reference[-1] < reference[0]
 
