@@ -64,8 +64,7 @@ class Parallelism:
     return cls(build(cfg, devices))
 
   batch_axes = BATCH_AXES
-  fsdp_axis, expert_axis, sequence_axis, stage_axis = (FSDP_AXIS, EXPERT_AXIS, SEQUENCE_AXIS,
-                                                       STAGE_AXIS)
+  fsdp_axis, sequence_axis, stage_axis = FSDP_AXIS, SEQUENCE_AXIS, STAGE_AXIS
 
   @functools.cached_property
   def sizes(self) -> dict[str, int]:
@@ -114,10 +113,6 @@ class Parallelism:
     return {k: jax.lax.with_sharding_constraint(
         v, NamedSharding(self.mesh, self.batch_spec(v.shape, positions))) for k, v in batch.items()}
 
-  def stacked(self, sharding: NamedSharding, k: int) -> NamedSharding:
-    """The sharding of K stacked batches [K, B, ...] (K > 1): each batch split as usual."""
-    return sharding if k == 1 else NamedSharding(self.mesh, P(None, *sharding.spec))
-
   def without_fsdp(self, specs: Any) -> Any:
     """NamedShardings of parameter specs with the fsdp axis removed (whole along it)."""
     def drop(spec: P) -> NamedSharding:
@@ -151,8 +146,9 @@ class Parallelism:
                         f'{BATCH_AXES}; use a multiple of {ways * m}')
 
   def check_model(self, model, tokens: int) -> None:
-    """The context and expert axes fit the model: a sequence length the context axis divides,
-    a number of experts the expert axis divides."""
+    """The expert, stage and context axes fit the model: a number of experts the expert axis
+    divides, a number of layers the stage axis divides, a sequence length the context axis
+    divides."""
     ways, experts = self.experts, getattr(model, 'num_experts', 0)
     if ways > 1 and not experts:
       raise ConfigError(f'mesh.{EXPERT_AXIS}={ways} splits the experts of mixture-of-experts '
@@ -162,7 +158,6 @@ class Parallelism:
       raise ConfigError(f'model.num_experts={experts} is not divisible by mesh.{EXPERT_AXIS}='
                         f'{ways}; use a number of experts that is a multiple of {ways}')
     stages, layers = self.stages, getattr(model, 'num_layers', 0)
-    experts = getattr(model, 'num_experts', 0)
     if stages > 1 and not getattr(model, 'pipelines', False):
       raise ConfigError(f'mesh.{STAGE_AXIS}={stages} splits the layers of a language model '
                         f'(gpt, llama); {type(model).__name__} has none to split: use '

@@ -12,6 +12,7 @@ import sys
 from disttrain import storage
 from disttrain.errors import ConfigError
 
+
 def _summary_writer(**kwargs):
   """tensorboardX's SummaryWriter, imported with torch hidden: tensorboardX imports torch, if it
   is installed, only to accept its tensors (1.5 s of every start; we write floats)."""

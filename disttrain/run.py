@@ -258,8 +258,7 @@ def _pipeline_info(run: Setup) -> dict:
   the stage axis) and of the rest, whole and per device."""
   axis, parts = run.parallel.stage_axis, {'layer': [], 'other': []}
   for leaf in jax.tree.leaves(run.state):
-    names = [n for e in leaf.sharding.spec for n in (e if isinstance(e, tuple) else (e,))]
-    parts['layer' if axis in names else 'other'].append(leaf)
+    parts['layer' if axis in sharding_lib.spec_axes(leaf.sharding.spec) else 'other'].append(leaf)
   s, m = run.parallel.stages, run.cfg.grad_accum_steps
   out = {'stages': s, 'micro_batches': m, 'bubble_fraction': pipeline.bubble_fraction(s, m)}
   for name, leaves in parts.items():

@@ -33,6 +33,11 @@ def path_str(path) -> str:
   return '/'.join(parts)
 
 
+def spec_axes(spec: tuple) -> list[str]:
+  """The mesh axes a PartitionSpec (or spec tuple) names, in order."""
+  return [n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n is not None]
+
+
 def _axis_size(mesh: Mesh, entry) -> int:
   names = entry if isinstance(entry, tuple) else (entry,)
   return math.prod(mesh.shape[n] for n in names if n is not None)
@@ -83,8 +88,7 @@ def _rule_spec(path: str, shape, logical: P | None, cfg: Config, mesh: Mesh,
 def _add_fsdp(path, shape, spec, axis: str, fsdp: int, min_size: int, replicated: list) -> tuple:
   """Splits the largest free dimension divisible by `fsdp` over `axis`; records why when it
   cannot."""
-  named = [n for e in spec for n in (e if isinstance(e, tuple) else (e,))]
-  if axis in named:
+  if axis in spec_axes(spec):
     replicated.append(f'{path} {shape}: already split over fsdp by a rule')
     return spec
   if math.prod(shape) < min_size:

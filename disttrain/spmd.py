@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from disttrain import pmap, sharding as sharding_lib, step as step_lib
+from disttrain import data, pmap, sharding as sharding_lib, step as step_lib
 from disttrain.compiled import Steps
 from disttrain.config import Config
 from disttrain.errors import ConfigError
@@ -93,7 +93,7 @@ class StepStyle:
       self.traces[variant.name] += 1
       with self.tracing():
         return self.run(variant, state, batch)
-    return jax.jit(counted, in_shardings=(self.lay.shardings, self.parallel.stacked(
+    return jax.jit(counted, in_shardings=(self.lay.shardings, data.stacked_sharding(
         self.batch_sharding, variant.steps)), out_shardings=(self.lay.shardings, self.replicated),
                    donate_argnums=0)
 

@@ -129,10 +129,10 @@ class Decoder(nn.Module):
       def layer(params, h, positions, segment_ids):  # one block, unbound: its weights passed in
         return Block(cfg, train, parent=None).apply({'params': params}, h, positions,
                                                     segment_ids, None, None)[0]
+      if cfg.remat != 'none':  # per layer, as nn.remat(Block) in the scan
+        layer = jax.checkpoint(layer, policy=_remat_policy(cfg.remat), prevent_cse=False)
       x_BxTxD = pipeline.run(layer, self.variables['params']['blocks'], x_BxTxD,
-                             (positions, segment_ids), *split,
-                             remat_policy=cfg.remat != 'none' and _remat_policy(cfg.remat),
-                             remat=cfg.remat != 'none')
+                             (positions, segment_ids), *split)
     else:
       x_BxTxD, cache = blocks(cfg, train, name='blocks')(x_BxTxD, positions, segment_ids, decode,
                                                         cache)

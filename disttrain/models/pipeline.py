@@ -1,4 +1,4 @@
-"""Pipeline stages: a stack of L layers split into S stages of L / S, run on M micro-batches (GPipe).
+"""Pipeline stages: a stack of L layers split into S stages of L / S, on M micro-batches (GPipe).
 
   run(layer, params [L, ...], x [B, T, D], extras, mesh, axis, M) -> [B, T, D]
 
@@ -10,8 +10,8 @@ group computes only its own) and hands each stage's output to the next stage (a 
 stage axis: one collective permute). Stage s works on micro-batch t - s at iteration t, so
 (S - 1) / (M + S - 1) of the work is bubble: stages idle at the start and end, computing on
 zeros that nothing reads. The backward pass is JAX's own, through the same loop (GPipe keeps
-every micro-batch's activations; remat recomputes each layer's). MaxText's pipeline.py is the
-same design on the same GSPMD machinery.
+every micro-batch's activations; a layer wrapped in jax.checkpoint recomputes its own).
+MaxText's pipeline.py is the same design on the same GSPMD machinery.
 """
 
 import jax
@@ -35,7 +35,7 @@ def _unmicro(x: jax.Array) -> jax.Array:
 
 
 def run(layer, params, x_BxTxD: jax.Array, extras: tuple, mesh, axis: str, batch_axes,
-        micro_batches: int, remat_policy=None, remat: bool = False) -> jax.Array:
+        micro_batches: int) -> jax.Array:
   """`layer(params of one layer, x [b, T, D], *extras [b, ...]) -> x` through every layer of
   `params` ([L, ...] leaves), pipelined over the mesh's `axis`; see the module docstring.
   `extras` (positions, segment ids; None allowed) travel with their micro-batch."""
@@ -47,13 +47,8 @@ def run(layer, params, x_BxTxD: jax.Array, extras: tuple, mesh, axis: str, batch
   x_MxbxTxD = _micro(x_BxTxD, m)
   extras_M = jax.tree.map(lambda e: _micro(e, m), extras)
 
-  def one_layer(h, p, ex):
-    return layer(p, h, *ex)
-  if remat:
-    one_layer = jax.checkpoint(one_layer, policy=remat_policy, prevent_cse=False)
-
   def stage(p_stage, h, ex):
-    return jax.lax.scan(lambda h, p: (one_layer(h, p, ex), None), h, p_stage)[0]
+    return jax.lax.scan(lambda h, p: (layer(p, h, *ex), None), h, p_stage)[0]
   # The mapped dimension is the stage axis: each device group computes its own stage only, and
   # the layers' activation constraints keep it split that way.
   stages = jax.vmap(stage, spmd_axis_name=axis)
