@@ -13,6 +13,7 @@ hang watchdog (--config.watchdog_seconds) names the process that hung.
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,7 +77,9 @@ def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
   """Runs the job; returns the exit status for this launcher."""
   port = free_port_pair()
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env.pop('XLA_FLAGS', None)  # --fake_devices decides the device count
+  # --fake_devices decides the device count; the caller's other XLA flags reach every process.
+  env['XLA_FLAGS'] = re.sub(r'--xla_force_host_platform_device_count=\d+', '',
+                            env.get('XLA_FLAGS', '')).strip()
   procs = []
   for i in range(num_processes):
     cmd = [sys.executable, program, *train_args, f'--fake_devices={devices}',

@@ -11,14 +11,14 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
 CONFIG = 'tests/configs/bad_data.py'
 
 
 def _env(case: str) -> dict:
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', BAD_DATA=case)
-  env.pop('XLA_FLAGS', None)
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
   return env
 
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
 SCRIPT = ROOT / 'benchmarks' / 'throughput.py'
 FIELDS = {'model': str, 'sharding': str, 'step_mode': str, 'devices': int,
@@ -22,7 +22,7 @@ HAS_KERAS = importlib.util.find_spec('keras') is not None
 
 def _run(tmp_path, *args: str) -> subprocess.CompletedProcess:
   """One benchmark process (never two at once: 8 fake devices on 2 cores)."""
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # --fake_devices decides
+  env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)  # --fake_devices decides
   return subprocess.run([sys.executable, str(SCRIPT), '--steps=2', '--windows=5', *args],
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                         check=False)

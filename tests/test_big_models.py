@@ -25,7 +25,7 @@ from disttrain import data, run as run_lib, spmd
 from disttrain.records import ID, MASK
 from disttrain.step import Variant
 from tests import helpers
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests.helpers import LAYOUTS, assert_trees_close, devices, to_numpy
 from tests.test_equivalence import _assert_new_params_close
 
@@ -261,7 +261,7 @@ def test_gpt2_small_compiles_split_over_eight_devices():
 
 def _env() -> dict:
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
   return env
 
 

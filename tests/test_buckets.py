@@ -18,7 +18,7 @@ import disttrain
 from disttrain import storage
 from disttrain.errors import ConfigError
 from tests import buckets, helpers
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
 LAUNCH = [sys.executable, str(ROOT / 'launch' / 'train.py'),
           f'--config={ROOT / "launch" / "configs" / "mnist_mlp.py"}', '--fake_devices=8',
@@ -42,7 +42,7 @@ def _nothing_left_loopback(servers):
 
 def _env() -> dict:
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
   return env
 
 

@@ -18,7 +18,7 @@ import pytest
 import disttrain
 from disttrain import checkpoint
 from disttrain.errors import CheckpointError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests import helpers
 from tests.helpers import devices, make_config, metrics_records, tensorboard_scalars, to_numpy
 
@@ -31,7 +31,7 @@ STEPS = 150
 
 def _env():
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)  # --fake_devices sets the device count
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS  # --fake_devices sets the device count
   return env
 
 

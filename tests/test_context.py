@@ -8,7 +8,6 @@ runs use 2 micro-batches, bf16 also remat. The memory test compiles one 16,384-t
 and reads XLA's memory analysis; nothing runs.
 """
 
-import jax
 import numpy as np
 import pytest
 

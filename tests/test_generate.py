@@ -17,7 +17,7 @@ import disttrain
 import disttrain.generate as generate_lib
 from disttrain import trained
 from tests import helpers
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests.helpers import devices
 
 pytestmark = pytest.mark.slow  # each test needs the module's 20-step run on 8 devices
@@ -87,7 +87,7 @@ def test_sampling_settings(run_dir):
 
 def _env() -> dict:
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
   return env
 
 

@@ -26,7 +26,7 @@ from disttrain.config import ModelConfig
 from disttrain.errors import CheckpointError, ConfigError
 from disttrain.models import layers
 from tests import helpers
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
 VOCAB = 99
 LLAMAS = [(1, False), (2, True), (4, False)]  # (K/V heads, tied embeddings)
@@ -129,7 +129,7 @@ def _train_and_export(tmp_path, name: str, tied: bool, dtype: str = 'float32') -
 
 def _env() -> dict:
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
   return env
 
 

@@ -25,7 +25,7 @@ import disttrain
 from disttrain import config as config_lib, distributed
 from disttrain.exitcodes import Exit
 from tests import helpers
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
 MANIFESTS = sorted((ROOT / 'launch' / 'k8s').glob('*.yaml'))
 SCHEMA = ROOT / 'tests' / 'data' / 'jobset-v0.9.1-v1alpha2.schema.json.gz'
@@ -147,5 +147,5 @@ def test_emulated_gpu_pods_form_one_2x4_job_equal_to_1x8(tmp_path):
 
 def _clean_env() -> dict:
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env.pop('XLA_FLAGS', None)  # --fake_devices gives each process its 4 devices
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS  # --fake_devices gives each process its 4 devices
   return env

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
 CONFIG = 'launch/configs/mnist_mlp.py'
 TINY = ('--config.num_train_steps=4', '--config.model.hidden=32', '--config.global_batch_size=16')
@@ -21,14 +21,7 @@ DIGITS_EVAL = 297  # the held-out digits split
 
 def _env() -> dict:
   """The launcher decides the device count itself (--fake_devices), not conftest's XLA_FLAGS."""
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  xla_flags = re.sub(r'--xla_force_host_platform_device_count=\d+', '',
-                     env.get('XLA_FLAGS', '')).strip()
-  if xla_flags:
-    env['XLA_FLAGS'] = xla_flags
-  else:
-    env.pop('XLA_FLAGS', None)
-  return env
+  return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
 
 
 def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

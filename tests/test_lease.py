@@ -14,7 +14,7 @@ import pytest
 from disttrain import storage
 from disttrain.errors import ConfigError
 from disttrain.lease import FILE, Lease
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests.helpers import metrics_records
 
 HOLD = ('import sys, time; from disttrain.lease import Lease; '
@@ -111,7 +111,7 @@ def test_a_second_launch_into_a_live_run_refuses_and_leaves_it_alone(tmp_path):
   # 0.2 s per read: the first run trains for 8 s after its first record, longer than a second
   # launcher takes to start and be refused on a slow day (it was not, with 3 s).
   env = dict(os.environ, JAX_PLATFORMS='cpu', SLOW_READS='0.2')
-  env.pop('XLA_FLAGS', None)
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
   first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
   try:

@@ -1,5 +1,5 @@
-"""The README's two language-model examples, command by command, in a fresh folder (fewer steps
-than the README's runs): pretraining a tiny Llama from JSON-lines documents with a tokenizer
+"""The two language-model examples of docs/language-models.md, command by command, in a fresh
+folder (fewer steps than the docs' runs): pretraining a tiny Llama from JSON-lines documents with a tokenizer
 trained here, then exporting it to Hugging Face's format, importing it back to fine-tune on
 prompt/completion pairs, and sampling (each run prints samples at its end; the generate command
 itself is tested in tests/test_generate.py)."""
@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
 
 def _run(cwd, *args: str) -> str:
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env.pop('XLA_FLAGS', None)
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
   proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
                         text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

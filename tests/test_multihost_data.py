@@ -20,7 +20,7 @@ import pytest
 import disttrain
 from disttrain import config as config_lib, formats
 from tests import helpers
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
 pytestmark = pytest.mark.slow  # a 2-process cluster and its 1 x 8 reference
 from tests.test_user_data import EVAL, _breast_cancer
@@ -66,7 +66,7 @@ def test_slurm_detected_two_processes_read_their_rows_and_match_one(tmp_path, mo
                SLURM_JOB_ID=str(job), SLURM_NTASKS='2', SLURM_PROCID=str(i),
                SLURM_LOCALID=str(i), SLURM_STEP_NODELIST=host, SLURM_STEP_NUM_NODES='1',
                SLURM_NODELIST=host)
-    env.pop('XLA_FLAGS', None)
+    env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
     procs.append(subprocess.Popen(
         [sys.executable, 'launch/train.py', '--distributed', f'--config={CONFIG}',
          f'--workdir={two}', '--fake_devices=4', '--distributed_init_timeout=60',

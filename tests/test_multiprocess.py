@@ -29,7 +29,7 @@ import disttrain
 from disttrain import config as config_lib
 from disttrain import distributed, goodput, storage
 from tests import buckets, helpers
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
 pytestmark = pytest.mark.slow  # each test starts a cluster of processes
 
@@ -55,7 +55,7 @@ JOB_TIMEOUT = 240
 
 def _env() -> dict:
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env.pop('XLA_FLAGS', None)  # the launcher gives each process --fake_devices
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS  # the launcher gives each process --fake_devices
   return env
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import disttrain
 from disttrain import distributed, sources
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests.helpers import devices, make_config, to_numpy
 
 OPS = 'tests/configs/ops.py'
@@ -31,7 +31,7 @@ def _mlp(**overrides):
 
 def _env(**extra) -> dict:
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', **extra)
-  env.pop('XLA_FLAGS', None)
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
   return env
 
 

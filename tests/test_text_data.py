@@ -1,6 +1,6 @@
 """Text in, tokens out: tokenizers, raw-text readers, packing, supervised fine-tuning masks.
 
-The corpus is the Python standard library's modules (data/docs as the README converts them,
+The corpus is the Python standard library's modules (data/docs as docs/language-models.md converts them,
 made here in a temporary folder) with a byte-level BPE tokenizer trained on it, as a user would.
 """
 
@@ -19,13 +19,13 @@ import disttrain
 from disttrain import data, packing, sources, text, tokenizer as tokenizer_lib
 from disttrain.errors import DataError
 from tests import helpers
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests.helpers import devices
 
 
 def _env() -> dict:
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env.pop('XLA_FLAGS', None)
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
   return env
 
 
@@ -39,7 +39,7 @@ def _cli(*args: str) -> str:
 @pytest.fixture(scope='module')
 def corpus(tmp_path_factory):
   """data/docs (JSON lines of the standard library's modules) and a 1,024-token BPE tokenizer,
-  made by the README's commands."""
+  made by the docs' commands."""
   out = tmp_path_factory.mktemp('docs')
   _cli('-m', 'disttrain.convert', '--source=text', '--format=jsonl', '--eval_documents=8',
        f'--out={out}')

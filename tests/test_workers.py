@@ -1,5 +1,5 @@
 """ArrayRecord shards read by worker processes with random augmentation: exact resume after
-SIGKILL at epoch edges, whatever the worker count; the example configs run as the README says.
+SIGKILL at epoch edges, whatever the worker count; the example configs run as docs/getting-started.md says.
 
 The data is the converter's output for ../shared/data/mnist (8,000 train images in 4 shards),
 trained with launch/configs/mnist_array_record.py (random shift and erase in 2 workers). 8,000
@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
 STEPS = 75
 CONFIG = 'launch/configs/mnist_array_record.py'
@@ -26,7 +26,7 @@ CONFIG = 'launch/configs/mnist_array_record.py'
 
 def _env() -> dict:
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env.pop('XLA_FLAGS', None)  # --fake_devices decides
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS  # --fake_devices decides
   return env
 
 
@@ -135,7 +135,7 @@ def test_sigkill_then_relaunch_with_another_worker_count_resumes_bit_exactly(
 
 @pytest.mark.slow
 def test_token_file_example_config(tmp_path):
-  """README: convert the standard library's text to a .bin, train launch/configs/lm_tokens.py."""
+  """docs/getting-started.md: convert the standard library's text to a .bin, train launch/configs/lm_tokens.py."""
   out = tmp_path / 'text'
   proc = subprocess.run([sys.executable, '-m', 'disttrain.convert', '--source=text',
                          '--format=tokens', f'--out={out}'], cwd=ROOT, env=_env(),
