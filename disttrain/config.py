@@ -44,13 +44,20 @@ def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh shape; exactly one axis may be -1 (= all remaining devices)."""
-  data: int = -1
-  stage: int = 1  # pipeline stages: a language model's layers, micro-batched (step_mode=jit)
-  fsdp: int = 1
-  expert: int = 1  # splits MoE experts (model.num_experts), and the batch elsewhere (step_mode=jit)
-  context: int = 1  # splits each sequence's positions (language models, step_mode=jit)
-  tensor: int = 1
+  """Device mesh shape, one size per axis (disttrain/mesh.py); at most one axis may be -1, the
+  devices left over. Their product is the number of devices."""
+  data: int = -1  # data parallelism: each slice of the batch on its own replica of the state
+  # Pipeline stages: a language model's layers split into this many stages (it must divide
+  # model.num_layers); grad_accum_steps >= it are the micro-batches; step_mode=jit.
+  stage: int = 1
+  fsdp: int = 1  # splits the batch, and with sharding=fsdp each large parameter and its state
+  # Splits mixture-of-experts experts (it must divide model.num_experts), and the batch elsewhere;
+  # step_mode=jit.
+  expert: int = 1
+  # Context parallelism: splits each sequence's positions (language models; it must divide
+  # data.seq_len); step_mode=jit.
+  context: int = 1
+  tensor: int = 1  # tensor parallelism: the dimensions param_rules / logical_rules map to 'tensor'
 
   def __post_init__(self):
     sizes = dataclasses.asdict(self)
@@ -65,8 +72,8 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class SyntheticConfig:
   """data.name='synthetic': Gaussian features labelled by a fixed linear teacher (benchmarks)."""
-  examples: int = 8192
-  features: int = 784
+  examples: int = 8192  # examples in the set (was data.synthetic_examples: deprecated name)
+  features: int = 784  # features per example (was data.synthetic_features: deprecated name)
 
   def __post_init__(self):
     _positive('data.synthetic.examples', self.examples)
@@ -76,7 +83,7 @@ class SyntheticConfig:
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
   """data.name='text': byte windows of the standard library's *.py files (or of data.dir)."""
-  bytes: int = 2**21  # bytes of text read, in sorted file order
+  bytes: int = 2**21  # bytes of text read, in sorted file order (was data.text_bytes)
 
   def __post_init__(self):
     _positive('data.text.bytes', self.bytes)
@@ -94,7 +101,7 @@ class TokensConfig:
 @dataclasses.dataclass(frozen=True)
 class SftConfig:
   """data.name='sft': JSON lines of prompt/completion pairs or chat turns (disttrain/text.py)."""
-  prompt_field: str = 'prompt'
+  prompt_field: str = 'prompt'  # the prompt: read, never trained
   completion_field: str = 'completion'  # trained: the loss counts these tokens only
   messages_field: str = 'messages'  # [{"role", "content"}, ...]; assistant turns are trained
 
@@ -102,24 +109,33 @@ class SftConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Which data, where it lives, how it is split and read. Per-source fields sit in groups."""
-  name: str = 'digits'  # a builder in disttrain.sources.SOURCES
-  dir: str = ''  # mnist: folder with train-*/t10k-* IDX files (gzipped or not); text: a folder
-  # array_record / tokens: file globs, comma-separated; eval_files '' = hold out eval_examples.
+  # A builder in disttrain.sources.SOURCES: digits (scikit-learn's 1,797 real 8x8 digits), mnist
+  # (IDX files in data.dir), synthetic (benchmarks), text (byte windows), and from
+  # data.train_files: array_record, tokens, documents (raw text), sft (prompt/completion or chat).
+  name: str = 'digits'
+  # mnist: a folder with train-*/t10k-* IDX files (gzipped or not); text: a folder of text files
+  # ('' = the standard library's *.py).
+  dir: str = ''
+  # array_record / tokens / documents / sft: comma-separated local file globs.
   train_files: str = ''
+  # The eval split's file globs; '' = hold out data.eval_examples of the train files (documents:
+  # whole documents).
   eval_files: str = ''
   # Examples held out for eval when the source has no separate eval split (the last N in file
-  # order; digits, mnist with only the t10k pair, synthetic, text, files without eval_files).
-  # -1 = the source's default.
+  # order). -1 = the source's default: 297 (digits), 2000 (mnist with only the t10k pair), 1024
+  # (synthetic), 256 (text), 0 (files).
   eval_examples: int = -1
-  seq_len: int = 128  # text and tokens: tokens per example (targets are the next tokens)
+  seq_len: int = 128  # language-model data: tokens per row (targets are the next tokens)
   workers: int = 0  # worker processes that read and transform train batches; 0 = a thread
   # Global batches read ahead of the step in a thread; -1 = 0 on CPU devices (XLA's step uses
   # every core: a reader thread slowed it down, measured), 2 on accelerators.
   prefetch: int = -1
-  # documents / sft: raw text tokenized with a Hugging Face tokenizer.json or a SentencePiece
-  # .model ('' = bytes, end of sequence 257th id); documents, sft, tokens: how rows are formed.
+  # documents / sft: raw text tokenized with a Hugging Face tokenizer.json (or a directory with
+  # one) or a SentencePiece .model; '' = bytes (end of sequence 256).
   tokenizer: str = ''
-  packing: str = 'concat'  # concat (join, cut into windows) or documents (whole, best fit)
+  # documents / sft / tokens: concat (joined, cut into windows) or documents (whole documents in
+  # rows by best fit, with segment_ids and positions; token files need the converter's .docs.npy).
+  packing: str = 'concat'
   text_field: str = 'text'  # documents: the JSONL field / Parquet column holding the text
   synthetic: SyntheticConfig = SyntheticConfig()
   text: TextConfig = TextConfig()
@@ -146,9 +162,9 @@ class DataConfig:
 class RopeScalingConfig:
   """llama: Llama 3's rotary frequency scaling (config.json rope_scaling, rope_type 'llama3')."""
   kind: str = ''  # '' = none, or 'llama3'
-  factor: float = 8.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
+  factor: float = 8.0  # how much longer the context is than original_max_len
+  low_freq_factor: float = 1.0  # wavelengths above original_max_len / this are scaled by factor
+  high_freq_factor: float = 4.0  # wavelengths below original_max_len / this are kept
   original_max_len: int = 8192  # original_max_position_embeddings
 
   def __post_init__(self):
@@ -162,32 +178,39 @@ class RopeScalingConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Which model and its hyper-parameters. A field keeps one meaning in every family that
-  reads it; README's Config fields table says which families read which."""
-  name: str = 'mnist_mlp'  # a builder in disttrain.models.MODELS
+  reads it; its comment names the families that read it."""
+  # A builder in disttrain.models.MODELS: mnist_mlp, bobbin_mlp, nnx_mlp, jax_mlp, keras_mlp
+  # (needs the keras extra), gpt, llama, char_lm (deprecated: the gpt).
+  name: str = 'mnist_mlp'
   hidden: int = 512  # MLP width / transformer width
   dropout: float = 0.3  # rate; 0 disables dropout
   num_layers: int = 2  # transformer blocks
   num_heads: int = 4  # attention heads; must divide model.hidden
-  mlp_dim: int = 0  # transformer MLP width; 0 = the family's default (gpt 4 x hidden)
+  # Transformer MLP width; 0 = the family's default (gpt 4 x hidden, llama 8/3 x hidden rounded
+  # up to 256).
+  mlp_dim: int = 0
   num_classes: int = 10  # classifiers' outputs
   vocab_size: int = 256  # language models' vocabulary (256 = bytes)
   input_key: str = ''  # batch field the model reads; '' = the model's default (image, tokens)
   target_key: str = ''  # batch field the task learns; '' = the model's default (label, targets)
-  remat: str = 'none'  # transformer blocks: none, full, or a jax.checkpoint_policies name
+  # Transformer blocks: none, full, or a jax.checkpoint_policies name: dots_saveable,
+  # dots_with_no_batch_dims_saveable, everything_saveable.
+  remat: str = 'none'
   tied_embeddings: bool = True  # language models: the unembedding is the token embedding's T
   norm: str = ''  # gpt: layernorm (default) or rmsnorm; llama: rmsnorm
   num_kv_heads: int = 0  # llama: K/V heads shared by groups of query heads; 0 = num_heads
   rope_theta: float = 10000.0  # llama: rotary embedding base
   rope_scaling: RopeScalingConfig = RopeScalingConfig()
   norm_eps: float = 1e-5  # language models' LayerNorm / RMSNorm epsilon
-  max_seq_len: int = 0  # gpt: rows of the learned positions table; generation's context;
-  # 0 = data.seq_len
+  # gpt: rows of the learned positions table; sampling's context; 0 = data.seq_len.
+  max_seq_len: int = 0
   attention: str = 'auto'  # auto, xla, cudnn, blockwise (disttrain/models/attention.py)
   attention_block: int = 512  # blockwise attention: query and key block length
   num_experts: int = 0  # language models: experts per mixture-of-experts layer; 0 = dense MLP
   experts_per_token: int = 2  # MoE: experts each token is routed to (top k)
-  expert_capacity: float = 1.25  # MoE: slots per expert per row = this x T k / E (0 = T:
-  # dropless); choices beyond are dropped and reported as moe_dropped
+  # MoE: slots per expert per row = this x T k / E (at most T; 0 = T, dropless); choices beyond
+  # are dropped and reported as moe_dropped.
+  expert_capacity: float = 1.25
   router_aux_weight: float = 0.01  # MoE: weight of the load-balancing loss (Switch)
   router_z_weight: float = 0.001  # MoE: weight of the router z-loss (ST-MoE)
 
@@ -237,7 +260,7 @@ class EarlyStopConfig:
   metric: str = ''  # e.g. 'eval/accuracy' or 'val/loss'; '' = off
   mode: str = 'max'  # max or min
   patience: int = 3  # evals without an improvement of more than min_delta before stopping
-  min_delta: float = 0.0
+  min_delta: float = 0.0  # the smallest change that counts as an improvement
 
   def __post_init__(self):
     _one_of('early_stop.mode', self.mode, ('max', 'min'))
@@ -259,7 +282,8 @@ class ProfileConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrackingConfig:
-  """Experiment trackers that process 0 feeds (disttrain/tracking.py); optional extras, off."""
+  """Experiment trackers that process 0 feeds (disttrain/tracking.py): MLflow (the mlflow extra)
+  and Weights & Biases (the wandb extra); both off by default."""
   mlflow_uri: str = ''  # MLflow: sqlite:////ABS/mlflow.db, http://HOST:5000, ...; '' = off
   wandb_mode: str = ''  # Weights & Biases: online or offline (no account needed); '' = off
   project: str = 'disttrain'  # MLflow experiment and W&B project
@@ -278,15 +302,20 @@ class TrackingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """A whole run. Every field is documented in README.md (Config fields)."""
-  seed: int = 0
+  """A whole run. Each field's comment is its documentation (the docs' config reference is
+  generated from them)."""
+  seed: int = 0  # parameter init, dropout keys (fold_in(seed, step)), shuffling, random transforms
+  # Examples per step over all devices; divisible by the batch's mesh ways (data x fsdp x expert),
+  # times grad_accum_steps.
   global_batch_size: int = 128
   eval_batch_size: int = 0  # 0 = global_batch_size
-  num_train_steps: int = 1000
-  learning_rate: float = 1e-3
-  optimizer: str = 'adam'
+  num_train_steps: int = 1000  # optimizer steps
+  learning_rate: float = 1e-3  # peak learning rate (0 freezes the parameters)
+  optimizer: str = 'adam'  # adam, adamw, sgd, adafactor or lion
+  # constant, cosine, linear (decay to min_lr_ratio x the peak after the warm-up), or wsd
+  # (warm-up, stable, linear decay over the last wsd_decay_fraction).
   lr_schedule: str = 'constant'
-  warmup_steps: int = 0
+  warmup_steps: int = 0  # linear warm-up from 0
   weight_decay: float = 0.0  # adamw, lion, adafactor: weight matrices only (optim.py)
   weight_decay_embeddings: bool = False  # also decay embedding tables (token, positions)
   momentum: float = 0.0  # sgd only
@@ -299,6 +328,8 @@ class Config:
   ema_decay: float = 0.0  # keep an exponential moving average of the parameters; 0 = off
   ema_eval: bool = True  # with ema_decay: evals use the moving average
   mesh: MeshConfig = MeshConfig()
+  # replicate (data parallel) or fsdp (split each large parameter's largest divisible dimension,
+  # and its optimizer state, over mesh.fsdp).
   sharding: str = 'replicate'
   fsdp_min_size: int = 2**14  # fsdp leaves parameters with fewer elements replicated
   # Tensor parallelism: ((regex on 'a/b/kernel' paths, spec), ...), spec a tuple of mesh axes or
@@ -306,18 +337,24 @@ class Config:
   param_rules: tuple = ()
   # ((logical axis name, mesh axis or None), ...) for Flax logical-axis metadata.
   logical_rules: tuple = ()
-  step_mode: str = 'jit'
-  steps_per_dispatch: int = 1  # K steps per compiled call (lax.scan over K batches), like Keras'
-  # steps_per_execution; num_train_steps and every *_every_steps must be multiples of K
+  step_mode: str = 'jit'  # jit, shard_map or pmap: how the step is compiled over the mesh
+  # K steps per compiled call (lax.scan over K batches), like Keras' steps_per_execution;
+  # num_train_steps and every *_every_steps must be multiples of K.
+  steps_per_dispatch: int = 1
   data: DataConfig = DataConfig()
   model: ModelConfig = ModelConfig()
-  log_every_steps: int = 50
-  eval_every_steps: int = 0  # 0 = only at the end
-  checkpoint_every_steps: int = 0  # async save every N steps; 0 = only at the end
+  log_every_steps: int = 50  # a train record every N steps (its loss: the mean since the last)
+  eval_every_steps: int = 0  # eval over every eval source every N steps; 0 = only at the end
+  checkpoint_every_steps: int = 0  # async save into DIR/checkpoints every N steps; 0 = at the end
   max_to_keep: int = 3  # newest checkpoints kept (plus the best one if best_metric is set)
-  best_metric: str = ''  # eval metric whose best checkpoint is also kept, e.g. 'accuracy'
+  # An eval metric whose best checkpoint is also kept ('accuracy', or 'val/accuracy' for a named
+  # eval source); checkpoint_every_steps must be a positive multiple of eval_every_steps.
+  best_metric: str = ''
   best_mode: str = 'max'  # 'max' or 'min' for best_metric
-  restore_from: str = ''  # warm start: params + mutable from another run's checkpoint
+  # Warm start: params and mutable collections from another run's checkpoint (a checkpoints dir
+  # or one step in it) or a Hugging Face model directory (llama, gpt); optimizer, step and data
+  # order start fresh; ignored when the workdir has a checkpoint of its own.
+  restore_from: str = ''
   precision: PrecisionConfig = PrecisionConfig()
   grad_accum_steps: int = 1  # micro-batches per step (lax.scan in the step), one update per step
   # Per-device bytes a train step may need (XLA's memory analysis, checked before the first
@@ -326,13 +363,13 @@ class Config:
   peak_flops_per_device: float = 0.0  # for MFU; 0 = from the accelerator table (none on CPU)
   early_stop: EarlyStopConfig = EarlyStopConfig()
   profile: ProfileConfig = ProfileConfig()
-  tracking: TrackingConfig = TrackingConfig()  # MLflow / W&B (README, Experiment trackers)
-  # Seconds without a finished step before every process dumps its stacks and the job stops;
-  # -1 = 600 for multi-process runs and off for one process, 0 = off.
+  tracking: TrackingConfig = TrackingConfig()
+  # Seconds without a finished step before every process dumps its stacks and the job stops
+  # (exit 3); -1 = 600 for multi-process runs and off for one process, 0 = off.
   watchdog_seconds: int = -1
   # Process 0 holds DIR/lease.json, refreshed every lease_seconds / 4: a second launch into the
-  # workdir of a live run refuses; a dead run's lease is taken over (at once on its own host,
-  # else lease_seconds after its last refresh). 0 = no lease.
+  # workdir of a live run refuses (exit 2); a dead run's lease is taken over (at once on its own
+  # host, else lease_seconds after its last refresh). 0 = no lease.
   lease_seconds: float = 60.0
 
   def __post_init__(self):

@@ -99,7 +99,7 @@ class _Assembler:
     if jax.process_count() == 1 and not piecewise:
       # This process holds the whole batch: one batched device_put, the cheapest host-to-device
       # path. may_alias: the arrays are fresh gathers nobody writes again, so the runtime may
-      # use them in place (README, Performance).
+      # use them in place (docs/performance.md).
       return jax.device_put(local, sharding, may_alias=True)
     shapes = {k: v.shape[:batch_axis] + (self.batch_size,) + v.shape[batch_axis + 1:]
               for k, v in local.items()}

@@ -6,7 +6,7 @@ records were moved to metrics.superseded.jsonl) and `end` (the step reached, why
 the error, the time breakdown as run.json's `time`); launch/supervise.py appends `exit`
 (an attempt's status, the verdict, the committed step, the restart delay) between attempts.
 Every event has `time` (seconds since the epoch) and `event`. The supervisor, goodput reports
-and trackers read it; it is a public interface (README, "Outputs"). Nothing here imports jax.
+and trackers read it; it is a public interface (docs/outputs.md). Nothing here imports jax.
 """
 
 import json

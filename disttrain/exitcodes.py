@@ -10,7 +10,7 @@ import signal
 
 
 class Exit(enum.IntEnum):
-  """Exit statuses (a public interface: README, "Command line")."""
+  """Exit statuses (a public interface: docs/command-line.md)."""
   OK = 0  # trained to the end, or stopped by a callback or early stopping
   FAILED = 1  # an unexpected error: a Python traceback
   BAD_INPUT = 2  # config, flags, data, checkpoint or URL: one `error:` line; rerunning cannot help

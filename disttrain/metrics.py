@@ -1,7 +1,7 @@
 """Run outputs: DIR/metrics.jsonl, DIR/run.json, TensorBoard events, console lines.
 
 Only process 0 writes; on the other processes a Writer is silent. metrics.jsonl and run.json are
-public interfaces (README, "Outputs"): add fields freely, rename or remove only with a deprecation.
+public interfaces (docs/outputs.md): add fields freely, rename or remove only with a deprecation.
 """
 
 import json

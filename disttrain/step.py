@@ -195,7 +195,7 @@ def update(tx, state: TrainState, grads, sums, count, new_mutable, all_metrics: 
   (count alone with `report_count`: a quiet step whose weight the records cannot know).
 
   A global norm is one more pass over every gradient, so only the logged steps' variant
-  computes it (README, Performance).
+  computes it (docs/performance.md).
   """
   with jax.named_scope('optimizer_update'):
     updates, opt_state = tx.update(grads, state.opt_state, state.params)

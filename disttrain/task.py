@@ -47,7 +47,7 @@ def _mean_per_example(values: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class NextToken:
-  """Next-token cross-entropy of logits [B, T, V] against batch[target_key] [B, T], token-weighted.
+  """Next-token cross-entropy of logits `[B, T, V]` against `batch[target_key]` `[B, T]`.
 
   A token counts where its target is >= 0 (-100 and other negative ids are ignored, as in Hugging
   Face) and, when the batch has `mask_key` (supervised fine-tuning's loss_mask), where that is

@@ -43,6 +43,9 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     'distributed_heartbeat_timeout', 100, 'Seconds without a heartbeat before a process is '
     'declared dead and the job stops.')
+_CHECK = flags.DEFINE_bool(
+    'check', False, 'Validate the flags and the config (fields, values, hooks) and exit 0 without '
+    'touching jax, the devices or the workdir (tests/test_docs.py checks documented commands).')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 # Config-file function -> the disttrain.train keyword it provides (get_data returns a dict of
@@ -62,6 +65,12 @@ def main(argv):
     cfg = disttrain.from_config_dict(_CONFIG.value)
   except disttrain.DisttrainError as e:
     _fail(f'{type(e).__name__}: {e}')
+  if _CHECK.value:
+    hooks = [name for name in HOOKS if callable(_config_module().get(name))]
+    print(f'ok: --config={_config_path(sys.argv)} builds a valid config (model {cfg.model.name}, '
+          f'data {cfg.data.name}, {cfg.num_train_steps} steps'
+          f'{", hooks " + ", ".join(hooks) if hooks else ""}); nothing was run')
+    return
   import jax  # pylint: disable=g-import-not-at-top
   if _FAKE_DEVICES.value is not None:
     # Must happen before the first backend use; on CPU this gives N devices in this process.
@@ -83,8 +92,7 @@ def main(argv):
 
 def _hook_objects(cfg) -> dict:
   """train() keywords from the config file's get_data / get_model / get_task / get_callbacks."""
-  path = _config_path(sys.argv).split(':', 1)[0]
-  module = runpy.run_path(path)
+  path, module = _config_path(sys.argv).split(':', 1)[0], _config_module()
   kwargs = {}
   for name, keyword in HOOKS.items():
     if not callable(module.get(name)):
@@ -99,6 +107,11 @@ def _hook_objects(cfg) -> dict:
     else:
       kwargs.update(value)
   return kwargs
+
+
+def _config_module() -> dict:
+  """The config file's globals (its get_data / get_model / ... hooks)."""
+  return runpy.run_path(_config_path(sys.argv).split(':', 1)[0])
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
