@@ -72,10 +72,11 @@ def test_llama_on_packed_tokenized_documents(tmp_path):
 
 
 @pytest.mark.parametrize('args', [
-    ('--fake_devices=8', '--model=mlp', '--step_mode=shard_map'),
-    ('--fake_devices=8', '--model=mlp', '--sharding=fsdp'),
+    pytest.param(('--fake_devices=8', '--model=mlp', '--step_mode=shard_map'),
+                 marks=pytest.mark.slow),
+    pytest.param(('--fake_devices=8', '--model=mlp', '--sharding=fsdp'), marks=pytest.mark.slow),
     ('--fake_devices=2', '--model=mlp_small', '--step_mode=pmap'),
-    ('--fake_devices=2', '--model=mlp', '--sharding=tensor'),
+    pytest.param(('--fake_devices=2', '--model=mlp', '--sharding=tensor'), marks=pytest.mark.slow),
     pytest.param(('--fake_devices=2', '--model=gpt', '--sharding=fsdp', '--global_batch_size=4',
                   '--precision=bfloat16', '--grad_accum_steps=2', '--remat=full'),
                  marks=pytest.mark.slow),

@@ -215,6 +215,7 @@ def _memory(**overrides):
   return _COMPILED[key]
 
 
+@pytest.mark.slow
 def test_accumulation_and_remat_cut_activation_memory():
   full = _memory()
   accumulated = _memory(grad_accum_steps=4)

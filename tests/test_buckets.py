@@ -62,7 +62,7 @@ def local_run(tmp_path_factory):
   return workdir, result
 
 
-@pytest.mark.parametrize('scheme', ['gs', 's3'])
+@pytest.mark.parametrize('scheme', ['gs', pytest.param('s3', marks=pytest.mark.slow)])
 def test_bucket_run_resumes_and_equals_a_local_run(servers, local_run, scheme):
   """20 steps into a bucket, then on to 30 from its checkpoint: every output is in the bucket,
   keep-2 left exactly 2 steps there, and losses, curves and parameters equal a local run's."""
@@ -87,6 +87,7 @@ def test_bucket_run_resumes_and_equals_a_local_run(servers, local_run, scheme):
   assert [e['event'] for e in events] == ['start', 'end', 'start', 'restore', 'end']
 
 
+@pytest.mark.slow
 def test_torn_save_in_a_bucket_is_never_restored_and_a_second_run_is_refused(servers, tmp_path):
   """The step-20 save hangs in its upload (the server holds it), a second launch into the same
   bucket workdir is refused in one line while the first lives, the first is SIGKILLed mid-save,

@@ -83,6 +83,7 @@ def test_fsdp_and_tensor_split_attention_and_mlp_weights():
   assert 0.25 <= per_device / total < 0.27, per_device / total
 
 
+@pytest.mark.slow
 def test_data_fsdp_tensor_layout_matches_one_device(tmp_path):
   def losses(n, **mesh):
     cfg = _config(num_train_steps=10, log_every_steps=1, global_batch_size=16, eval_batch_size=64,

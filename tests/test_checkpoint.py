@@ -76,7 +76,8 @@ def uninterrupted(tmp_path_factory):
   return workdir
 
 
-@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize('sig', [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_killed_run_resumes_bit_exactly(sig, uninterrupted, tmp_path):
   proc = _launch(tmp_path)
   # Kill at a step after the second checkpoint (steps 20 and 40) has committed.

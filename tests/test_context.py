@@ -104,6 +104,7 @@ def _temp_bytes(cfg, n: int) -> int:
   return info.temp_bytes
 
 
+@pytest.mark.slow
 def test_one_long_sequence_on_context_eight_needs_a_quarter_of_the_temporaries():
   """One sequence of T = 16,384 per step (data parallelism cannot split it): the compiled
   step's temporaries per device with context=8 against 1 device."""

@@ -118,6 +118,7 @@ def test_one_step_with_experts_split_equals_one_device():
   _check_one_step('gpt', ['expert=8'])
 
 
+@pytest.mark.slow
 def test_each_device_holds_an_eighth_of_the_experts_and_tokens_travel_by_all_to_all(tmp_path):
   cfg = _config(**LAYOUTS['expert=8'], num_train_steps=1)
   run = disttrain.setup(cfg, devices=devices(8))
@@ -136,6 +137,7 @@ def test_each_device_holds_an_eighth_of_the_experts_and_tokens_travel_by_all_to_
     export.export(str(tmp_path), str(tmp_path / 'hf'))  # no Hugging Face layout for it
 
 
+@pytest.mark.slow
 def test_dropped_choices_are_reported_and_none_when_dropless():
   """Train metrics carry moe_dropped (dropped choices in tokens per counted token)."""
   def dropped(capacity: float) -> float:

@@ -100,6 +100,7 @@ def _assert_history_equals_metrics_jsonl(workdir, history) -> None:
         assert sorted(logged) == [(r['step'], r[name]) for r in records], (split, name)  # bitwise
 
 
+@pytest.mark.slow
 def test_mlflow_run_continues_with_each_step_once(resumed):
   workdir, uri, resume_step, killed_steps = resumed
   # The killed attempt had logged steps past its checkpoint: the resumed one trained them again.
@@ -120,6 +121,7 @@ def test_mlflow_run_continues_with_each_step_once(resumed):
   assert run.info.run_name == 'run'  # the workdir's base name
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_continues_with_each_step_once(resumed):
   workdir, _, _, _ = resumed
   directories = sorted(glob.glob(str(workdir / 'wandb' / 'offline-run-*')))
