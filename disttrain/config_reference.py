@@ -33,16 +33,16 @@ def _comments(source: str) -> dict[int, str]:
           if tok.type == tokenize.COMMENT}
 
 
-def _field_docs(cls: type, source_lines: list[str], comments: dict[int, str]) -> dict[str, str]:
+def _field_docs(cls: type, tree: ast.Module, lines: list[str],
+                comments: dict[int, str]) -> dict[str, str]:
   """Field name -> its comment block above and its comment on the line (class `cls`)."""
-  node = next(n for n in ast.walk(ast.parse('\n'.join(source_lines)))
-              if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+  node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
   docs = {}
   for stmt in node.body:
     if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
       continue
     above, line = [], stmt.lineno - 1
-    while line >= 1 and source_lines[line - 1].strip().startswith('#'):
+    while line >= 1 and lines[line - 1].strip().startswith('#'):
       above.insert(0, comments[line])
       line -= 1
     trailing = comments.get(stmt.lineno, '') if stmt.end_lineno == stmt.lineno else ''
@@ -50,38 +50,35 @@ def _field_docs(cls: type, source_lines: list[str], comments: dict[int, str]) ->
   return docs
 
 
-def fields(cls: type = config_lib.Config, prefix: str = '') -> list[Field]:
-  """Every leaf field of `cls`, depth first in definition order, with its documentation."""
+def _reference() -> tuple[list[Field], dict[str, str]]:
+  """Every leaf field of Config, depth first in definition order, with its documentation; and
+  each group's path ('' for the top level) -> its class docstring's first paragraph."""
   source = inspect.getsource(config_lib)
-  lines, comments = source.split('\n'), _comments(source)
-  return _walk(cls, prefix, lines, comments)
+  tree, lines, comments = ast.parse(source), source.split('\n'), _comments(source)
+  fields_out, groups_out = [], {}
+
+  def walk(cls, prefix):
+    groups_out[prefix[:-1]] = _first_paragraph(cls)
+    docs, hints = _field_docs(cls, tree, lines, comments), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+      hint = hints[f.name]
+      if dataclasses.is_dataclass(hint):
+        walk(hint, f'{prefix}{f.name}.')
+      else:
+        fields_out.append(Field(f'{prefix}{f.name}', getattr(hint, '__name__', str(hint)),
+                                f.default, docs.get(f.name, '')))
+  walk(config_lib.Config, '')
+  return fields_out, groups_out
 
 
-def _walk(cls, prefix, lines, comments) -> list[Field]:
-  docs = _field_docs(cls, lines, comments)
-  hints = typing.get_type_hints(cls)
-  out = []
-  for f in dataclasses.fields(cls):
-    hint = hints[f.name]
-    if dataclasses.is_dataclass(hint):
-      out.extend(_walk(hint, f'{prefix}{f.name}.', lines, comments))
-    else:
-      out.append(Field(f'{prefix}{f.name}', getattr(hint, '__name__', str(hint)), f.default,
-                       docs.get(f.name, '')))
-  return out
+def fields() -> list[Field]:
+  """Every leaf field of Config, depth first in definition order, with its documentation."""
+  return _reference()[0]
 
 
 def groups() -> dict[str, str]:
   """Group path ('' for the top level) -> its class docstring's first paragraph."""
-  out = {'': _first_paragraph(config_lib.Config)}
-  def walk(cls, prefix):
-    for f in dataclasses.fields(cls):
-      hint = typing.get_type_hints(cls)[f.name]
-      if dataclasses.is_dataclass(hint):
-        out[f'{prefix}{f.name}'] = _first_paragraph(hint)
-        walk(hint, f'{prefix}{f.name}.')
-  walk(config_lib.Config, '')
-  return out
+  return _reference()[1]
 
 
 def _first_paragraph(cls) -> str:
@@ -94,11 +91,12 @@ def _cell(text: str) -> str:
 
 def markdown() -> str:
   """The reference: one table per group, a row per field (path, type, default, meaning)."""
+  all_fields, all_groups = _reference()
   by_group: dict[str, list[Field]] = {}
-  for field in fields():
+  for field in all_fields:
     by_group.setdefault(field.path.rpartition('.')[0], []).append(field)
   out = []
-  for group, doc in groups().items():
+  for group, doc in all_groups.items():
     if group not in by_group:
       continue
     out += [f'## `{group}`' if group else '## Top level', '', _cell(doc), '',
