@@ -260,11 +260,11 @@ def _wait_for_step(proc: subprocess.Popen, workdir, step: int, timeout: float = 
 
 
 def test_killed_worker_stops_the_job_without_orphans(tmp_path):
-  # A long run: it must still be training when the worker dies. --grace 5 instead of the
+  # A long run: it must still be training when the worker dies. --grace 1 instead of the
   # default 20 s: the survivor is stuck in a collective with the dead process and can only be
   # SIGKILLed once the grace has passed (measured with the default: 21 s to exit).
   proc = _start_cluster({**BASE, 'num_train_steps': 1000, 'checkpoint_every_steps': 0},
-                        tmp_path, grace=5)
+                        tmp_path, grace=1)
   try:
     _wait_for_step(proc, tmp_path, 3)
     workers = _workers(proc)
@@ -337,17 +337,19 @@ def test_sigterm_then_ctrl_c_save_on_every_process_and_resume_exactly(runs, tmp_
   the launcher: exit 130, no traceback), relaunch: the steps after each resume are bitwise the
   uninterrupted 2 x 4 run's, and so is the final eval.
 
-  A checkpoint every step (the same numerics): orbax's save passes its step number to jax's
-  preemption sync, which counts calls; after a resume the two differ, and a signal that reached
-  the job just after a save was agreed for a call that never came (the job trained on)."""
+  A checkpoint every step in the two interrupted runs (the same numerics): orbax's save passes its
+  step number to jax's preemption sync, which counts calls; after a resume the two differ, and a
+  signal that reached the job just after a save was agreed for a call that never came (the job
+  trained on). The last relaunch, never signalled, saves every 10 steps (a save costs more than
+  a step here)."""
   two, _ = runs('jit')  # the uninterrupted 2 x 4 run of the same config
   overrides = {**BASE, **CASES['jit'], 'checkpoint_every_steps': 1}
-  first = _interrupt(overrides, tmp_path, 12, signal.SIGTERM, disttrain.Preempted.exit_code,
-                     'preempted')  # after the step-10 checkpoint was started
+  first = _interrupt(overrides, tmp_path, 4, signal.SIGTERM, disttrain.Preempted.exit_code,
+                     'preempted')  # after a few steps' checkpoints were started
   second = _interrupt(overrides, tmp_path, first + 3, signal.SIGINT,
                       disttrain.Interrupted.exit_code, 'interrupted')
   assert disttrain.Interrupted.exit_code == 130
-  out = _cluster(overrides, tmp_path)
+  out = _cluster({**overrides, 'checkpoint_every_steps': 10}, tmp_path)
   assert f'[0] resumed from step {second}' in out
   got, want = _losses(tmp_path), _losses(two)
   after = range(first + 1, STEPS + 1)
@@ -385,7 +387,7 @@ def test_process_started_alone_names_the_missing_one(tmp_path, process_id, missi
   proc = subprocess.run(
       [sys.executable, 'launch/train.py', f'--config={CONFIG}', f'--workdir={tmp_path}',
        '--fake_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-       f'--process_id={process_id}', '--distributed_init_timeout=3'],
+       f'--process_id={process_id}', '--distributed_init_timeout=1'],
       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=False)
   assert proc.returncode == 2, proc.stderr
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
@@ -438,7 +440,7 @@ def test_watchdog_names_the_process_that_hung(tmp_path):
   """Process 1's data source blocks for good on its 4th read; process 0 then waits in the step's
   collective. Within watchdog_seconds + 30 s the job ends non-zero, each process wrote its
   stacks, and process 0 names process 1."""
-  seconds = 10
+  seconds = 5
   proc = _ops_cluster(tmp_path, {'HANG_AFTER': '4'},
                       {**BASE, 'num_train_steps': 1000, 'watchdog_seconds': seconds}, grace=5)
   start = time.monotonic()
@@ -454,8 +456,9 @@ def test_watchdog_names_the_process_that_hung(tmp_path):
   waiting = (tmp_path / 'hang' / 'process_0.txt').read_text()
   assert 'sleep_forever' in hung and 'waiting for data' in hung, hung[:2000]
   assert 'waiting for the step (a collective' in waiting, waiting[:2000]
-  # Start-up to step 3 took ~5 s here; the watchdog fires 10 s after the hang, then waits at
-  # most 15 s for the other process's report.
+  # Start-up to step 3 took ~5 s here; the watchdog fires 5 s after the hang (it watches only
+  # after compilation: the tiny steps take ~0.1 s), then waits at most 15 s for the other
+  # process's report.
   assert elapsed < 15 + seconds + 30, elapsed
   time.sleep(0.5)
   assert not _job_processes(tmp_path), 'orphan processes of the job remain'
@@ -467,8 +470,10 @@ def test_watchdog_names_the_process_that_hung(tmp_path):
 def _kill_process_1_when(ready, overrides: dict, workdir) -> str:
   """Runs a supervised 2 x 4 job of OPS (slow reads), SIGKILLs its process 1 once `ready()` (the
   OOM killer, say), and returns the supervisor's output after the job has ended with status 0."""
-  command = [sys.executable, 'launch/supervise.py', '--backoff_seconds=0.5', '--',
-             *_cluster_cmd(*_train_flags(overrides, workdir, OPS), grace=5)]
+  # --grace 1: the survivor, stuck in a collective with the killed process, cannot save
+  # whatever the grace; it is SIGKILLed once the grace has passed.
+  command = [sys.executable, 'launch/supervise.py', '--backoff_seconds=0.1', '--',
+             *_cluster_cmd(*_train_flags(overrides, workdir, OPS), grace=1)]
   proc = subprocess.Popen(command, cwd=ROOT, env={**_env(), 'SLOW_READS': '0.1'},
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
@@ -546,7 +551,9 @@ def test_bucket_job_killed_restarts_to_the_uninterrupted_end(runs, servers, sche
   two steps in the bucket; the checkpoint restores onto 1 x 8; no client left the loopback."""
   two, _ = runs('jit')
   url = servers.bucket(scheme, f'job-{scheme}') + '/run'
-  overrides = {**BASE, **CASES['jit'], 'checkpoint_every_steps': 5, 'max_to_keep': 2}
+  # Checkpoints at 10, 20, 30 (each save into the local S3 server took up to ~1 s): keep-2 then
+  # deletes the step-10 checkpoint that attempt 1 committed in the bucket.
+  overrides = {**BASE, **CASES['jit'], 'checkpoint_every_steps': 10, 'max_to_keep': 2}
 
   def ready() -> bool:  # the step-10 checkpoint committed in the bucket, a few steps past it
     if max(storage.committed_steps(url + '/checkpoints'), default=0) < 10:
@@ -559,7 +566,7 @@ def test_bucket_job_killed_restarts_to_the_uninterrupted_end(runs, servers, sche
   train = helpers.metrics_records(url)
   assert [r['step'] for r in train] == list(range(1, STEPS + 1))
   assert {r['step']: r['loss'] for r in train} == _losses(two)  # bitwise, every step
-  assert sorted(p.name for p in storage.path(url + '/checkpoints').iterdir()) == ['25', '30']
+  assert sorted(p.name for p in storage.path(url + '/checkpoints').iterdir()) == ['20', '30']
   for a, b in zip(helpers.saved_params(url, STEPS), helpers.saved_params(two, STEPS),
                   strict=True):
     np.testing.assert_array_equal(a, b)
