@@ -26,7 +26,12 @@ LAUNCH = [sys.executable, str(ROOT / 'launch' / 'train.py'),
           f'--config={ROOT / "launch" / "configs" / "mnist_mlp.py"}', '--fake_devices=8',
           '--config.model.hidden=128', '--config.global_batch_size=64',
           '--config.log_every_steps=1', '--config.checkpoint_every_steps=20']
-STEPS = 150
+STEPS = 90
+# The runs that are interrupted ask for more steps than STEPS (the learning rate is constant, so
+# the count changes nothing they train): they cannot finish before the signal reaches them, and a
+# stop saved up to 45 steps after the signal still resumes below STEPS. Evals at 30 (before the
+# checkpoint the relaunch resumes from), 60 and 90 (after it).
+EVALS = '--config.eval_every_steps=30'
 
 
 def _env():
@@ -35,8 +40,8 @@ def _env():
   return env
 
 
-def _launch(workdir, *extra) -> subprocess.Popen:
-  return subprocess.Popen(LAUNCH + [f'--workdir={workdir}', f'--config.num_train_steps={STEPS}',
+def _launch(workdir, *extra, steps: int = STEPS) -> subprocess.Popen:
+  return subprocess.Popen(LAUNCH + [f'--workdir={workdir}', f'--config.num_train_steps={steps}',
                                     *extra], env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
 
@@ -70,7 +75,7 @@ def _last_logged_step(workdir) -> int:
 @pytest.fixture(scope='module')
 def uninterrupted(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('uninterrupted')
-  proc = _launch(workdir)
+  proc = _launch(workdir, EVALS)
   out, _ = proc.communicate(timeout=300)
   assert proc.returncode == 0, out
   return workdir
@@ -79,7 +84,7 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize('sig', [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
                                  pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_killed_run_resumes_bit_exactly(sig, uninterrupted, tmp_path):
-  proc = _launch(tmp_path)
+  proc = _launch(tmp_path, EVALS, steps=1000)
   # Kill at a step after the second checkpoint (steps 20 and 40) has committed.
   while (_last_logged_step(tmp_path) < 45 or not (tmp_path / 'checkpoints' / '40').is_dir()) \
       and proc.poll() is None:
@@ -105,7 +110,7 @@ def test_killed_run_resumes_bit_exactly(sig, uninterrupted, tmp_path):
     stopped = int(re.search(r'saved a checkpoint at step (\d+)', out).group(1))
     assert resume_step == stopped >= logged_at_signal, (resume_step, stopped, logged_at_signal)
 
-  relaunch = _launch(tmp_path)
+  relaunch = _launch(tmp_path, EVALS)
   out, _ = relaunch.communicate(timeout=300)
   assert relaunch.returncode == 0, out
   assert f'resumed from step {resume_step}' in out
@@ -354,24 +359,25 @@ def small_disk(tmp_path):
 
 @pytest.mark.slow
 def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(small_disk, tmp_path):
-  """Checkpoints of ~3.4 MiB every 50 steps on 14 MiB: four fit, the fifth (step 250) is refused
+  """Checkpoints of ~3.4 MiB every 5 steps on 14 MiB: four fit, the fifth (step 25) is refused
   before orbax starts it, with one line naming the step, the directory, the space and the last
-  complete checkpoint; exit 2; steps 50-200 kept, and step 200 resumes once there is room."""
+  complete checkpoint; exit 2; steps 5-20 kept, and step 20 resumes once there is room."""
   flags = [sys.executable, str(ROOT / 'launch' / 'train.py'),
            f'--config={ROOT / "launch" / "configs" / "mnist_mlp.py"}', '--fake_devices=2',
-           '--config.checkpoint_every_steps=50', '--config.max_to_keep=5']
-  proc = subprocess.run([*flags, f'--workdir={small_disk / "run"}', '--config.num_train_steps=300'],
+           '--config.checkpoint_every_steps=5', '--config.max_to_keep=5',
+           '--config.log_every_steps=1']  # one compiled step (every 25 adds a quiet one)
+  proc = subprocess.run([*flags, f'--workdir={small_disk / "run"}', '--config.num_train_steps=30'],
                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300,
                         check=False)
   errors = [line for line in proc.stderr.splitlines() if line.strip()]
   assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
-  assert errors[0].startswith(f'error: CheckpointError: saving checkpoint step 250 to '
+  assert errors[0].startswith(f'error: CheckpointError: saving checkpoint step 25 to '
                               f'{small_disk}/run/checkpoints needs about '), errors[0]
-  assert 'the last complete checkpoint is step 200, kept' in errors[0], errors[0]
+  assert 'the last complete checkpoint is step 20, kept' in errors[0], errors[0]
   assert sorted(int(d) for d in os.listdir(small_disk / 'run' / 'checkpoints') if d.isdigit()) \
-      == [50, 100, 150, 200]
+      == [5, 10, 15, 20]
   shutil.copytree(small_disk / 'run', tmp_path / 'roomy')
-  again = subprocess.run([*flags, f'--workdir={tmp_path / "roomy"}', '--config.num_train_steps=250'],
+  again = subprocess.run([*flags, f'--workdir={tmp_path / "roomy"}', '--config.num_train_steps=25'],
                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300,
                          check=False)
-  assert again.returncode == 0 and 'resumed from step 200' in again.stdout, again.stderr[-2000:]
+  assert again.returncode == 0 and 'resumed from step 20' in again.stdout, again.stderr[-2000:]
