@@ -116,7 +116,7 @@ def _train_and_export(tmp_path, name: str, tied: bool, dtype: str = 'float32') -
                         'model.tied_embeddings': tied, 'num_train_steps': 2, 'mesh.data': 1,
                         'data.seq_len': 16, 'global_batch_size': 8, 'eval_batch_size': 8,
                         'data.text.bytes': 20_000, 'data.eval_examples': 8, 'model.vocab_size': 300,
-                        'eval_every_steps': 0})
+                        'eval_every_steps': 0, 'log_every_steps': 1})  # one step compiles
   run, out = tmp_path / f'{name}_run', tmp_path / f'{name}_hf_{dtype}'
   disttrain.train(disttrain.from_config_dict(cd), str(run), devices=jax.devices()[:1])
   proc = subprocess.run([sys.executable, '-m', 'disttrain.export', f'--workdir={run}',
@@ -133,10 +133,18 @@ def _env() -> dict:
   return env
 
 
+@pytest.fixture(scope='module')
+def llama_export(tmp_path_factory) -> tuple:
+  """The untied Llama run and its float32 export: trained and exported once for the logits test
+  and the bfloat16 test."""
+  return _train_and_export(tmp_path_factory.mktemp('llama'), 'llama', False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('name,tied', [('llama', False), ('gpt', True)])
-def test_exported_run_loads_in_transformers_with_equal_logits(tmp_path, name, tied):
-  run, out = _train_and_export(tmp_path, name, tied)
+def test_exported_run_loads_in_transformers_with_equal_logits(request, tmp_path, name, tied):
+  run, out = (request.getfixturevalue('llama_export') if name == 'llama' else
+              _train_and_export(tmp_path, name, tied))
   lm = trained.load(workdir=str(run), devices=jax.devices()[:1], mesh={'data': 1})
   tokens = np.random.default_rng(1).integers(0, 300, (2, 16))
   ours = np.asarray(lm.model.module.apply({'params': lm.params}, jnp.asarray(tokens), False))
@@ -147,8 +155,8 @@ def test_exported_run_loads_in_transformers_with_equal_logits(tmp_path, name, ti
 
 
 @pytest.mark.slow
-def test_bfloat16_export_is_the_rounded_float32(tmp_path):
-  run, out32 = _train_and_export(tmp_path, 'llama', True)
+def test_bfloat16_export_is_the_rounded_float32(llama_export, tmp_path):
+  run, out32 = llama_export
   proc = subprocess.run([sys.executable, '-m', 'disttrain.export', f'--workdir={run}',
                          f'--out={tmp_path / "bf16"}', '--dtype=bfloat16'], cwd=ROOT, env=_env(),
                         capture_output=True, text=True, timeout=120, check=False)

@@ -142,7 +142,7 @@ def test_ema_equals_the_running_average_written_out(problem):
 def test_ema_checkpoints_resume_bitwise_and_evals_use_it(tmp_path):
   """10 steps straight vs 5 + a relaunch to 10 in the same workdir: parameters and their moving
   average equal bit for bit; evals report the average's loss."""
-  common = dict(ema_decay=0.8, num_train_steps=10, log_every_steps=5, eval_every_steps=5,
+  common = dict(ema_decay=0.8, num_train_steps=10, log_every_steps=1, eval_every_steps=5,
                 mesh__data=8)
   straight = disttrain.train(_config(**common), str(tmp_path / 'a'), devices=devices(8))
   disttrain.train(_config(**{**common, 'num_train_steps': 5}), str(tmp_path / 'b'),

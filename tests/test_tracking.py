@@ -20,7 +20,7 @@ from disttrain.errors import ConfigError
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests.helpers import make_config, metrics_records
 
-STEPS = 80
+STEPS = 40
 LAUNCH = [sys.executable, str(ROOT / 'launch' / 'train.py'),
           f'--config={ROOT / "launch" / "configs" / "mnist_mlp.py"}', '--fake_devices=8',
           '--config.model.hidden=128', '--config.global_batch_size=64',
