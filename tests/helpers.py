@@ -28,6 +28,15 @@ def override(cd, overrides: dict):
   return cd
 
 
+def sgd_config(cfg: config_lib.Config, lr: float, **overrides) -> config_lib.Config:
+  """cfg with plain SGD at the constant learning rate `lr` (no warm-up, momentum or weight decay):
+  one step sets the parameters to p - lr x g, so the one-step tests read the gradient off them."""
+  cd = override(config_lib.defaults(cfg), {
+      'optimizer': 'sgd', 'learning_rate': lr, 'lr_schedule': 'constant', 'warmup_steps': 0,
+      'weight_decay': 0.0, 'momentum': 0.0, **overrides})
+  return config_lib.from_config_dict(cd)
+
+
 def config_file(path):
   """get_config() of a launch/configs/*.py file, as launch/train.py loads it."""
   return runpy.run_path(str(path))['get_config']()

@@ -67,7 +67,7 @@ def _one_step(cfg, n_devices: int, micro_batches=(1,)):
   the tightest) and of the magnitude of the parameters."""
   todo = [m for m in micro_batches if (cfg, n_devices, m) not in _STEPS]
   if todo:
-    sgd = _sgd(cfg)
+    sgd = helpers.sgd_config(cfg, LR)
     run = disttrain.setup(sgd, devices=devices(n_devices))
     it = data.TrainIterator(run.train_data, sgd.global_batch_size, sgd.seed, run.batch_sharding)
     batch = next(it)
@@ -82,13 +82,6 @@ def _one_step(cfg, n_devices: int, micro_batches=(1,)):
       _STEPS[cfg, n_devices, m] = (float(metrics['loss']),
                                    jax.tree.map(lambda a, b: (a - b) / np.float32(LR), p0, p1), p1)
   return {m: _STEPS[cfg, n_devices, m] for m in micro_batches}
-
-
-def _sgd(cfg: disttrain.Config) -> disttrain.Config:
-  cd = helpers.override(disttrain.defaults(cfg), {
-      'optimizer': 'sgd', 'learning_rate': LR, 'lr_schedule': 'constant', 'warmup_steps': 0,
-      'weight_decay': 0.0, 'momentum': 0.0})
-  return disttrain.from_config_dict(cd)
 
 
 def _accumulating(cfg: disttrain.Config, m: int) -> disttrain.Config:

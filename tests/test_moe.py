@@ -1,12 +1,12 @@
 """Mixture of experts: routing against a numpy reference, expert parallelism equal to 1 device.
 
-Routing is exact (integer queues), the router losses equal numpy's to 1e-6. One step on
-expert=8 and on data 2 x expert 4 (data 2 x expert 2 x tensor 2 and fsdp in the slow tier) equals
-1 device with the tolerances of tests/test_equivalence.py (rtol 1e-5): routing and capacity are
-per row, so no layout changes which token reaches which expert. The one step is SGD at learning
-rate 1 (tests/test_llama.py `_one_step`), so its gradient check covers the sharded update too; the
-real optimizers' sharded updates are tests/test_equivalence.py's (Adam on every layout) and the
-10-step language-model tests' (adamw).
+Routing is exact (integer queues), the router losses equal numpy's to 1e-6. One step (slow
+tier) on data 2 x expert 4, data 2 x expert 2 x tensor 2 and fsdp 2 x expert 4 (Llama) and on
+expert=8 (GPT) equals 1 device with the tolerances of tests/test_equivalence.py (rtol 1e-5):
+routing and capacity are per row, so no layout changes which token reaches which expert. The one
+step is SGD at learning rate 1 (tests/test_llama.py `_one_step`), so its gradient check covers the
+sharded update too; the real optimizers' sharded updates are tests/test_equivalence.py's (Adam on
+every layout) and the 10-step language-model tests' (adamw).
 """
 
 import collections
@@ -104,9 +104,9 @@ LAYOUTS = {'expert=8': {'mesh.data': 1, 'mesh.expert': 8},
 
 
 def _check_one_step(name: str, layouts):
-  ref_loss, ref_grads, _ = _one_step(_config(name, **{'mesh.data': 1}), 1)
+  ref_loss, ref_grads = _one_step(_config(name, **{'mesh.data': 1}), 1)
   for layout in layouts:
-    loss, grads, _ = _one_step(_config(name, **LAYOUTS[layout]), 8)
+    loss, grads = _one_step(_config(name, **LAYOUTS[layout]), 8)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'{name} {layout} gradient and update')
 
