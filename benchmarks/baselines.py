@@ -24,7 +24,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import disttrain
-from disttrain.records import MASK
+from disttrain.data.records import MASK
 
 
 class BenchError(Exception):

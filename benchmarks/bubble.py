@@ -33,7 +33,7 @@ def _side(stages: int, m: int):
   import runpy  # pylint: disable=g-import-not-at-top
   import disttrain  # pylint: disable=g-import-not-at-top
   from disttrain import data  # pylint: disable=g-import-not-at-top
-  from disttrain.step import Variant  # pylint: disable=g-import-not-at-top
+  from disttrain.parallel.step import Variant  # pylint: disable=g-import-not-at-top
   cd = runpy.run_path(os.path.join(_ROOT, 'launch', 'configs', 'llama.py'))['get_config']('tiny')
   cd.model.num_layers, cd.model.hidden, cd.model.mlp_dim = 8, 256, 768
   cd.global_batch_size, cd.grad_accum_steps = 4 * m, m
@@ -65,7 +65,7 @@ def _direct(stages: int, m: int):
   8 residual tanh-MLP layers (256 -> 1,024 -> 256), micro-batches of 4 x 128 tokens."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from disttrain import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from disttrain.config import MeshConfig  # pylint: disable=g-import-not-at-top
   from disttrain.models import pipeline  # pylint: disable=g-import-not-at-top
   parallel = mesh_lib.Parallelism.from_config(MeshConfig(data=1, stage=stages),

@@ -25,7 +25,6 @@ import numpy as np
 
 import disttrain
 from disttrain import config as config_lib, models
-from disttrain import generate as generate_lib
 
 _SIZE = flags.DEFINE_string('size', 'bench', "bench (4 x 256, ~4 M parameters) or a size of "
                             "launch/configs/llama.py ('tiny', ...)")

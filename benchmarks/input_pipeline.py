@@ -57,7 +57,7 @@ def _rss_mib() -> float:
 
 
 def _write(folder: str, examples: int) -> list[str]:
-  from disttrain import formats  # pylint: disable=g-import-not-at-top
+  from disttrain.data import formats  # pylint: disable=g-import-not-at-top
   paths = formats.shard_paths(os.path.join(folder, 'train'), 8)
   if all(os.path.exists(p) for p in paths):
     return paths
@@ -74,18 +74,18 @@ def _write(folder: str, examples: int) -> list[str]:
 def _iterator(source, workers: int, transforms):
   import jax  # pylint: disable=g-import-not-at-top
   from disttrain import data  # pylint: disable=g-import-not-at-top
-  from disttrain.records import Data, Records  # pylint: disable=g-import-not-at-top
-  from disttrain import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.data.records import Data, Records  # pylint: disable=g-import-not-at-top
+  from disttrain.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from disttrain.config import MeshConfig  # pylint: disable=g-import-not-at-top
   mesh = mesh_lib.build(MeshConfig(data=1), jax.devices()[:1])
   return data.TrainIterator(Records(Data(source, transforms), 'train', 0), _BATCH.value, 0,
-                            data.batch_sharding(mesh), prefetch=2, workers=workers)
+                            mesh_lib.batch_sharding(mesh), prefetch=2, workers=workers)
 
 
 def memory(folder: str) -> dict:
   """Part 1: peak RSS growth while streaming every example once with 2 workers."""
   import jax  # pylint: disable=g-import-not-at-top
-  from disttrain import formats  # pylint: disable=g-import-not-at-top
+  from disttrain.data import formats  # pylint: disable=g-import-not-at-top
   examples = int(_GIB.value * 2**30 // (np.prod(SHAPE) + 64))
   start = time.perf_counter()
   paths = _write(folder, examples)
@@ -115,7 +115,7 @@ def memory(folder: str) -> dict:
 def workers(folder: str) -> dict:
   """Part 2: examples/s with the heavy transform at 0 and 2 workers, alternating windows."""
   import jax  # pylint: disable=g-import-not-at-top
-  from disttrain import formats  # pylint: disable=g-import-not-at-top
+  from disttrain.data import formats  # pylint: disable=g-import-not-at-top
   source = formats.array_record_source(formats.shard_paths(os.path.join(folder, 'train'), 8))
   example = Heavy().random_map(Decode().map(source[0]), np.random.default_rng(0))
   start = time.perf_counter()

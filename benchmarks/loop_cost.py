@@ -131,7 +131,7 @@ def _transfer_alone(bucket: str) -> dict:
   does, outside any loop: the transfer itself, to the bucket and to a local directory."""
   import disttrain  # pylint: disable=g-import-not-at-top
   import psutil  # pylint: disable=g-import-not-at-top
-  from disttrain import checkpoint  # pylint: disable=g-import-not-at-top
+  from disttrain.storage import checkpoint  # pylint: disable=g-import-not-at-top
   cfg = disttrain.from_config_dict(disttrain.defaults())
   seconds = {}
   with tempfile.TemporaryDirectory() as local:

@@ -73,9 +73,9 @@ def rows() -> list[dict]:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import disttrain  # pylint: disable=g-import-not-at-top
-  from disttrain import run as run_lib  # pylint: disable=g-import-not-at-top
-  from disttrain.records import ID  # pylint: disable=g-import-not-at-top
-  from disttrain.step import Variant  # pylint: disable=g-import-not-at-top
+  from disttrain.training import setup as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.data.records import ID  # pylint: disable=g-import-not-at-top
+  from disttrain.parallel.step import Variant  # pylint: disable=g-import-not-at-top
   out = []
   for name, overrides in _SMALL:
     cfg = _config('small', {'mesh.data': 1, 'data.text.bytes': 100_000, **overrides})
@@ -99,8 +99,8 @@ def rows() -> list[dict]:
 def _pipeline_rows() -> list[dict]:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from disttrain import run as run_lib  # pylint: disable=g-import-not-at-top
-  from disttrain.records import ID  # pylint: disable=g-import-not-at-top
+  from disttrain.training import setup as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.data.records import ID  # pylint: disable=g-import-not-at-top
   window = jax.ShapeDtypeStruct((1, 1024), np.int32)
   spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
   out = []
@@ -116,8 +116,8 @@ def _pipeline_rows() -> list[dict]:
 def accelerator_rows() -> list[dict]:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from disttrain import run as run_lib  # pylint: disable=g-import-not-at-top
-  from disttrain.records import ID  # pylint: disable=g-import-not-at-top
+  from disttrain.training import setup as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.data.records import ID  # pylint: disable=g-import-not-at-top
   device = jax.devices()[0]
   window = jax.ShapeDtypeStruct((1, 1024), np.int32)
   spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
@@ -132,8 +132,8 @@ def accelerator_rows() -> list[dict]:
 def _moe_rows() -> list[dict]:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from disttrain import run as run_lib  # pylint: disable=g-import-not-at-top
-  from disttrain.records import ID  # pylint: disable=g-import-not-at-top
+  from disttrain.training import setup as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.data.records import ID  # pylint: disable=g-import-not-at-top
   window = jax.ShapeDtypeStruct((1, 128), np.int32)
   spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
   out = []
@@ -156,8 +156,8 @@ def _long_step(t: int, mesh: dict, n: int):
   """The compiled train step of the tiny Llama on one sequence of t tokens, over n devices."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from disttrain import run as run_lib  # pylint: disable=g-import-not-at-top
-  from disttrain.records import ID  # pylint: disable=g-import-not-at-top
+  from disttrain.training import setup as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.data.records import ID  # pylint: disable=g-import-not-at-top
   window = jax.ShapeDtypeStruct((1, t), np.int32)
   spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
   cfg = _config('tiny', {'global_batch_size': 1, 'data.seq_len': t, **mesh}, _LLAMA)

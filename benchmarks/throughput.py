@@ -28,7 +28,8 @@ from baselines import BenchError, RecompileError, StepSide
 import disttrain
 from disttrain import config as config_lib, data, models
 from disttrain.models.linen import LinenModel
-from disttrain.step import Variant
+from disttrain.parallel.step import Variant
+from disttrain.training import setup as run_lib
 
 _MODEL = flags.DEFINE_enum('model', 'mlp_small',
                            ['mlp_small', 'mlp', 'transformer', 'gpt', 'llama', 'moe'],
@@ -127,7 +128,7 @@ def run() -> list[dict]:
   model = (LinenModel(baselines.SmallMLP(hidden=cfg.model.hidden)) if _MODEL.value == 'mlp_small'
            else None)
   run_ = disttrain.setup(cfg, model=model, devices=devices)
-  lm = disttrain.run.throughput(run_)  # tokens and model FLOPs of language models
+  lm = run_lib.throughput(run_)  # tokens and model FLOPs of language models
   compiles = [0]  # XLA compilations and persistent-cache hits: either means a step was rebuilt
 
   def count(event: str, *_, **__) -> None:
@@ -347,7 +348,7 @@ _DOCS = tempfile.TemporaryDirectory(prefix='throughput_docs_')  # removed at exi
 def _packed_documents(cd) -> None:
   """--model=llama --with_data: the standard library's modules as JSON-lines documents,
   tokenized (bytes) at start-up and packed whole into rows by best fit (data.packing)."""
-  from disttrain import sources  # pylint: disable=g-import-not-at-top
+  from disttrain.data import sources  # pylint: disable=g-import-not-at-top
   path = os.path.join(_DOCS.name, 'docs.jsonl')
   with open(path, 'w', encoding='utf-8') as f:
     for name in sources.text_files('')[:_DOCUMENTS.value]:

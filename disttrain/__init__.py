@@ -6,26 +6,32 @@ config`) or a bad command line is then answered without loading jax, flax and or
 
 import importlib
 
-__version__ = '0.2.0'
+from disttrain import moved
+
+moved.install()  # old module paths (disttrain.records, ...) keep working
+__version__ = '0.3.0'
 
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-    'STOP': 'callbacks', 'Callback': 'callbacks', 'CsvLogger': 'callbacks',
-    'EarlyStopping': 'callbacks', 'Stop': 'callbacks',
+    'STOP': 'operating.callbacks', 'Callback': 'operating.callbacks',
+    'CsvLogger': 'operating.callbacks', 'EarlyStopping': 'operating.callbacks',
+    'Stop': 'operating.callbacks',
     'Config': 'config', 'DataConfig': 'config', 'MeshConfig': 'config', 'ModelConfig': 'config',
     'defaults': 'config', 'from_config_dict': 'config',
     'CheckpointError': 'errors', 'ConfigError': 'errors', 'DataError': 'errors',
     'DisttrainError': 'errors', 'Interrupted': 'errors', 'NonFiniteError': 'errors',
     'Preempted': 'errors', 'ShardingError': 'errors',
     'Exit': 'exitcodes',
-    'Result': 'loop', 'Setup': 'loop', 'evaluate': 'loop', 'setup': 'loop', 'train': 'loop',
-    'Data': 'records',
-    'TrainState': 'state',
-    'StepContext': 'step',
+    'Result': 'training.loop', 'Setup': 'training.setup', 'evaluate': 'training.loop',
+    'setup': 'training.setup', 'train': 'training.loop',
+    'Data': 'data.records',
+    'TrainState': 'parallel.state',
+    'StepContext': 'parallel.step',
     'FunctionalModel': 'models', 'LinenModel': 'models', 'NNXModel': 'models',
-    'Classification': 'task', 'LossWithAux': 'task', 'NextToken': 'task', 'PerDeviceLoss': 'task',
-    'generate': 'generate',
+    'Classification': 'models.task', 'LossWithAux': 'models.task', 'NextToken': 'models.task',
+    'PerDeviceLoss': 'models.task',
+    'generate': 'hf.generate',
 }
 __all__ = sorted(_EXPORTS)
 
@@ -33,7 +39,7 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
   if name in _EXPORTS:
     value = getattr(importlib.import_module(f'disttrain.{_EXPORTS[name]}'), name)
-  else:  # a submodule not imported yet (disttrain.run, disttrain.data, ...)
+  else:  # a submodule not imported yet (disttrain.data, or an old path: disttrain.loop, ...)
     try:
       value = importlib.import_module(f'disttrain.{name}')
     except ModuleNotFoundError as e:

@@ -15,10 +15,8 @@ from typing import Any
 
 import ml_collections
 
-from disttrain import mesh as mesh_axes
 from disttrain.errors import ConfigError
 
-MESH_AXES = mesh_axes.AXES  # disttrain/mesh.py owns the axes and what each is for
 SHARDINGS = ('replicate', 'fsdp')
 STEP_MODES = ('jit', 'shard_map', 'pmap')
 FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft')  # read data.train_files
@@ -44,8 +42,8 @@ def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh shape, one size per axis (disttrain/mesh.py); at most one axis may be -1, the
-  devices left over. Their product is the number of devices."""
+  """Device mesh shape, one size per axis (disttrain/parallel/mesh.py says what each is for); at
+  most one axis may be -1, the devices left over. Their product is the number of devices."""
   data: int = -1  # data parallelism: each slice of the batch on its own replica of the state
   # Pipeline stages: a language model's layers split into this many stages (it must divide
   # model.num_layers); grad_accum_steps >= it are the micro-batches; step_mode=jit.
@@ -67,6 +65,10 @@ class MeshConfig:
       if size != -1 and size < 1:
         raise ConfigError(f'mesh.{axis}={size} must be >= 1 or -1 (fill); set it to a positive '
                           'size or -1')
+
+
+# The axes' names, outermost first; parallel/mesh.py's Parallelism spells each role.
+MESH_AXES = tuple(f.name for f in dataclasses.fields(MeshConfig))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +102,7 @@ class TokensConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SftConfig:
-  """data.name='sft': JSON lines of prompt/completion pairs or chat turns (disttrain/text.py)."""
+  """data.name='sft': JSON lines of prompt/completion pairs or chat turns (data/text.py)."""
   prompt_field: str = 'prompt'  # the prompt: read, never trained
   completion_field: str = 'completion'  # trained: the loss counts these tokens only
   messages_field: str = 'messages'  # [{"role", "content"}, ...]; assistant turns are trained
@@ -109,8 +111,8 @@ class SftConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Which data, where it lives, how it is split and read. Per-source fields sit in groups."""
-  # A builder in disttrain.sources.SOURCES: digits (scikit-learn's 1,797 real 8x8 digits), mnist
-  # (IDX files in data.dir), synthetic (benchmarks), text (byte windows), and from
+  # A builder in disttrain.data.sources.SOURCES: digits (scikit-learn's 1,797 real 8x8 digits),
+  # mnist (IDX files in data.dir), synthetic (benchmarks), text (byte windows), and from
   # data.train_files: array_record, tokens, documents (raw text), sft (prompt/completion or chat).
   name: str = 'digits'
   # mnist: a folder with train-*/t10k-* IDX files (gzipped or not); text: a folder of text files
@@ -144,7 +146,7 @@ class DataConfig:
 
   def __post_init__(self):
     _one_of('data.packing', self.packing, PACKING)
-    # data.name is checked against disttrain.sources.SOURCES when the data is built.
+    # data.name is checked against disttrain.data.sources.SOURCES when the data is built.
     if self.name == 'mnist' and not self.dir:
       raise ConfigError("data.name='mnist' needs data.dir; pass --config.data.dir=PATH/TO/MNIST")
     if self.name in FILE_SOURCES and not self.train_files:
@@ -282,8 +284,8 @@ class ProfileConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrackingConfig:
-  """Experiment trackers that process 0 feeds (disttrain/tracking.py): MLflow (the mlflow extra)
-  and Weights & Biases (the wandb extra); both off by default."""
+  """Experiment trackers that process 0 feeds (disttrain/operating/tracking.py): MLflow (the
+  mlflow extra) and Weights & Biases (the wandb extra); both off by default."""
   mlflow_uri: str = ''  # MLflow: sqlite:////ABS/mlflow.db, http://HOST:5000, ...; '' = off
   wandb_mode: str = ''  # Weights & Biases: online or offline (no account needed); '' = off
   project: str = 'disttrain'  # MLflow experiment and W&B project

@@ -89,8 +89,8 @@ def metrics_records(workdir, split: str = 'train') -> list[dict]:
   """metrics.jsonl's records of `split` in file order (a reader that takes the file as it is),
   from a local workdir or a bucket."""
   import json  # pylint: disable=g-import-not-at-top
-  from disttrain import storage  # pylint: disable=g-import-not-at-top
-  text = storage.read_text(storage.join(str(workdir), 'metrics.jsonl'))
+  from disttrain.storage import urls  # pylint: disable=g-import-not-at-top
+  text = urls.read_text(urls.join(str(workdir), 'metrics.jsonl'))
   return [r for r in map(json.loads, text.splitlines()) if r['split'] == split]
 
 
@@ -98,8 +98,8 @@ def saved_params(workdir, step: int) -> list[np.ndarray]:
   """The parameter leaves of WORKDIR's checkpoint `step` as numpy arrays, whatever the mesh or
   the process count that saved it."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from disttrain import storage  # pylint: disable=g-import-not-at-top
-  path = storage.join(storage.resolve(str(workdir)), 'checkpoints', str(step), 'state')
+  from disttrain.storage import urls  # pylint: disable=g-import-not-at-top
+  path = urls.join(urls.resolve(str(workdir)), 'checkpoints', str(step), 'state')
   checkpointer = ocp.PyTreeCheckpointer()
   tree = checkpointer.metadata(path).item_metadata.tree
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
@@ -107,3 +107,4 @@ def saved_params(workdir, step: int) -> list[np.ndarray]:
   leaves = jax.tree.leaves(restored['params'])
   assert leaves, f'{path} has no parameters'
   return leaves
+

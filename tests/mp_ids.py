@@ -77,9 +77,11 @@ def main():
   jax.config.update('jax_num_cpu_devices', args.fake_devices)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from disttrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  from disttrain import data, distributed, sources  # pylint: disable=g-import-not-at-top
-  from disttrain import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from disttrain.records import ID, MASK, Records  # pylint: disable=g-import-not-at-top
+  from disttrain import data  # pylint: disable=g-import-not-at-top
+  from disttrain.data import sources  # pylint: disable=g-import-not-at-top
+  from disttrain.data.records import ID, MASK, Records  # pylint: disable=g-import-not-at-top
+  from disttrain.parallel import distributed  # pylint: disable=g-import-not-at-top
+  from disttrain.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
   distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
                          init_timeout=120)
@@ -90,7 +92,7 @@ def main():
   held_out = Records(digits['eval_data'], 'eval', 0)
   steps = EPOCHS * len(train) // BATCH
   # The reference: the same stream on one local device, i.e. the whole global batch.
-  one_device = data.batch_sharding(mesh_lib.build(config_lib.MeshConfig(data=1),
+  one_device = mesh_lib.batch_sharding(mesh_lib.build(config_lib.MeshConfig(data=1),
                                                   jax.local_devices()[:1]))
   reference = data.TrainIterator(train, BATCH, 0, one_device)
   reference_ids = [np.asarray(next(reference)[ID]) for _ in range(steps)]
@@ -99,7 +101,7 @@ def main():
   report = {'process': jax.process_index(), 'train_examples': len(train),
             'eval_examples': len(held_out), 'batch': BATCH, 'steps': steps, 'layouts': {}}
   for name, (mesh_cfg, devices) in _layouts(jax, mesh_lib, config_lib).items():
-    sharding = data.batch_sharding(mesh_lib.build(mesh_cfg, devices))
+    sharding = mesh_lib.batch_sharding(mesh_lib.build(mesh_cfg, devices))
     rows = data.local_rows(sharding, BATCH)
     source = _RecordingSource(digits['train_data'])
     reads = source.reads

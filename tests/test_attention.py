@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from disttrain import mesh as mesh_lib, models, sharding
+from disttrain import models
 from disttrain.config import MeshConfig, ModelConfig
 from disttrain.models import attention as attention_lib
+from disttrain.parallel import mesh as mesh_lib, sharding
 
 
 def _naive(q, k, v, q_seg, kv_seg, offset):

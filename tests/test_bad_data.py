@@ -132,7 +132,7 @@ def test_a_failure_while_reading_keeps_the_checkpoint(tmp_path):
 def _shards(folder) -> str:
   """2 + 1 ArrayRecord shards of random 28 x 28 images (launch/configs/mnist_array_record.py's
   fields); returns the launcher flags that read them."""
-  from disttrain import formats  # pylint: disable=g-import-not-at-top
+  from disttrain.data import formats  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   examples = lambda n: [{'image': rng.random((28, 28, 1), np.float32),
                          'label': np.int32(i % 10)} for i in range(n)]

@@ -24,9 +24,11 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import data, run as run_lib, spmd
-from disttrain.records import ID, MASK
-from disttrain.step import Variant
+from disttrain import data
+from disttrain.data.records import ID, MASK
+from disttrain.parallel import spmd
+from disttrain.parallel.step import Variant
+from disttrain.training import setup as run_lib
 from tests import helpers
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests.helpers import LAYOUTS, assert_trees_close, devices, to_numpy

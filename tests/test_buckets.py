@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import storage
 from disttrain.errors import ConfigError
+from disttrain.operating import events as events_lib
+from disttrain.storage import urls
 from tests import buckets, helpers
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
@@ -52,7 +53,7 @@ def _launch(workdir: str, *extra: str, env: dict | None = None) -> subprocess.Po
 
 
 def _names(url: str) -> list[str]:
-  return sorted(p.name for p in storage.path(url).iterdir())
+  return sorted(p.name for p in urls.path(url).iterdir())
 
 
 @pytest.fixture(scope='module')
@@ -68,7 +69,7 @@ def test_bucket_run_resumes_and_equals_a_local_run(servers, local_run, scheme):
   keep-2 left exactly 2 steps there, and losses, curves and parameters equal a local run's."""
   url = servers.bucket(scheme, f'equal-{scheme}') + '/runs/a'
   disttrain.train(helpers.make_config(**{**RUN, 'num_train_steps': 20}), url)
-  assert storage.committed_steps(url + '/checkpoints') == [15, 20]
+  assert urls.committed_steps(url + '/checkpoints') == [15, 20]
   result = disttrain.train(helpers.make_config(**RUN), url)
   local, expected = local_run
   assert _names(url + '/checkpoints') == ['25', '30']  # keep-N deleted the rest in the bucket
@@ -83,7 +84,7 @@ def test_bucket_run_resumes_and_equals_a_local_run(servers, local_run, scheme):
   for a, b in zip(jax.tree.leaves(helpers.to_numpy(result.state.params)),
                   jax.tree.leaves(helpers.to_numpy(expected.state.params)), strict=True):
     np.testing.assert_array_equal(a, b)
-  events = disttrain.events.read(url)
+  events = events_lib.read(url)
   assert [e['event'] for e in events] == ['start', 'end', 'start', 'restore', 'end']
 
 
@@ -112,7 +113,7 @@ def test_torn_save_in_a_bucket_is_never_restored_and_a_second_run_is_refused(ser
     finally:
       if first.poll() is None:
         first.kill()
-  assert storage.committed_steps(url + '/checkpoints') == [10]
+  assert urls.committed_steps(url + '/checkpoints') == [10]
   assert '20' in _names(url + '/checkpoints')  # the torn save: files, no commit marker
   third = _launch(url, '--config.num_train_steps=10', '--config.checkpoint_every_steps=10')
   out, _ = third.communicate(timeout=180)
@@ -146,4 +147,4 @@ def test_bad_bucket_workdirs_are_one_line_and_exit_2(servers, monkeypatch):
   monkeypatch.setitem(sys.modules, 's3fs', None)
   with pytest.raises(ConfigError, match=r"needs s3fs, which is not installed; pip install "
                                          r"'disttrain\[s3\]'"):
-    storage.resolve('s3://bucket/run')
+    urls.resolve('s3://bucket/run')

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import models, optim, sharding, sources
-from disttrain import mesh as mesh_lib
-from disttrain import state as state_lib
+from disttrain import models
+from disttrain.data import sources
 from disttrain.errors import DataError
+from disttrain.parallel import mesh as mesh_lib, optim, sharding, state as state_lib
 from tests.conftest import ROOT
 from tests.helpers import devices
 

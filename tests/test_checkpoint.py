@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import checkpoint
+from disttrain.data.records import ID
 from disttrain.errors import CheckpointError
+from disttrain.storage import checkpoint
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests import helpers
 from tests.helpers import devices, make_config, metrics_records, tensorboard_scalars, to_numpy
@@ -255,7 +256,7 @@ class _IdTask(disttrain.Classification):
 
   def per_example(self, logits, batch):
     out = super().per_example(logits, batch)
-    ids = batch[disttrain.records.ID].astype(jnp.float32)
+    ids = batch[ID].astype(jnp.float32)
     return {**out, 'id_mean': ids, 'id_sq_mean': ids * ids}
 
 

@@ -14,8 +14,8 @@ import pytest
 
 import disttrain
 from disttrain import errors
-from disttrain.step import Variant
-from disttrain import run as run_lib
+from disttrain.parallel.step import Variant
+from disttrain.training import setup as run_lib
 from tests import helpers
 from tests.conftest import ROOT
 from tests.helpers import assert_trees_close, devices

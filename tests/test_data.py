@@ -6,10 +6,12 @@ import jax
 import numpy as np
 import pytest
 
-from disttrain import data, mesh as mesh_lib
+from disttrain import data
+from disttrain.data import batches as batches_lib
 from disttrain.config import MeshConfig
+from disttrain.data.records import ID, MASK, Records
 from disttrain.errors import DataError
-from disttrain.records import ID, MASK, Records
+from disttrain.parallel import mesh as mesh_lib
 
 N, B = 100, 16  # 6 batches per epoch, 4 examples dropped per epoch
 
@@ -34,7 +36,7 @@ def _ids(it, count: int) -> list[list[int]]:
 
 def _train(n_devices: int = 8, seed: int = 0, split: Records | None = None, **kwargs):
   """A TrainIterator over the test split on an n-device mesh."""
-  sharding = data.batch_sharding(_mesh(n_devices))
+  sharding = mesh_lib.batch_sharding(_mesh(n_devices))
   return data.TrainIterator(split or _split(), B, seed, sharding, **kwargs)
 
 
@@ -81,7 +83,7 @@ def test_get_state_set_state_resumes_exactly():
 
 def test_arrays_have_the_requested_sharding():
   mesh = _mesh(8, (4, 2, 1))
-  sharding = data.batch_sharding(mesh)
+  sharding = mesh_lib.batch_sharding(mesh)
   batch = next(data.TrainIterator(_split(), B, 0, sharding))
   assert batch['image'].shape == (B, 2, 3, 1) and batch['label'].shape == (B,)
   assert batch['label'].dtype == np.int32 and batch[ID].dtype == np.int32 and MASK not in batch
@@ -94,7 +96,7 @@ def test_arrays_have_the_requested_sharding():
 
 def test_eval_visits_every_id_once_and_masks_padding():
   split = _split(N)  # 100 is not a multiple of 16: the last batch has 12 padding rows
-  batches = list(data.eval_batches(split, B, data.batch_sharding(_mesh(8))))
+  batches = list(data.eval_batches(split, B, mesh_lib.batch_sharding(_mesh(8))))
   assert len(batches) == 7
   ids = np.concatenate([np.asarray(b[ID]) for b in batches])
   mask = np.concatenate([np.asarray(b[MASK]) for b in batches])
@@ -107,9 +109,10 @@ def test_eval_visits_every_id_once_and_masks_padding():
 
 
 def test_local_rows_single_process_is_all_rows():
-  np.testing.assert_array_equal(data.local_rows(data.batch_sharding(_mesh(8)), 32), np.arange(32))
+  rows = data.local_rows(mesh_lib.batch_sharding(_mesh(8)), 32)
+  np.testing.assert_array_equal(rows, np.arange(32))
   # With the tensor axis replicating the batch, every row is still held by this process.
-  sharding = data.batch_sharding(_mesh(8, (2, 1, 4)))
+  sharding = mesh_lib.batch_sharding(_mesh(8, (2, 1, 4)))
   np.testing.assert_array_equal(data.local_rows(sharding, 4), np.arange(4))
 
 
@@ -128,8 +131,8 @@ def test_local_rows_follow_the_addressable_devices():
 
 
 def test_per_device_assembly_matches_process_local():
-  sharding = data.batch_sharding(_mesh(8, (2, 2, 2)))
-  assemble = data._Assembler(sharding, B)  # pylint: disable=protected-access
+  sharding = mesh_lib.batch_sharding(_mesh(8, (2, 2, 2)))
+  assemble = batches_lib._Assembler(sharding, B)  # pylint: disable=protected-access
   local = {'image': np.arange(B * 3, dtype=np.float32).reshape(B, 3),
            'id': np.arange(B, dtype=np.int32)}
   whole, pieces = assemble(local), assemble(local, piecewise=True)
@@ -151,4 +154,4 @@ def test_errors_are_one_line():
     _train(split=_split(10))
   assert '\n' not in str(e.value)
   with pytest.raises(DataError, match='multiple of 8'):
-    data.TrainIterator(_split(), 12, 0, data.batch_sharding(_mesh(8)))
+    data.TrainIterator(_split(), 12, 0, mesh_lib.batch_sharding(_mesh(8)))

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import mesh as mesh_lib
 from disttrain.config import MeshConfig
 from disttrain.errors import ConfigError
+from disttrain.parallel import mesh as mesh_lib
 from tests.helpers import devices, make_config, to_numpy
 
 
@@ -39,10 +39,11 @@ def test_cadences_must_be_multiples_of_steps_per_dispatch():
 
 
 def test_iterator_positions_are_in_batches_whatever_k():
-  from disttrain import data, records, sources  # pylint: disable=g-import-not-at-top
+  from disttrain import data  # pylint: disable=g-import-not-at-top
+  from disttrain.data import records, sources  # pylint: disable=g-import-not-at-top
   split = records.Records(sources.build(make_config())['train_data'], 'train', 0)
   mesh = mesh_lib.build(MeshConfig(data=8), jax.devices()[:8])
-  sharding = data.batch_sharding(mesh)
+  sharding = mesh_lib.batch_sharding(mesh)
   four = data.TrainIterator(split, 64, 0, sharding, batches_per_element=4)
   first = next(four)
   assert first[records.ID].shape == (4, 64)

@@ -1,6 +1,7 @@
 """The docs cannot go stale: the site builds strictly, the config reference covers every field,
 the docs name no field that does not exist, and every documented command parses with today's
-flags and config (`launch/train.py --check`, absl flag parsing for the other entry points)."""
+flags and config in both its spellings (`disttrain <sub>` and `python launch/*.py` or the older
+`python -m disttrain.<tool>`; training commands with --check, absl flag parsing for the rest)."""
 
 import ast
 import concurrent.futures
@@ -15,14 +16,13 @@ import textwrap
 
 import pytest
 
-from disttrain import config as config_lib
-from disttrain import config_reference
+from disttrain import cli, config as config_lib, config_reference
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md'))]
 GROUPS = ('data', 'model', 'mesh', 'precision', 'early_stop', 'profile', 'tracking')
-# A command line the docs show as runnable: a python entry point of this repository.
-_ENTRY = re.compile(r'^python3? (?:-m disttrain\.|launch/|benchmarks/)')
+# A command line the docs show as runnable: the disttrain command or a python entry point here.
+_ENTRY = re.compile(r'^(?:disttrain [a-z]|python3? (?:-m disttrain\.|launch/|benchmarks/))')
 _TEMPLATE = re.compile(r'[\[<|]|\.\.\.')  # [optional] / <placeholder> / a|b / ...: usage
 
 
@@ -62,7 +62,7 @@ def test_a_field_without_a_comment_is_caught(tmp_path):
   (spec_dir / 'config.py').write_text(patched)
   script = textwrap.dedent(f"""
       import importlib.util, sys
-      import disttrain, disttrain.mesh, disttrain.errors
+      import disttrain, disttrain.errors
       path = {str(spec_dir / 'config.py')!r}
       spec = importlib.util.spec_from_file_location('disttrain.config', path)
       module = importlib.util.module_from_spec(spec); sys.modules['disttrain.config'] = module
@@ -88,7 +88,7 @@ def test_the_docs_name_no_config_field_that_does_not_exist():
 
 
 def _commands() -> list[tuple[str, list[str]]]:
-  """(page, argv) of every python command in a bash block or an inline code span of the docs."""
+  """(page, argv) of every command in a bash block or an inline code span of the docs."""
   found = []
   for page in PAGES:
     text = page.read_text()
@@ -99,53 +99,98 @@ def _commands() -> list[tuple[str, list[str]]]:
     text_outside = re.sub(r'```.*?```', '', text, flags=re.S)
     lines += [span for span in re.findall(r'`([^`\n]+)`', text_outside) if _ENTRY.match(span)]
     for line in lines:
-      for part in line.split('&&'):
-        part = re.sub(r'^(taskset -c \S+|\w+=\S+)\s+', '', part.strip())
-        if _ENTRY.match(part) and ' ' in part.split('disttrain.', 1)[-1] and not (
-            _TEMPLATE.search(part)):  # (a bare `python -m disttrain.x` names a tool)
+      for part in re.split(r'&&|;', line):
+        part = re.sub(r'^(?:do |srun \S+ |taskset -c \S+ |\w+=\S+ )+', '', part.strip())
+        if _ENTRY.match(part) and not _TEMPLATE.search(part):
           if part.count("'") % 2:  # the end of a quoted remote command (gcloud ... --command='...')
             part = part.rstrip("'")
           argv = shlex.split(part, comments=True)
-          found.append((str(page.relative_to(ROOT)), argv[1:]))
+          if len(argv) > (3 if argv[1] == '-m' else 2):  # a bare `disttrain convert` names a tool
+            found.append((str(page.relative_to(ROOT)), argv))
   return found
 
 
+# The two spellings of each program: `disttrain <sub>` and the one it replaces or keeps beside it.
+_SCRIPTS = {'train': 'launch/train.py', 'supervise': 'launch/supervise.py',
+            'cluster': 'launch/local_cluster.py'}
+_TOOLS = ('convert', 'tokenizer', 'export', 'generate', 'goodput', 'plot')
+
+
+def _canonical(argv: list[str]) -> tuple[str, str, list[str]]:
+  """(program, its `disttrain` subcommand, args) of a documented command in either spelling;
+  the program of a benchmark is its script."""
+  if argv[0] == 'disttrain':
+    return ('train' if argv[1] == 'check' else argv[1]), argv[1], argv[2:]
+  argv = argv[1:]  # python ...
+  if argv[0] == '-m':
+    tool = argv[1].split('.', 1)[1]
+    return tool, tool, argv[2:]
+  for sub, script in _SCRIPTS.items():
+    if argv[0] == script:
+      return sub, sub, argv[1:]
+  return argv[0], '', argv[1:]
+
+
+def _checks(argv: list[str]) -> list[tuple[str, str, list[str]]]:
+  """(program, spelling, argv) to parse for one documented command: each spelling of the
+  program, following supervise's and cluster's `--` into the command they run."""
+  program, sub, args = _canonical(argv)
+  inner = []
+  if program in ('supervise', 'cluster') and '--' in args:
+    own, rest = args[:args.index('--')], args[args.index('--') + 1:]
+    inner = _checks(rest) if program == 'supervise' else _checks(['disttrain', 'check', *rest])
+    args = own
+  if not sub:
+    return [(program, 'script', [program, *args])] + inner
+  check = ['--check'] if program == 'train' and sub == 'train' else []  # parse, run nothing
+  legacy_args = args + (['--check'] if sub == 'check' else check)
+  legacy = ((program, 'script', [_SCRIPTS[program], *legacy_args]) if program in _SCRIPTS
+            else (program, 'module', [program, *legacy_args]))
+  return [(program, 'disttrain', [sub, *args, *check]), legacy] + inner
+
+
 _DRIVER = textwrap.dedent("""
-    # Imports one entry point's dependencies once, then runs its __main__ block in a forked
-    # child per command with absl's app.run replaced: the flags are parsed as the real run
-    # parses them (launch/train.py: its own parser, then main with --check), nothing else runs.
-    import importlib, importlib.util, json, os, runpy, sys
+    # Imports one program's dependencies once, then runs it in a forked child per command, in
+    # the spelling asked for (`disttrain <sub>` through disttrain.cli, a launch/ script, an old
+    # `python -m disttrain.<tool>`, a benchmark script), with absl's app.run replaced: the flags
+    # are parsed as the real run parses them (train: its own parser, then main with --check).
+    import importlib, json, os, runpy, sys
     from absl import app, flags
-    entry, commands = sys.argv[1], json.loads(sys.stdin.read())
-    script, defined = entry.endswith('.py'), set(flags.FLAGS)
-    if script:
-      sys.path[:0] = [os.path.dirname(os.path.abspath(entry)), os.getcwd()]
-      spec = importlib.util.spec_from_file_location('docs_entry', entry)
-      spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    from disttrain import cli
+    program, commands = sys.argv[1], json.loads(sys.stdin.read())
+    defined = set(flags.FLAGS)
+    if program.endswith('.py'):
+      sys.path[:0] = [os.path.dirname(os.path.abspath(program)), os.getcwd()]
+      module = None
     else:
-      importlib.import_module(entry)
-      del sys.modules[entry]
-    import disttrain.config, disttrain.storage, disttrain.exitcodes  # what launch/train.py loads
+      module = cli.COMMANDS[program][0]
+      importlib.import_module(module)
+      del sys.modules[module]
     for name in set(flags.FLAGS) - defined:  # the child's run defines them again
       delattr(flags.FLAGS, name)
 
     def parse_only(main, argv=None, flags_parser=None):
       rest = (flags_parser or flags.FLAGS)(sys.argv)
-      if entry == 'launch/train.py':
+      if program == 'train':
         main(rest)
       sys.exit(0)
 
     results = []
-    for argv in commands:
+    for spelling, argv in commands:
       read, write = os.pipe()
       pid = os.fork()
       if pid == 0:
         os.close(read); os.dup2(write, 1); os.dup2(write, 2)
-        sys.argv = [entry] + argv
         app.run = parse_only
         try:
-          runpy.run_path(entry, run_name='__main__') if script else runpy.run_module(
-              entry, run_name='__main__', alter_sys=True)
+          if spelling == 'disttrain':
+            cli.main(['disttrain', *argv])
+          elif spelling == 'script':
+            sys.argv = argv
+            runpy.run_path(argv[0], run_name='__main__')
+          else:  # the old `python -m disttrain.<tool>`
+            sys.argv = argv
+            runpy.run_module(f'disttrain.{argv[0]}', run_name='__main__', alter_sys=True)
           code = 0
         except SystemExit as e:
           code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -160,44 +205,38 @@ _DRIVER = textwrap.dedent("""
 """)
 
 
-def _expand(argv: list[str]) -> list[tuple[str, list[str]]]:
-  """(entry, args) to check for one documented command, following the wrappers' `--`."""
-  entry, args = (argv[1], argv[2:]) if argv[0] == '-m' else (argv[0], argv[1:])
-  if entry == 'launch/train.py':
-    return [(entry, args + ['--check'])]
-  if entry in ('launch/supervise.py', 'launch/local_cluster.py') and '--' in args:
-    own, rest = args[:args.index('--')], args[args.index('--') + 1:]
-    inner = _expand(rest[1:]) if entry == 'launch/supervise.py' else [
-        ('launch/train.py', rest + ['--check'])]
-    return [(entry, own)] + inner
-  return [(entry, args)]
-
-
-def test_every_documented_command_parses():
-  by_entry: dict[str, list] = {}
+def test_every_documented_command_parses_in_both_spellings():
+  by_program: dict[str, list] = {}
   commands = _commands()
   for page, argv in commands:
-    for entry, args in _expand(argv):
-      by_entry.setdefault(entry, []).append((page, args))
-  assert len(commands) >= 30 and {'launch/train.py', 'disttrain.convert', 'launch/supervise.py',
-                                   'launch/local_cluster.py'} <= set(by_entry)
+    for program, spelling, args in _checks(argv):
+      by_program.setdefault(program, []).append((page, spelling, args))
+  spellings = {(program, spelling) for program, items in by_program.items()
+               for _, spelling, _ in items}
+  documented = {args[0] for items in by_program.values() for _, spelling, args in items
+                if spelling == 'disttrain'}
+  assert documented == set(cli.COMMANDS), f'no page runs {set(cli.COMMANDS) - documented}'
+  assert len(commands) >= 30 and {('train', 'disttrain'), ('train', 'script'),
+                                   ('convert', 'disttrain'), ('convert', 'module'),
+                                   ('supervise', 'script'), ('cluster', 'disttrain')} <= spellings
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
 
-  def check(entry_items):  # one driver per entry point, two at a time (their imports dominate)
-    entry, items = entry_items
-    return subprocess.run([sys.executable, '-c', _DRIVER, entry],
-                          input=json.dumps([args for _, args in items]), capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=300)
+  def check(program_items):  # one driver per program, two at a time (their imports dominate)
+    program, items = program_items
+    return subprocess.run([sys.executable, '-c', _DRIVER, program],
+                          input=json.dumps([[spelling, args] for _, spelling, args in items]),
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
 
   failures = []
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    procs = list(pool.map(check, by_entry.items()))
-  for (entry, items), proc in zip(by_entry.items(), procs):
+    procs = list(pool.map(check, by_program.items()))
+  for (program, items), proc in zip(by_program.items(), procs):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    for (page, args), (code, output) in zip(items, results):
+    for (page, spelling, args), (code, output) in zip(items, results):
       if code != 0:
-        failures.append(f'{page}: {entry} {shlex.join(args)} -> exit {code}: {output[-300:]}')
+        failures.append(f'{page}: {program} ({spelling}) {shlex.join(args)} -> exit {code}: '
+                        f'{output[-300:]}')
   assert not failures, '\n'.join(failures)
 
 
@@ -223,7 +262,7 @@ def test_the_site_builds_strictly_with_every_page(tmp_path):
   config_page = (site / 'reference' / 'config' / 'index.html').read_text()
   assert 'model.num_kv_heads' in config_page and 'mesh.stage' in config_page
   api_page = (site / 'reference' / 'api' / 'index.html').read_text()
-  assert 'disttrain.loop.train' in api_page
+  assert 'disttrain.training.loop.train' in api_page
   index = (site / 'index.html').read_text()
   assert 'python -m pytest -q' in index and 'href="scaling/"' in index
 

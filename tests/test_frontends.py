@@ -14,16 +14,14 @@ from flax import linen as nn
 from flax import nnx
 
 import disttrain
-from disttrain import data, models, optim
-from disttrain import mesh as mesh_lib
-from disttrain import sharding as sharding_lib
-from disttrain import state as state_lib
-from disttrain.errors import ConfigError
+from disttrain import data, models
 from disttrain.config import ModelConfig
+from disttrain.errors import ConfigError
 from disttrain.models import FunctionalModel, LinenModel, NNXModel
 from disttrain.models.mlp import MnistMLP, jax_mlp_apply, jax_mlp_init
 from disttrain.models.nnx_mlp import NnxMLP
-from disttrain.task import Classification, PerDeviceLoss
+from disttrain.models.task import Classification, PerDeviceLoss
+from disttrain.parallel import mesh as mesh_lib, optim, sharding as sharding_lib, state as state_lib
 from tests.helpers import devices, make_config, to_numpy
 
 # Keras picks its backend on first import; disttrain.models.keras sets the same default, but the

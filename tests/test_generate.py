@@ -1,7 +1,7 @@
 """Sampling: KV-cache decoding equals the full forward pass, compiles once, and the commands.
 
 The model is a tiny Llama trained 20 steps on byte text on 8 devices with its parameters split
-over fsdp, loaded back onto that mesh by disttrain.trained (the run's layout).
+over fsdp, loaded back onto that mesh by disttrain.hf.trained (the run's layout).
 """
 
 import os
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import disttrain
-import disttrain.generate as generate_lib
-from disttrain import trained
+import disttrain.hf.generate as generate_lib
+from disttrain.hf import trained
 from tests import helpers
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests.helpers import devices
@@ -98,32 +98,31 @@ def _cli(*args: str):
 
 def test_generate_command_from_the_run_and_from_its_hugging_face_export(run_dir, tmp_path):
   args = ['--prompt=def ', '--prompt=import ', '--max_new_tokens=12', '--fake_devices=8']
-  proc = _cli('disttrain.generate', f'--workdir={run_dir}', *args)
+  proc = _cli('disttrain', 'generate', f'--workdir={run_dir}', *args)
   assert proc.returncode == 0, proc.stderr[-2000:]
   last = proc.stdout.splitlines()[-1]
   mesh = "{'data': 1, 'stage': 1, 'fsdp': 8, 'expert': 1, 'context': 1, 'tensor': 1}"
   assert 'tokens/s' in last and mesh in last
-  export = _cli('disttrain.export', f'--workdir={run_dir}', f'--out={tmp_path / "hf"}')
+  export = _cli('disttrain', 'export', f'--workdir={run_dir}', f'--out={tmp_path / "hf"}')
   assert export.returncode == 0, export.stderr[-2000:]
-  from_hf = _cli('disttrain.generate', f'--hf_dir={tmp_path / "hf"}', *args)
+  from_hf = _cli('disttrain', 'generate', f'--hf_dir={tmp_path / "hf"}', *args)
   assert from_hf.returncode == 0, from_hf.stderr[-2000:]
   texts = lambda p: p.stdout.split('---')[:2]
   assert texts(from_hf) == texts(proc)  # the same greedy continuations
 
 
-@pytest.mark.parametrize('module,args,message', [
-    ('disttrain.generate', ['--prompt=' + 'x' * 80, '--max_new_tokens=8'],
+@pytest.mark.parametrize('command,args,message', [
+    ('generate', ['--prompt=' + 'x' * 80, '--max_new_tokens=8'],
      'a prompt of 80 tokens + max_new_tokens=8 is longer than the model context of 64 tokens'),
-    ('disttrain.generate', ['--prompt=a', '--workdir={empty}'], 'has no checkpoints directory'),
-    ('disttrain.export', ['--out={empty}/hf', '--workdir={empty}'], 'has no checkpoints directory'),
+    ('generate', ['--prompt=a', '--workdir={empty}'], 'has no checkpoints directory'),
+    ('export', ['--out={empty}/hf', '--workdir={empty}'], 'has no checkpoints directory'),
 ])
-def test_bad_sampling_and_export_inputs_are_one_line_and_exit_2(run_dir, tmp_path, module, args,
+def test_bad_sampling_and_export_inputs_are_one_line_and_exit_2(run_dir, tmp_path, command, args,
                                                                 message):
   args = [a.replace('{empty}', str(tmp_path)) for a in args]
   if not any(a.startswith('--workdir') for a in args):
     args.append(f'--workdir={run_dir}')
-  proc = _cli(module, *args, '--fake_devices=8') if module.endswith('generate') else \
-      _cli(module, *args)
+  proc = _cli('disttrain', command, *args, *(['--fake_devices=8'] if command == 'generate' else []))
   errors = [line for line in proc.stderr.splitlines() if line.strip()]
   assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
   assert errors[0].startswith('error: ') and message in errors[0], errors[0]

@@ -1,10 +1,10 @@
-"""python -m disttrain.goodput on an event log whose every figure is known."""
+"""disttrain goodput on an event log whose every figure is known."""
 
 import json
 import subprocess
 import sys
 
-from disttrain import goodput
+from disttrain.operating import goodput
 from tests.conftest import ROOT
 
 
@@ -51,12 +51,12 @@ def test_the_report_accounts_for_every_second(tmp_path):
 
 def test_the_command_prints_the_table_and_writes_json(tmp_path):
   _log(tmp_path)
-  proc = subprocess.run([sys.executable, '-m', 'disttrain.goodput', str(tmp_path),
+  proc = subprocess.run([sys.executable, '-m', 'disttrain', 'goodput', str(tmp_path),
                          f'--json={tmp_path / "goodput.json"}'], cwd=ROOT, capture_output=True,
                         text=True, timeout=60, check=False)
   assert proc.returncode == 0, proc.stderr
   assert 'wall 150.0s, goodput 66.7%' in proc.stdout and 'killed by SIGKILL' in proc.stdout
   assert json.loads((tmp_path / 'goodput.json').read_text())['seconds']['lost_steps'] == 5.0
-  bad = subprocess.run([sys.executable, '-m', 'disttrain.goodput', str(tmp_path / 'nothing')],
+  bad = subprocess.run([sys.executable, '-m', 'disttrain', 'goodput', str(tmp_path / 'nothing')],
                        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
   assert bad.returncode == 2 and bad.stderr.count('\n') == 1 and 'has no start event' in bad.stderr

@@ -21,9 +21,10 @@ import torch
 import transformers
 
 import disttrain
-from disttrain import hf, hf_config, models, tensorfiles, trained
+from disttrain import models
 from disttrain.config import ModelConfig
 from disttrain.errors import CheckpointError, ConfigError
+from disttrain.hf import config as hf_config, tensorfiles, trained, weights as hf
 from disttrain.models import layers
 from tests import helpers
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
@@ -119,7 +120,7 @@ def _train_and_export(tmp_path, name: str, tied: bool, dtype: str = 'float32') -
                         'eval_every_steps': 0, 'log_every_steps': 1})  # one step compiles
   run, out = tmp_path / f'{name}_run', tmp_path / f'{name}_hf_{dtype}'
   disttrain.train(disttrain.from_config_dict(cd), str(run), devices=jax.devices()[:1])
-  proc = subprocess.run([sys.executable, '-m', 'disttrain.export', f'--workdir={run}',
+  proc = subprocess.run([sys.executable, '-m', 'disttrain', 'export', f'--workdir={run}',
                          f'--out={out}', f'--dtype={dtype}'], cwd=ROOT, capture_output=True,
                         text=True, timeout=120, check=False, env=_env())
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -157,7 +158,7 @@ def test_exported_run_loads_in_transformers_with_equal_logits(request, tmp_path,
 @pytest.mark.slow
 def test_bfloat16_export_is_the_rounded_float32(llama_export, tmp_path):
   run, out32 = llama_export
-  proc = subprocess.run([sys.executable, '-m', 'disttrain.export', f'--workdir={run}',
+  proc = subprocess.run([sys.executable, '-m', 'disttrain', 'export', f'--workdir={run}',
                          f'--out={tmp_path / "bf16"}', '--dtype=bfloat16'], cwd=ROOT, env=_env(),
                         capture_output=True, text=True, timeout=120, check=False)
   assert proc.returncode == 0, proc.stderr[-2000:]

@@ -22,8 +22,9 @@ import pytest
 import yaml
 
 import disttrain
-from disttrain import config as config_lib, distributed
+from disttrain import config as config_lib
 from disttrain.exitcodes import Exit
+from disttrain.parallel import distributed
 from tests import helpers
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 

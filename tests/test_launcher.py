@@ -1,6 +1,7 @@
-"""launch/train.py as a user runs it: one-line errors for bad input, and the outputs contract.
+"""The launcher as a user runs it: one-line errors for bad input, and the outputs contract.
 
-Every test runs the launcher as a subprocess (one at a time), on tiny configs.
+Every test runs the launcher as a subprocess (one at a time), on tiny configs: bad input through
+`python launch/train.py`, the outputs' run through the installed `disttrain train`.
 """
 
 import json
@@ -24,9 +25,12 @@ def _env() -> dict:
   return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
 
 
-def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, 'launch/train.py', *args], cwd=ROOT, env=_env(),
-                        capture_output=True, text=True, timeout=timeout, check=False)
+def launch(*args: str, timeout: float = 120, script: bool = True) -> subprocess.CompletedProcess:
+  """`python launch/train.py ARGS`, or with script=False `disttrain train ARGS` (pip's script)."""
+  command = [sys.executable, 'launch/train.py'] if script else [
+      os.path.join(os.path.dirname(sys.executable), 'disttrain'), 'train']
+  return subprocess.run([*command, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                        timeout=timeout, check=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,7 +76,7 @@ BAD_INPUTS = [
     ('mnist_pair_incomplete', ['--fake_devices=8', '--config.data.name=mnist',
                                '--config.data.dir={dir}/half'],
      ['t10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte'], r'add the missing file'),
-    # The message names the files that must be there but no imperative (see disttrain/sources.py).
+    # The message names the files that must be there but no imperative (see data/sources.py).
     ('mnist_dir_empty', ['--fake_devices=8', '--config.data.name=mnist',
                          '--config.data.dir={dir}/empty'],
      ['empty', 'no MNIST files'], r'put t10k-images-idx3-ubyte'),
@@ -166,10 +170,11 @@ def test_bad_input_is_one_line_error(args, needles, fix, bad_data, tmp_path):
 
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
-  """One tiny run on 8 fake devices: train and eval records every 2 of 4 steps."""
+  """One tiny run on 8 fake devices (`disttrain train`): train and eval records every 2 of 4
+  steps."""
   workdir = tmp_path_factory.mktemp('run')
   result = launch(f'--config={CONFIG}', f'--workdir={workdir}', '--fake_devices=8', *TINY,
-                  '--config.log_every_steps=2', '--config.eval_every_steps=2')
+                  '--config.log_every_steps=2', '--config.eval_every_steps=2', script=False)
   assert result.returncode == 0, result.stdout + result.stderr
   return workdir, result
 

@@ -1,4 +1,4 @@
-"""One run per workdir (disttrain/lease.py): a live holder keeps it, a dead one's is taken over."""
+"""One run per workdir (operating/lease.py): a live holder keeps it, a dead one's is taken over."""
 
 import json
 import os
@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from disttrain import storage
 from disttrain.errors import ConfigError
-from disttrain.lease import FILE, Lease
+from disttrain.operating.lease import FILE, Lease
+from disttrain.storage import urls
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests.helpers import metrics_records
 
-HOLD = ('import sys, time; from disttrain.lease import Lease; '
+HOLD = ('import sys, time; from disttrain.operating.lease import Lease; '
         'Lease(sys.argv[1], 60).acquire(); print("held", flush=True); time.sleep(120)')
 
 
@@ -59,7 +59,7 @@ def test_a_lease_from_another_host_is_refused_while_refreshed_and_taken_once_exp
 
   def refresh():
     while not done.wait(0.5):
-      storage.write_text(str(tmp_path / FILE), json.dumps({**lease, 'refreshed': time.time()}))
+      urls.write_text(str(tmp_path / FILE), json.dumps({**lease, 'refreshed': time.time()}))
   refresher = threading.Thread(target=refresh)
   refresher.start()
   start = time.monotonic()

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import data, sharding
+from disttrain import data
+from disttrain.parallel import sharding
 from tests import helpers
 from tests.conftest import ROOT
 from tests.helpers import assert_trees_close, devices, to_numpy

@@ -30,20 +30,20 @@ def test_pretrain_export_import_finetune_and_sample(tmp_path):
   short = ['--fake_devices=8', '--config.num_train_steps=4', '--config.eval_every_steps=4',
            '--config.checkpoint_every_steps=4', '--config.log_every_steps=1',
            '--config.global_batch_size=8']
-  _run(tmp_path, '-m', 'disttrain.convert', '--source=text', '--format=jsonl',
+  _run(tmp_path, '-m', 'disttrain', 'convert', '--source=text', '--format=jsonl',
        '--eval_documents=8', '--out=data/docs')
-  _run(tmp_path, '-m', 'disttrain.tokenizer', '--input=data/docs/train.jsonl', '--vocab_size=2048',
-       '--out=data/docs/tokenizer.json')
+  _run(tmp_path, '-m', 'disttrain', 'tokenizer', '--input=data/docs/train.jsonl',
+       '--vocab_size=2048', '--out=data/docs/tokenizer.json')
   out = _run(tmp_path, train, f'--config={configs / "llama_docs.py"}', '--workdir=runs/llama_docs',
              *short)
   mesh = "mesh {'data': 1, 'stage': 1, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 2}"
   assert mesh in out and 'sample: ' in out
   assert 'perplexity' in [l for l in out.splitlines() if l.startswith('done:')][0]
-  out = _run(tmp_path, '-m', 'disttrain.export', '--workdir=runs/llama_docs',
+  out = _run(tmp_path, '-m', 'disttrain', 'export', '--workdir=runs/llama_docs',
              '--out=runs/llama_docs/hf')
   assert 'LlamaForCausalLM' in out
   assert os.path.isfile(tmp_path / 'runs/llama_docs/hf/tokenizer.json')
-  _run(tmp_path, '-m', 'disttrain.convert', '--source=docstrings', '--format=jsonl',
+  _run(tmp_path, '-m', 'disttrain', 'convert', '--source=docstrings', '--format=jsonl',
        '--eval_documents=64', '--out=data/sft')
   out = _run(tmp_path, train, f'--config={configs / "llama_sft.py"}', '--workdir=runs/llama_sft',
              *short)

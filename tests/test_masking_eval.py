@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import sources
-from disttrain.records import ID, MASK
-from disttrain.task import Classification
+from disttrain.data import sources
+from disttrain.data.records import ID, MASK
+from disttrain.models.task import Classification
 from tests.helpers import devices, make_config, to_numpy
 
 BATCH = 64  # 8 rows per device on 8 devices

@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import data, errors, export, run as run_lib
+from disttrain import data, errors
+from disttrain.hf import export
 from disttrain.models import moe
-from disttrain.step import Variant
+from disttrain.parallel.step import Variant
+from disttrain.training import setup as run_lib
 from tests import helpers
 from tests.test_llama import _one_step
 from tests.helpers import assert_trees_close, devices

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import config as config_lib, formats
+from disttrain import config as config_lib
+from disttrain.data import formats
 from tests import helpers
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 

@@ -27,7 +27,9 @@ import pytest
 
 import disttrain
 from disttrain import config as config_lib
-from disttrain import distributed, goodput, storage
+from disttrain.operating import events, goodput
+from disttrain.parallel import distributed
+from disttrain.storage import urls
 from tests import buckets, helpers
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
@@ -513,7 +515,7 @@ def test_supervisor_restarts_a_killed_job_to_the_uninterrupted_end(runs, tmp_pat
       helpers.tensorboard_scalars(two, 'train/loss')
   for a, b in zip(helpers.saved_params(tmp_path, STEPS), helpers.saved_params(two, STEPS)):
     np.testing.assert_array_equal(a, b)
-  log = disttrain.events.read(str(tmp_path))
+  log = events.read(str(tmp_path))
   assert [(e['event'], e['attempt']) for e in log if e['event'] in ('start', 'exit')] == [
       ('start', 1), ('exit', 1), ('start', 2), ('exit', 2)]
   assert [e['step'] for e in log if e['event'] == 'restore'] == [10]
@@ -556,7 +558,7 @@ def test_bucket_job_killed_restarts_to_the_uninterrupted_end(runs, servers, sche
   overrides = {**BASE, **CASES['jit'], 'checkpoint_every_steps': 10, 'max_to_keep': 2}
 
   def ready() -> bool:  # the step-10 checkpoint committed in the bucket, a few steps past it
-    if max(storage.committed_steps(url + '/checkpoints'), default=0) < 10:
+    if max(urls.committed_steps(url + '/checkpoints'), default=0) < 10:
       return False
     time.sleep(0.5)
     return True
@@ -566,7 +568,7 @@ def test_bucket_job_killed_restarts_to_the_uninterrupted_end(runs, servers, sche
   train = helpers.metrics_records(url)
   assert [r['step'] for r in train] == list(range(1, STEPS + 1))
   assert {r['step']: r['loss'] for r in train} == _losses(two)  # bitwise, every step
-  assert sorted(p.name for p in storage.path(url + '/checkpoints').iterdir()) == ['20', '30']
+  assert sorted(p.name for p in urls.path(url + '/checkpoints').iterdir()) == ['20', '30']
   for a, b in zip(helpers.saved_params(url, STEPS), helpers.saved_params(two, STEPS),
                   strict=True):
     np.testing.assert_array_equal(a, b)
@@ -575,5 +577,5 @@ def test_bucket_job_killed_restarts_to_the_uninterrupted_end(runs, servers, sche
   for a, b in zip(jax.tree.leaves(helpers.to_numpy(restored.state.params)),
                   helpers.saved_params(two, STEPS), strict=True):
     np.testing.assert_array_equal(a, b)
-  assert [e['event'] for e in disttrain.events.read(url)].count('restore') == 2
+  assert [e['event'] for e in events.read(url)].count('restore') == 2
   assert not servers.hits, servers.hits

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import distributed, sources
+from disttrain.data import sources
+from disttrain.parallel import distributed
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests.helpers import devices, make_config, to_numpy
 
@@ -197,7 +198,7 @@ def test_plot_draws_the_curves_of_two_runs(tmp_path):
     disttrain.train(_mlp(num_train_steps=20, learning_rate=lr), str(tmp_path / name),
                     devices=devices(8))
   out = tmp_path / 'curves.png'
-  proc = subprocess.run([sys.executable, '-m', 'disttrain.plot', str(tmp_path / 'fast'),
+  proc = subprocess.run([sys.executable, '-m', 'disttrain', 'plot', str(tmp_path / 'fast'),
                          str(tmp_path / 'slow'), f'--out={out}'], cwd=ROOT, env=_env(),
                         capture_output=True, text=True, timeout=120, check=False)
   assert proc.returncode == 0 and f'wrote {out}' in proc.stdout, proc.stderr

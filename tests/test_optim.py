@@ -15,7 +15,8 @@ import optax
 import pytest
 
 import disttrain
-from disttrain import data, optim
+from disttrain import data
+from disttrain.parallel import optim
 from tests import helpers
 from tests.conftest import ROOT
 from tests.helpers import devices

@@ -34,7 +34,7 @@ import optax
 import pytest
 
 import disttrain
-from disttrain.task import LossWithAux, PerDeviceLoss
+from disttrain.models.task import LossWithAux, PerDeviceLoss
 from tests import helpers
 from tests.configs.ops import StopAt
 from tests.conftest import ROOT

@@ -4,8 +4,8 @@ import jax
 import pytest
 
 import disttrain
-from disttrain import sharding
 from disttrain.errors import ConfigError, ShardingError
+from disttrain.parallel import sharding
 from tests.helpers import devices, make_config
 
 
@@ -74,7 +74,7 @@ def test_one_object_owns_the_axes_and_splits_each_batch_field():
   import numpy as np
   from jax.sharding import PartitionSpec as P
   from disttrain.config import MeshConfig
-  from disttrain.mesh import AXES, BATCH_AXES, Parallelism
+  from disttrain.parallel.mesh import AXES, BATCH_AXES, Parallelism
   parallel = Parallelism.from_config(MeshConfig(data=2, context=2, tensor=2), devices(8))
   assert (parallel.batch_ways, parallel.context, parallel.fsdp) == (2, 2, 1)
   batch = {'tokens': np.zeros((4, 16), np.int32), 'targets': np.zeros((4, 16), np.int32),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from disttrain import config as config_lib
-from disttrain import sources
+from disttrain.data import sources
 from disttrain.errors import DataError
 
 

@@ -1,4 +1,4 @@
-"""launch/supervise.py's decisions, on a stand-in job that exits as each test plans.
+"""`disttrain supervise`'s decisions, on a stand-in job that exits as each test plans.
 
 The stand-in (tests/configs/planned_job.py) reads its attempt number from DISTTRAIN_ATTEMPT,
 commits the checkpoint step the plan gives it (a directory named by the step, as orbax leaves
@@ -14,12 +14,10 @@ import sys
 
 import pytest
 
-from disttrain import events
 from disttrain.exitcodes import Exit, Verdict, describe, verdict
+from disttrain.launch import supervise
+from disttrain.operating import events
 from tests.conftest import ROOT
-
-sys.path.insert(0, str(ROOT / 'launch'))
-import supervise  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 JOB = str(ROOT / 'tests' / 'configs' / 'planned_job.py')
 

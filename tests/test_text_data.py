@@ -16,7 +16,8 @@ import optax
 import pytest
 
 import disttrain
-from disttrain import data, packing, sources, text, tokenizer as tokenizer_lib
+from disttrain import data
+from disttrain.data import packing, sources, text, tokenizer as tokenizer_lib
 from disttrain.errors import DataError
 from tests import helpers
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
@@ -41,9 +42,9 @@ def corpus(tmp_path_factory):
   """data/docs (JSON lines of the standard library's modules) and a 1,024-token BPE tokenizer,
   made by the docs' commands."""
   out = tmp_path_factory.mktemp('docs')
-  _cli('-m', 'disttrain.convert', '--source=text', '--format=jsonl', '--eval_documents=8',
+  _cli('-m', 'disttrain', 'convert', '--source=text', '--format=jsonl', '--eval_documents=8',
        f'--out={out}')
-  line = _cli('-m', 'disttrain.tokenizer', f'--input={out}/train.jsonl', '--vocab_size=1024',
+  line = _cli('-m', 'disttrain', 'tokenizer', f'--input={out}/train.jsonl', '--vocab_size=1024',
               f'--out={out}/tokenizer.json')
   assert 'trained a 1,024-token byte-level BPE tokenizer' in line
   return out
@@ -140,7 +141,7 @@ def test_real_text_packs_under_5_percent_and_concat_is_the_joined_stream(corpus)
 
 @pytest.mark.slow
 def test_converted_token_files_give_the_on_the_fly_rows(corpus, tmp_path):
-  _cli('-m', 'disttrain.convert', '--source=documents', f'--input={corpus}/train.jsonl',
+  _cli('-m', 'disttrain', 'convert', '--source=documents', f'--input={corpus}/train.jsonl',
        f'--tokenizer={corpus}/tokenizer.json', '--format=tokens', f'--out={tmp_path}')
   on_the_fly = sources.build(_config(corpus, **{'data.packing': 'documents',
                                                 'data.eval_files': ''}))['train_data']

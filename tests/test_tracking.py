@@ -1,4 +1,4 @@
-"""Experiment trackers (disttrain/tracking.py): a run SIGKILLed and resumed logs into one MLflow
+"""Experiment trackers (operating/tracking.py): a run SIGKILLed and resumed logs into one MLflow
 run and one W&B run whose histories, read back with MLflow's client and from W&B's own .wandb
 files, equal metrics.jsonl step for step; bad tracking input is one line and exit 2.
 
@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from disttrain import tracking
 from disttrain.errors import ConfigError
+from disttrain.operating import tracking
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 from tests.helpers import make_config, metrics_records
 

@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 
 import disttrain
-from disttrain import data, formats, mesh as mesh_lib
+from disttrain import data
 from disttrain.config import MeshConfig
-from disttrain.records import ID, Records
-from disttrain.transforms import RandomShift
+from disttrain.data import formats
+from disttrain.data.records import ID, Records
+from disttrain.data.transforms import RandomShift
+from disttrain.parallel import mesh as mesh_lib
 from tests.configs import user_data
 from tests.helpers import devices, make_config, to_numpy
 
@@ -95,7 +97,7 @@ def test_array_record_files_give_the_in_memory_batches_and_losses(cancer, refere
       data.decode)
   eval_files = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(eval_paths)).map(
       data.decode)
-  sharding = data.batch_sharding(mesh_lib.build(MeshConfig(data=8), jax.devices()[:8]))
+  sharding = mesh_lib.batch_sharding(mesh_lib.build(MeshConfig(data=8), jax.devices()[:8]))
   memory_it = data.TrainIterator(Records(train, 'train', 0), 64, 0, sharding)
   files_it = data.TrainIterator(Records(from_files, 'train', 0), 64, 0, sharding)
   for _ in range(9):  # crosses the epoch boundary (500 // 64 = 7 batches an epoch)
@@ -150,7 +152,7 @@ def test_random_transforms_depend_on_seed_epoch_and_example_only(cancer):
   source = disttrain.Data(train, [_Jitter()])
 
   def batches(n_devices, count=9, state=None, **kwargs):
-    sharding = data.batch_sharding(mesh_lib.build(MeshConfig(data=n_devices),
+    sharding = mesh_lib.batch_sharding(mesh_lib.build(MeshConfig(data=n_devices),
                                                   devices(n_devices)))
     it = data.TrainIterator(Records(source, 'train', 0), 64, 0, sharding, **kwargs)
     if state is not None:

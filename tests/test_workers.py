@@ -33,7 +33,7 @@ def _env() -> dict:
 @pytest.fixture(scope='module')
 def shards(tmp_path_factory, mnist_dir):
   out = tmp_path_factory.mktemp('mnist_shards')
-  proc = subprocess.run([sys.executable, '-m', 'disttrain.convert', '--source=mnist',
+  proc = subprocess.run([sys.executable, '-m', 'disttrain', 'convert', '--source=mnist',
                          f'--data_dir={mnist_dir}', f'--out={out}'], cwd=ROOT, env=_env(),
                         capture_output=True, text=True, timeout=120, check=False)
   assert proc.returncode == 0, proc.stderr
@@ -67,7 +67,7 @@ def _losses(workdir) -> dict[int, float]:
 def _params(workdir, step: int) -> list[np.ndarray]:
   import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from disttrain import checkpoint  # pylint: disable=g-import-not-at-top
+  from disttrain.storage import checkpoint  # pylint: disable=g-import-not-at-top
   manager = ocp.CheckpointManager(os.path.join(workdir, 'checkpoints'),
                                   item_handlers=checkpoint._handlers())  # pylint: disable=protected-access
   restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
@@ -137,7 +137,7 @@ def test_sigkill_then_relaunch_with_another_worker_count_resumes_bit_exactly(
 def test_token_file_example_config(tmp_path):
   """docs/getting-started.md: convert the standard library's text to a .bin, train launch/configs/lm_tokens.py."""
   out = tmp_path / 'text'
-  proc = subprocess.run([sys.executable, '-m', 'disttrain.convert', '--source=text',
+  proc = subprocess.run([sys.executable, '-m', 'disttrain', 'convert', '--source=text',
                          '--format=tokens', f'--out={out}'], cwd=ROOT, env=_env(),
                         capture_output=True, text=True, timeout=120, check=False)
   assert proc.returncode == 0, proc.stderr

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
-from disttrain.models.functional import FunctionalModel
 from disttrain.models import gpt, llama
 from disttrain.models.decoder import LanguageModel
+from disttrain.models.functional import FunctionalModel
 from disttrain.models.linen import LinenModel
-from disttrain.models.mlp import JAX_MLP_LOGICAL, BobbinMLP, MnistMLP, jax_mlp_apply, jax_mlp_init
-from disttrain.task import Classification, NextToken
+from disttrain.models.mlp import BobbinMLP, JAX_MLP_LOGICAL, MnistMLP, jax_mlp_apply, jax_mlp_init
+from disttrain.models.task import Classification, NextToken
 
 
 def __getattr__(name: str):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from disttrain import sharding
+from disttrain.parallel import sharding
 
 IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'blockwise')
 _DENSE_MAX_KEYS = 1024  # auto: beyond 1024 x 1024 logits per head, blockwise

@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from disttrain import sharding
 from disttrain.models import layers, moe, pipeline
 from disttrain.models.layers import Decode, constrain, weights
 from disttrain.models.linen import LOSSES, LinenModel, model_inputs
+from disttrain.parallel import sharding
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The GPT-2 family: pre-LayerNorm decoder, learned positions, fused QKV with biases, GELU MLP.
 
-Hugging Face's `GPT2LMHeadModel` is this model (disttrain/hf.py maps its weights); the example
-sizes are in launch/configs/gpt.py. Logical axes as in disttrain/models/layers.py; the
+Hugging Face's `GPT2LMHeadModel` is this model (disttrain/hf/weights.py maps its weights); the
+example sizes are in launch/configs/gpt.py. Logical axes as in disttrain/models/layers.py; the
 positions table has `model.max_seq_len` rows (0 = data.seq_len), GPT-2's n_positions.
 """
 

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from disttrain import sharding
 from disttrain.models.attention import attention
+from disttrain.parallel import sharding
 
 INIT = nn.initializers.normal(stddev=0.02)
 

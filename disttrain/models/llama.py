@@ -2,10 +2,10 @@
 `model.rope_theta`, Llama 3's frequency scaling), grouped-query attention (`model.num_kv_heads`
 K/V heads shared by `model.num_heads` query heads), SwiGLU MLP, no biases.
 
-Hugging Face's `LlamaForCausalLM` is this model (disttrain/hf.py maps its weights); named sizes,
-including the published shapes of SmolLM2-135M and Llama 3.2 1B, are in launch/configs/llama.py.
+Hugging Face's `LlamaForCausalLM` is this model (disttrain/hf/weights.py maps its weights); named
+sizes, including the published shapes of SmolLM2-135M and Llama 3.2 1B, are in launch/configs/llama.py.
 K/V heads name the logical axis 'kv_heads': split over `tensor` when their count divides it,
-whole otherwise (disttrain/sharding.py).
+whole otherwise (disttrain/parallel/sharding.py).
 """
 
 from disttrain.config import ModelConfig

@@ -3,7 +3,7 @@
 bobbin pmaps over 8 devices; here the same data parallelism is jit over mesh.data (dropout masks
 then do not depend on the layout); --config.step_mode=pmap runs it as bobbin does. The loss with
 aux outputs and per-device losses (bobbin's StepInfo) are Python-API tasks (jit style): see
-disttrain.task.LossWithAux and PerDeviceLoss. On MNIST:
+disttrain.models.task.LossWithAux and PerDeviceLoss. On MNIST:
   --config.data.name=mnist --config.data.dir=../shared/data/mnist
 """
 

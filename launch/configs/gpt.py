@@ -9,7 +9,7 @@ attention heads, MLP features and the vocabulary over tensor, e.g. --config.mesh
 --config.mesh.fsdp=2 --config.mesh.tensor=2 (leave sharding='replicate': 'embed' names fsdp).
 Token files instead of the built-in text: --config.data.name=tokens
 --config.data.train_files=DIR/train.bin --config.data.eval_files=DIR/eval.bin (written by
-python -m disttrain.convert --source=text --format=tokens --out=DIR).
+disttrain convert --source=text --format=tokens --out=DIR).
 """
 
 from disttrain import config as config_lib

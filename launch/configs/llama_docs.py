@@ -1,7 +1,7 @@
 """Example 1: a tiny Llama trained from JSON-lines documents with a tokenizer trained here.
 
-  python -m disttrain.convert --source=text --format=jsonl --eval_documents=8 --out=data/docs
-  python -m disttrain.tokenizer --input=data/docs/train.jsonl --vocab_size=2048 \
+  disttrain convert --source=text --format=jsonl --eval_documents=8 --out=data/docs
+  disttrain tokenizer --input=data/docs/train.jsonl --vocab_size=2048 \
       --out=data/docs/tokenizer.json
   python launch/train.py --config=launch/configs/llama_docs.py --workdir=runs/llama_docs \
       --fake_devices=8
@@ -45,5 +45,5 @@ def get_config():
 
 
 def get_callbacks(config):
-  from disttrain.generate import SampleAtEnd  # pylint: disable=g-import-not-at-top
+  from disttrain.hf.generate import SampleAtEnd  # pylint: disable=g-import-not-at-top
   return [SampleAtEnd(config, ['def main(argv):\n    '])]

@@ -1,11 +1,11 @@
 '''Example 2: fine-tune example 1's model, exported to and imported from Hugging Face's format,
 on prompt/completion pairs whose prompts carry no loss, then sample.
 
-  python -m disttrain.export --workdir=runs/llama_docs --out=runs/llama_docs/hf
-  python -m disttrain.convert --source=docstrings --format=jsonl --eval_documents=64 --out=data/sft
+  disttrain export --workdir=runs/llama_docs --out=runs/llama_docs/hf
+  disttrain convert --source=docstrings --format=jsonl --eval_documents=64 --out=data/sft
   python launch/train.py --config=launch/configs/llama_sft.py --workdir=runs/llama_sft \
       --fake_devices=8
-  python -m disttrain.generate --workdir=runs/llama_sft --fake_devices=8 \
+  disttrain generate --workdir=runs/llama_sft --fake_devices=8 \
       --prompt=$'def read_config(path):\n    """'
 
 The pairs are the standard library's documented functions: the prompt is a signature and the
@@ -40,5 +40,5 @@ def get_config():
 
 
 def get_callbacks(config):
-  from disttrain.generate import SampleAtEnd  # pylint: disable=g-import-not-at-top
+  from disttrain.hf.generate import SampleAtEnd  # pylint: disable=g-import-not-at-top
   return [SampleAtEnd(config, ['def read_config(path):\n    """', 'def is_empty(self):\n    """'])]

@@ -1,6 +1,6 @@
 """The GPT config's small transformer trained from a flat token file (nanoGPT's .bin format).
 
-  python -m disttrain.convert --source=text --format=tokens --out=data/text
+  disttrain convert --source=text --format=tokens --out=data/text
   python launch/train.py --config=launch/configs/lm_tokens.py --workdir=runs/lm --fake_devices=8
 
 The converter writes the first 2 MiB of the Python standard library's source as byte ids

@@ -1,6 +1,6 @@
 """The seed-004 MLP trained from ArrayRecord shards on disk, augmented in 2 worker processes.
 
-  python -m disttrain.convert --source=mnist --data_dir=../shared/data/mnist --out=data/mnist
+  disttrain convert --source=mnist --data_dir=../shared/data/mnist --out=data/mnist
   python launch/train.py --config=launch/configs/mnist_array_record.py --workdir=runs/mnist_ar \
       --fake_devices=8
 
@@ -12,8 +12,9 @@ data.workers=2 processes.
 """
 
 import disttrain
-from disttrain import config as config_lib, sources
-from disttrain.transforms import RandomErase, RandomShift
+from disttrain import config as config_lib
+from disttrain.data import sources
+from disttrain.data.transforms import RandomErase, RandomShift
 
 
 def get_config():

@@ -12,7 +12,7 @@ import time
 import jax
 
 import disttrain
-from disttrain import sources
+from disttrain.data import sources
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 get_config = __import__('runpy').run_path(

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import disttrain
-from disttrain import config as config_lib, sources
+from disttrain import config as config_lib
+from disttrain.data import sources
 
 
 def get_config():

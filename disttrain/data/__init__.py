@@ -1,0 +1,28 @@
+"""Examples in, global batches out: the data layer (below the mesh, the models and the step).
+
+  records     any source of feature dicts -> Records: element spec, checks, transforms with
+              (seed, epoch, index) randomness, batched reads
+  formats     on-disk formats: ArrayRecord shards of encoded dicts, flat token files
+  text        raw text as random-access documents (.txt, .jsonl, .parquet), SFT examples
+  tokenizer   tokenizer.json / SentencePiece / bytes; `disttrain tokenizer` trains a BPE
+  packing     tokenize once into token files; concat windows, best-fit document packing
+  sources     data.name -> the train and eval sources a config names
+  transforms  example grain transformations for images
+  batches     the grain stream of per-process rows -> global jax.Arrays on a batch sharding
+  convert     `disttrain convert`: datasets to ArrayRecord shards, token files, JSON lines
+The names below are the layer's public API, imported on first use (they were disttrain.data's).
+"""
+
+from disttrain import moved
+
+_EXPORTS = {
+    'Batch': 'batches', 'TrainIterator': 'batches', 'check_eval_size': 'batches',
+    'check_workers': 'batches', 'element_spec': 'batches', 'eval_batches': 'batches',
+    'local_rows': 'batches', 'stacked_sharding': 'batches',
+    'Data': 'records', 'ID': 'records', 'MASK': 'records', 'RESERVED': 'records',
+    'Records': 'records',
+    'array_record_source': 'formats', 'decode': 'formats', 'encode': 'formats',
+    'write_array_record': 'formats', 'write_tokens': 'formats',
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = moved.names(__name__, _EXPORTS)

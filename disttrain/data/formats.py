@@ -1,0 +1,211 @@
+"""On-disk example formats, streamed and never loaded whole.
+
+- ArrayRecord shards (grain's own random-access format) of serialized feature dicts: one record
+  per example, msgpack-encoded numpy arrays (dtype and shape kept, 0-d arrays included). Write
+  with `write_array_record`, read with `array_record_source(pattern)`: grain's
+  ArrayRecordDataSource (whose read failures name the damaged file and record) mapped by `decode`.
+- Flat token files (nanoGPT's `.bin`: raw uint16 or uint32 token ids, no header), memory-mapped
+  and read as windows of seq_len + 1 tokens by `TokenWindows`.
+"""
+
+import glob
+import os
+from collections.abc import Iterable, Sequence
+
+import grain
+import numpy as np
+from flax import serialization
+
+from disttrain.errors import DataError, first_line
+
+ARRAY_RECORD_SUFFIX = '.array_record'
+
+
+def encode(example: dict) -> bytes:
+  """One feature dict as bytes (msgpack of numpy arrays)."""
+  return serialization.msgpack_serialize({k: np.asarray(v) for k, v in example.items()})
+
+
+def decode(record: bytes) -> dict[str, np.ndarray]:
+  """The feature dict of one encoded record."""
+  return {k: np.asarray(v) for k, v in serialization.msgpack_restore(record).items()}
+
+
+def shard_paths(prefix: str, num_shards: int) -> list[str]:
+  """PREFIX-00000-of-0000N.array_record, ...: sorted order is example order."""
+  return [f'{prefix}-{i:05d}-of-{num_shards:05d}{ARRAY_RECORD_SUFFIX}' for i in range(num_shards)]
+
+
+def write_array_record(prefix: str, examples: Iterable[dict], num_shards: int = 1,
+                       num_examples: int | None = None,
+                       options: str = 'group_size:1') -> list[str]:
+  """Writes feature dicts to `num_shards` ArrayRecord files; returns their paths.
+
+  Shard i holds a contiguous block of examples, so reading the sorted paths back (one
+  ArrayRecordDataSource over all of them) gives the examples in the order written. Records are
+  written with group_size 1, which random access (a shuffled read per example) needs.
+
+  Args:
+    prefix: path prefix, e.g. 'data/train' -> data/train-00000-of-00004.array_record.
+    examples: feature dicts; anything `disttrain.data.records.examples` iterates (a source with
+      `__len__`/`__getitem__`, a dict of arrays, or an iterable of dicts).
+    num_shards: files to spread the examples over; > 1 needs the number of examples.
+    num_examples: the number of examples when `examples` has no len().
+    options: ArrayRecordWriter options; group_size must stay 1 (random access). The default
+      compresses with zstd; add ',uncompressed' for data that does not compress (pixels).
+  """
+  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
+  from disttrain.data import records  # pylint: disable=g-import-not-at-top  (it loads jax)
+  if num_examples is None:
+    num_examples = records.num_examples(examples)
+  if num_shards < 1 or (num_shards > 1 and not num_examples):
+    raise DataError(f'num_shards={num_shards} needs num_shards >= 1 and, above 1, a known number '
+                    'of examples; pass num_examples= or a source with len()')
+  os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+  paths = shard_paths(prefix, num_shards)
+  per_shard = -(-num_examples // num_shards) if num_shards > 1 else None
+  shard, writer, written = -1, None, 0
+  try:
+    for i, example in enumerate(records.examples(examples)):
+      if writer is None or (per_shard and i // per_shard != shard):
+        if writer is not None:
+          writer.close()
+        shard += 1
+        writer = ArrayRecordWriter(paths[shard], options)
+      writer.write(encode(example))
+      written += 1
+  finally:
+    if writer is not None:
+      writer.close()
+  for path in paths[shard + 1:]:  # fewer examples than shards: the rest are empty files
+    ArrayRecordWriter(path, options).close()
+  if not written:
+    raise DataError(f'write_array_record({prefix!r}): no examples to write; pass a non-empty '
+                    'source')
+  return paths
+
+
+def resolve_files(patterns: str, field: str) -> list[str]:
+  """Sorted files of comma-separated globs; each glob must match at least one file."""
+  paths = []
+  for pattern in (p.strip() for p in patterns.split(',') if p.strip()):
+    matched = sorted(glob.glob(os.path.expanduser(pattern)))
+    if not matched:
+      raise DataError(f'{field}={pattern!r} matches no file; pass a glob of existing files (e.g. '
+                      'data/train-*.array_record, written by disttrain convert)')
+    paths += matched
+  if not paths:
+    raise DataError(f'{field} is empty; pass a glob of the data files')
+  return paths
+
+
+def array_record_source(paths: str | Sequence[str]) -> grain.MapDataset:
+  """A random-access source of the feature dicts in ArrayRecord files (globs allowed)."""
+  if isinstance(paths, str):
+    paths = resolve_files(paths, 'paths')
+  return grain.MapDataset.source(ArrayRecordFiles(list(paths))).map(decode)
+
+
+def _damaged(path: str, where: str, error: Exception) -> DataError:
+  return DataError(f'{path}: {where} cannot be read ({first_line(error, 200)}): the file is '
+                   'truncated or damaged; write it again (disttrain convert) or leave '
+                   'it out of the data files')
+
+
+class ArrayRecordFiles(grain.sources.ArrayRecordDataSource):
+  """grain's ArrayRecord source whose read failures name the file and the record (DataError).
+
+  Riegeli's own error says neither which shard is damaged nor which record; a truncated shard
+  fails when its footer is read (here, at start-up), flipped bytes when their chunk is read.
+  """
+
+  def __init__(self, paths: Sequence[str]):
+    try:
+      super().__init__(list(paths))
+    except Exception as e:  # pylint: disable=broad-except
+      for path in paths:  # which one: each alone
+        try:
+          grain.sources.ArrayRecordDataSource([path])
+        except Exception as alone:  # pylint: disable=broad-except
+          raise _damaged(path, 'its index', alone) from None
+      raise DataError(f'ArrayRecord files {list(paths)[:3]}... cannot be opened '
+                      f'({first_line(e, 200)})') from None
+
+  def _locate(self, key: int) -> tuple[str, int]:
+    """(file, record within it) of a global record key."""
+    reader, position = self._reader_idx_and_position(key)
+    return self._read_instructions[reader].filename, position
+
+  def __getitem__(self, key):
+    try:
+      return super().__getitem__(key)
+    except Exception as e:  # pylint: disable=broad-except
+      path, position = self._locate(key)
+      raise _damaged(path, f'record {position}', e) from None
+
+  def __getitems__(self, keys):
+    try:
+      return super().__getitems__(keys)
+    except Exception:  # pylint: disable=broad-except
+      for key in keys:  # the first record that fails alone is the one to name
+        self[key]
+      raise
+
+
+class TokenWindows:
+  """Windows of flat token files: example k = {'tokens': ids[kL:kL+L], 'targets': the next ids}.
+
+  Several files are read one after the other (windows never straddle two files). The files are
+  memory-mapped on first read (also in each worker process: only paths are pickled). With
+  `vocab_size`, every window read is checked: a token id >= vocab_size is a DataError naming the
+  file and position (embedding lookups would silently clamp it).
+  """
+
+  def __init__(self, paths: str | Sequence[str], seq_len: int, dtype: str = 'uint16',
+               vocab_size: int | None = None):
+    self.paths = resolve_files(paths, 'data.train_files') if isinstance(paths, str) else list(paths)
+    self.seq_len, self.dtype, self.vocab_size = seq_len, np.dtype(dtype), vocab_size
+    counts = []
+    for path in self.paths:
+      size = os.path.getsize(path)
+      if size % self.dtype.itemsize:
+        raise DataError(f'{path} has {size} bytes, not a multiple of the '
+                        f'{self.dtype.itemsize}-byte {self.dtype.name} token size; it is '
+                        f'truncated or not a {self.dtype.name} token file (check '
+                        'data.tokens.dtype)')
+      counts.append(max(size // self.dtype.itemsize - 1, 0) // seq_len)
+    self._ends = np.cumsum(counts)
+    self._maps: list[np.ndarray] | None = None
+
+  def __len__(self) -> int:
+    return int(self._ends[-1]) if len(self._ends) else 0
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    if not 0 <= index < len(self):
+      raise IndexError(f'window {index} out of range 0..{len(self) - 1}')
+    if self._maps is None:
+      self._maps = [np.memmap(p, self.dtype, mode='r') for p in self.paths]
+    f = int(np.searchsorted(self._ends, index, side='right'))
+    start = (index - (int(self._ends[f - 1]) if f else 0)) * self.seq_len
+    window = np.asarray(self._maps[f][start:start + self.seq_len + 1], np.int32)
+    if self.vocab_size is not None and window.max(initial=0) >= self.vocab_size:
+      at = int(np.argmax(window >= self.vocab_size))
+      raise DataError(f'{self.paths[f]}: token id {int(window[at])} at token {start + at} is >= '
+                      f'model.vocab_size={self.vocab_size}; raise model.vocab_size or check the '
+                      'token file (data.tokens.dtype)')
+    return {'tokens': window[:-1], 'targets': window[1:]}
+
+  def __getstate__(self) -> dict:
+    return {**self.__dict__, '_maps': None}  # workers map the files themselves
+
+
+def write_tokens(path: str, tokens: np.ndarray, dtype: str = 'uint16') -> str:
+  """A flat token file of `tokens` (1-D ids) in `dtype`; refuses ids that do not fit."""
+  dtype = np.dtype(dtype)
+  tokens = np.asarray(tokens)
+  if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
+    raise DataError(f'token ids {int(tokens.min())}..{int(tokens.max())} do not fit {dtype.name}; '
+                    'use uint32')
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tokens.astype(dtype).tofile(path)
+  return path

@@ -1,0 +1,257 @@
+"""Token documents -> fixed-length training rows, as random-access sources of feature dicts.
+
+  tokenize(docs, tokenizer, ..., path)  raw documents (or SFT pieces) tokenized once, with
+                                        progress, into a token file + document index
+  TokenFileDocuments(paths)             the documents of such files (memory-mapped: every worker
+                                        and process shares the pages)
+  ConcatWindows(docs, seq_len)          packing='concat': the documents joined (each ends with
+                                        EOS) and cut into windows {'tokens', 'targets'}
+  PackedDocuments(docs, seq_len)        packing='documents': whole documents in rows by best fit
+                                        decreasing, {'tokens', 'targets', 'segment_ids',
+                                        'positions'}; a document longer than a row is split
+
+A document of n tokens gives n - 1 (input, target) pairs, so no target crosses into the next
+document. In packed rows `segment_ids` number the pieces 1, 2, ... (0 = padding, whose targets are
+-1) and `positions` restart at 0 for each piece. SFT documents add `loss_mask` (1 where the target
+is a completion token), aligned with the targets. Everything is a pure function of the documents
+and seq_len: rows are the same on every process, in every worker, after every resume.
+"""
+
+import bisect
+import os
+import sys
+import time
+
+import numpy as np
+
+from disttrain.errors import DataError
+
+_ENCODE_BATCH = 512  # documents per tokenizer call (tokenizers encodes a batch on every core)
+
+
+def tokenize(docs, tokenizer, name: str, vocab_size: int, path: str,
+             verbose: bool = True) -> 'TokenFileDocuments':
+  """Tokenizes every document once, into a token file and its document index, and opens them.
+
+  `docs[i]` is a string (disttrain.data.text.Documents) or, for supervised fine-tuning, a list of
+  (text, trained) pieces (disttrain.data.text.Conversations), whose loss mask (1 on trained pieces'
+  tokens and on the final EOS) goes to PATH.mask.bin. Each document ends with EOS. Ids are uint16
+  when the vocabulary allows, else uint32. Prints progress with rate and ETA on long corpora.
+  """
+  tokenizer.check_vocab(vocab_size)
+  if tokenizer.eos_id is None:
+    raise DataError(f'data.tokenizer={tokenizer.path!r} has no end-of-sequence token (none '
+                    'named in tokenizer_config.json, none of the usual names); documents need one '
+                    'to be joined or packed')
+  dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+  sft = len(docs) > 0 and not isinstance(docs[0], str)
+  starts, at = np.zeros(len(docs), np.int64), 0
+  start = last = time.monotonic()
+  with open(path, 'wb') as ids_file, open(path + '.mask.bin', 'wb') if sft else _Null() as masks:
+    for lo in range(0, len(docs), _ENCODE_BATCH):
+      hi = min(lo + _ENCODE_BATCH, len(docs))
+      for i, (ids, mask) in zip(range(lo, hi), _encode(docs, lo, hi, tokenizer, sft)):
+        starts[i] = at
+        at += len(ids)
+        ids_file.write(np.asarray(ids, dtype).tobytes())
+        masks.write(np.asarray(mask, np.uint8).tobytes())
+      now = time.monotonic()
+      if verbose and (now - last >= 5 or (hi == len(docs) and now - start >= 5)):
+        rate = hi / (now - start)
+        print(f'tokenizing the {name} documents: {hi:,}/{len(docs):,}, {rate:,.0f} documents/s, '
+              f'ETA {(len(docs) - hi) / rate:.0f}s', file=sys.stderr, flush=True)
+        last = now
+  np.save(path + '.docs.npy', starts)
+  return TokenFileDocuments([path], np.dtype(dtype).name, vocab_size)
+
+
+def _encode(docs, lo: int, hi: int, tokenizer, sft: bool):
+  """(ids with EOS, loss mask or ()) of documents lo..hi-1."""
+  eos = tokenizer.eos_id
+  if not sft:
+    return [(ids + [eos], ()) for ids in
+            tokenizer.encode_batch([docs[i] for i in range(lo, hi)])]
+  out = []
+  for i in range(lo, hi):
+    ids, mask = [], []
+    for k, (piece, trained) in enumerate(docs[i]):
+      piece_ids = tokenizer.encode(piece, special=k == 0)  # the tokenizer's BOS once, first
+      ids += piece_ids
+      mask += [int(trained)] * len(piece_ids)
+    out.append((ids + [eos], mask + [1]))
+  return out
+
+
+class _Null:
+  """A file that discards writes (no mask file for plain documents)."""
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *_):
+    return False
+
+  def write(self, data: bytes) -> None:
+    del data
+
+
+class TokenFileDocuments:
+  """Documents of flat token files, each with a PATH.docs.npy index of start offsets and, for
+  supervised fine-tuning, a PATH.mask.bin loss mask (uint8 per token); `tokenize` and the
+  converter write them. Ids are checked against the vocabulary as they are read."""
+
+  def __init__(self, paths: list[str], dtype: str, vocab_size: int):
+    self.paths, self.dtype, self.vocab_size = paths, np.dtype(dtype), vocab_size
+    self._index = []  # (file, start, end) per document
+    lengths, masks = [], []
+    for f, path in enumerate(paths):
+      try:
+        starts = np.load(path + '.docs.npy')
+      except OSError as e:
+        raise DataError(f'{path} has no document index {path}.docs.npy, which '
+                        "data.packing='documents' needs; write the files with disttrain "
+                        "convert --source=documents, or use data.packing='concat'") from e
+      size = os.path.getsize(path) // self.dtype.itemsize
+      ends = np.append(starts[1:], size)
+      self._index += [(f, int(a), int(b)) for a, b in zip(starts, ends)]
+      lengths.append(ends - starts)
+      masks.append(os.path.isfile(path + '.mask.bin'))
+    if len(set(masks)) > 1:
+      raise DataError(f'{paths}: some files have loss masks (.mask.bin) and some do not; use one '
+                      'kind')
+    self.lengths = np.concatenate(lengths).astype(np.int64)
+    self.sft = masks[0]
+    self._maps = None
+
+  def __len__(self) -> int:
+    return len(self._index)
+
+  def __getstate__(self) -> dict:
+    return {**self.__dict__, '_maps': None}  # workers map the files themselves
+
+  def tokens(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Document i: (ids int32 [n], loss mask uint8 [n] or None)."""
+    if self._maps is None:
+      self._maps = [(np.memmap(p, self.dtype, mode='r'),
+                     np.memmap(p + '.mask.bin', np.uint8, mode='r') if self.sft else None)
+                    for p in self.paths]
+    f, start, end = self._index[i]
+    ids_map, mask_map = self._maps[f]
+    ids = np.asarray(ids_map[start:end], np.int32)
+    if ids.max(initial=0) >= self.vocab_size:
+      raise DataError(f'{self.paths[f]}: token id {int(ids.max())} in document {i} is >= '
+                      f'model.vocab_size={self.vocab_size}; raise model.vocab_size or check the '
+                      'file (data.tokens.dtype)')
+    return ids, (np.asarray(mask_map[start:end]) if mask_map is not None else None)
+
+
+class DocRange:
+  """Documents start..stop-1 of tokenized documents (a held-out tail, or the rest)."""
+
+  def __init__(self, docs, start: int, stop: int):
+    self.docs, self.start = docs, start
+    self.lengths, self.sft = docs.lengths[start:stop], docs.sft
+
+  def __len__(self) -> int:
+    return len(self.lengths)
+
+  def tokens(self, i: int):
+    return self.docs.tokens(self.start + i)
+
+
+def plan(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Best fit decreasing: (row offsets [R + 1] into pieces, pieces [P, 3] of (document, first
+  pair, pairs)). Each document's n - 1 pairs go whole into the fullest row that has room; a
+  document with more pairs than a row fills whole rows first, its remainder is packed."""
+  pairs = np.maximum(np.asarray(lengths, np.int64) - 1, 0)
+  full = [(d, k * seq_len) for d in np.flatnonzero(pairs >= seq_len)
+          for k in range(int(pairs[d]) // seq_len)]
+  rests = [(int(pairs[d]) % seq_len, int(d)) for d in np.flatnonzero(pairs % seq_len)]
+  rests.sort(key=lambda x: (-x[0], x[1]))  # longest first; ties in document order
+  rows: list[list[tuple[int, int, int]]] = [[(int(d), int(s), seq_len)] for d, s in full]
+  caps: list[int] = []  # sorted distinct room left in open rows
+  rows_with: dict[int, list[int]] = {}  # room -> open rows with that much left
+  for n, d in rests:
+    start = int(pairs[d]) - n
+    at = bisect.bisect_left(caps, n)
+    if at == len(caps):
+      row, room = len(rows), seq_len
+      rows.append([])
+    else:
+      room = caps[at]
+      row = rows_with[room].pop()
+      if not rows_with[room]:
+        del rows_with[room], caps[at]
+    rows[row].append((d, start, n))
+    room -= n
+    if room:
+      if room not in rows_with:
+        rows_with[room] = []
+        bisect.insort(caps, room)
+      rows_with[room].append(row)
+  offsets = np.cumsum([0] + [len(r) for r in rows])
+  pieces = np.asarray([p for r in rows for p in r], np.int64).reshape(-1, 3)
+  return offsets, pieces
+
+
+class PackedDocuments:
+  """packing='documents': row r of the best-fit plan as a feature dict (module docstring)."""
+
+  def __init__(self, docs, seq_len: int):
+    self.docs, self.seq_len = docs, seq_len
+    self.offsets, self.pieces = plan(docs.lengths, seq_len)
+    used = int(self.pieces[:, 2].sum()) if len(self.pieces) else 0
+    self.padding_fraction = 1 - used / max(len(self) * seq_len, 1)
+
+  def __len__(self) -> int:
+    return len(self.offsets) - 1
+
+  def __getitem__(self, r: int) -> dict[str, np.ndarray]:
+    if not 0 <= r < len(self):
+      raise IndexError(f'row {r} out of range 0..{len(self) - 1}')
+    t = self.seq_len
+    row = {'tokens': np.zeros(t, np.int32), 'targets': np.full(t, -1, np.int32),
+           'segment_ids': np.zeros(t, np.int32), 'positions': np.zeros(t, np.int32)}
+    if self.docs.sft:
+      row['loss_mask'] = np.zeros(t, np.int32)
+    at = 0
+    for segment, (d, start, n) in enumerate(self.pieces[self.offsets[r]:self.offsets[r + 1]], 1):
+      ids, mask = self.docs.tokens(int(d))
+      row['tokens'][at:at + n] = ids[start:start + n]
+      row['targets'][at:at + n] = ids[start + 1:start + n + 1]
+      row['segment_ids'][at:at + n] = segment
+      row['positions'][at:at + n] = np.arange(n)
+      if mask is not None:
+        row['loss_mask'][at:at + n] = mask[start + 1:start + n + 1]
+      at += n
+    return row
+
+
+class ConcatWindows:
+  """packing='concat': window k = tokens [kT, kT + T] of the joined documents (module docstring)."""
+
+  def __init__(self, docs, seq_len: int):
+    self.docs, self.seq_len = docs, seq_len
+    self.starts = np.concatenate([[0], np.cumsum(docs.lengths)])
+    self.padding_fraction = 0.0
+
+  def __len__(self) -> int:
+    return max(int(self.starts[-1]) - 1, 0) // self.seq_len
+
+  def __getitem__(self, k: int) -> dict[str, np.ndarray]:
+    if not 0 <= k < len(self):
+      raise IndexError(f'window {k} out of range 0..{len(self) - 1}')
+    lo, hi = k * self.seq_len, (k + 1) * self.seq_len + 1
+    d = int(np.searchsorted(self.starts, lo, side='right')) - 1
+    ids, masks = [], []
+    while self.starts[d] < hi:
+      doc_ids, mask = self.docs.tokens(d)
+      a, b = max(lo - self.starts[d], 0), min(hi, self.starts[d + 1]) - self.starts[d]
+      ids.append(doc_ids[a:b])
+      masks.append(mask[a:b] if mask is not None else None)
+      d += 1
+    window = np.concatenate(ids)
+    row = {'tokens': window[:-1], 'targets': window[1:]}
+    if self.docs.sft:
+      row['loss_mask'] = np.concatenate(masks)[1:].astype(np.int32)
+    return row

@@ -1,0 +1,201 @@
+"""Raw text on disk as random-access documents, and supervised fine-tuning examples.
+
+  Documents(paths, text_field)   .txt (a file is a document), .jsonl (a line is a document: its
+                                 `text_field`), .parquet (a row: column `text_field`)
+  Conversations(paths, fields)   JSONL of {"prompt", "completion"} pairs or {"messages": [{"role",
+                                 "content"}, ...]} chat turns -> [(text, trained?), ...] pieces
+
+Files are indexed once (line offsets, row groups) and read per document, so a corpus is never
+loaded whole; objects pickle as their paths and indexes, for worker processes. A line that is
+not JSON or lacks the field is a DataError naming the file and line. Chat turns are rendered
+with a plain template ('<|role|>\\n' + content + '\\n'): the assistant's content and its end are
+trained, every other piece is prompt.
+"""
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from disttrain.data.formats import resolve_files
+from disttrain.errors import DataError
+
+SUFFIXES = ('.txt', '.jsonl', '.json', '.parquet')
+
+
+def resolve(patterns: str, field: str) -> list[str]:
+  """Sorted text files of comma-separated globs, each of a suffix this module reads."""
+  paths = resolve_files(patterns, field)
+  bad = [p for p in paths if not p.endswith(SUFFIXES)]
+  if bad:
+    raise DataError(f'{field}: {bad[0]} is not one of {SUFFIXES}; pass text (.txt), JSON lines '
+                    '(.jsonl) or Parquet files')
+  return paths
+
+
+class _Lines:
+  """Byte offsets of a JSONL file's non-empty lines (a newline scan over the mapped file)."""
+
+  _CHUNK = 64 * 2**20  # bytes scanned at once: memory stays flat whatever the file's size
+
+  def __init__(self, path: str):
+    self.path = path
+    size = os.path.getsize(path)
+    newlines = []
+    if size:
+      data = np.memmap(path, np.uint8, mode='r')
+      for at in range(0, size, self._CHUNK):
+        newlines.append(at + np.flatnonzero(data[at:at + self._CHUNK] == ord('\n')))
+      del data
+    ends = np.concatenate(newlines + [np.array([size])]).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    keep = ends > starts  # blank lines and the final newline are not documents
+    self.starts, self.ends = starts[keep], ends[keep]
+    self.line_numbers = np.flatnonzero(keep) + 1
+
+  def __len__(self) -> int:
+    return len(self.starts)
+
+  def record(self, i: int, field_names: tuple[str, ...]) -> dict:
+    with open(self.path, 'rb') as f:
+      f.seek(int(self.starts[i]))
+      raw = f.read(int(self.ends[i] - self.starts[i]))
+    where = f'{self.path} line {int(self.line_numbers[i])}'
+    try:
+      record = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+      raise DataError(f'{where} is not JSON ({e}); fix or remove that line') from None
+    if not isinstance(record, dict) or not any(k in record for k in field_names):
+      found = sorted(record) if isinstance(record, dict) else type(record).__name__
+      raise DataError(f'{where} has no field {" or ".join(map(repr, field_names))} (it has '
+                      f'{found}); set the field name (data.text_field, data.sft.*) or fix the line')
+    return record
+
+
+class _Parquet:
+  """Rows of a Parquet file's text column, read one row group at a time."""
+
+  def __init__(self, path: str, column: str):
+    try:
+      import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise DataError(f"{path}: Parquet needs pyarrow ({e}); pip install '.[text]'") from e
+    meta = pq.ParquetFile(path).metadata
+    names = meta.schema.names
+    if column not in names:
+      raise DataError(f'{path} has no column {column!r} (it has {names}); set data.text_field')
+    self.path, self.column = path, column
+    self.ends = np.cumsum([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+    self._group = (-1, None)
+
+  def __len__(self) -> int:
+    return int(self.ends[-1]) if len(self.ends) else 0
+
+  def __getstate__(self) -> dict:
+    return {**self.__dict__, '_group': (-1, None)}
+
+  def text(self, i: int) -> str:
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    group = int(np.searchsorted(self.ends, i, side='right'))
+    if self._group[0] != group:
+      table = pq.ParquetFile(self.path).read_row_group(group, columns=[self.column])
+      self._group = (group, table.column(0).to_pylist())
+    value = self._group[1][i - (int(self.ends[group - 1]) if group else 0)]
+    if not isinstance(value, str):
+      raise DataError(f'{self.path} row {i}: column {self.column!r} is '
+                      f'{type(value).__name__}, not text; pick a string column (data.text_field)')
+    return value
+
+
+class _TextFile:
+  """A .txt file: one document."""
+
+  def __init__(self, path: str):
+    self.path = path
+
+  def __len__(self) -> int:
+    return 1
+
+  def text(self, i: int) -> str:
+    del i
+    with open(self.path, encoding='utf-8', errors='replace') as f:
+      return f.read()
+
+
+class _Files:
+  """Concatenated per-file readers: document i -> (reader, index within it)."""
+
+  def __init__(self, readers: list):
+    self.readers = readers
+    self.ends = np.cumsum([len(r) for r in readers])
+
+  def __len__(self) -> int:
+    return int(self.ends[-1]) if len(self.ends) else 0
+
+  def locate(self, i: int) -> tuple[Any, int]:
+    if not 0 <= i < len(self):
+      raise IndexError(f'document {i} out of range 0..{len(self) - 1}')
+    f = int(np.searchsorted(self.ends, i, side='right'))
+    return self.readers[f], i - (int(self.ends[f - 1]) if f else 0)
+
+
+class Documents:
+  """Document i of the files as a string (see the module docstring for the formats)."""
+
+  def __init__(self, paths: list[str], text_field: str = 'text'):
+    self.text_field = text_field
+    self._files = _Files([_Parquet(p, text_field) if p.endswith('.parquet') else
+                          _TextFile(p) if p.endswith('.txt') else _Lines(p) for p in paths])
+    if not len(self):
+      raise DataError(f'the text files {paths[:3]} hold no documents; pass non-empty files')
+
+  def __len__(self) -> int:
+    return len(self._files)
+
+  def __getitem__(self, i: int) -> str:
+    reader, j = self._files.locate(i)
+    if not isinstance(reader, _Lines):
+      return reader.text(j)
+    value = reader.record(j, (self.text_field,))[self.text_field]
+    if not isinstance(value, str):
+      raise DataError(f'{reader.path} line {int(reader.line_numbers[j])}: field '
+                      f'{self.text_field!r} is {type(value).__name__}, not text')
+    return value
+
+
+class Conversations:
+  """Example i of SFT JSONL files as pieces [(text, trained), ...] in order."""
+
+  def __init__(self, paths: list[str], prompt_field: str = 'prompt',
+               completion_field: str = 'completion', messages_field: str = 'messages'):
+    bad = [p for p in paths if not p.endswith(('.jsonl', '.json'))]
+    if bad:
+      raise DataError(f'{bad[0]}: supervised fine-tuning reads JSON lines (.jsonl) of '
+                      f'{prompt_field}/{completion_field} pairs or {messages_field} turns')
+    self.fields = (prompt_field, completion_field, messages_field)
+    self._files = _Files([_Lines(p) for p in paths])
+    if not len(self):
+      raise DataError(f'the SFT files {paths[:3]} hold no examples; pass non-empty files')
+
+  def __len__(self) -> int:
+    return len(self._files)
+
+  def __getitem__(self, i: int) -> list[tuple[str, bool]]:
+    reader, j = self._files.locate(i)
+    prompt, completion, messages = self.fields
+    record = reader.record(j, (messages, completion))
+    where = f'{reader.path} line {int(reader.line_numbers[j])}'
+    if messages in record:
+      turns = record[messages]
+      if not (isinstance(turns, list) and turns and all(
+          isinstance(t, dict) and isinstance(t.get('content'), str) for t in turns)):
+        raise DataError(f'{where}: {messages!r} must be a list of {{"role", "content"}} turns')
+      pieces = []
+      for turn in turns:
+        pieces.append((f'<|{turn.get("role", "user")}|>\n', False))
+        pieces.append((turn['content'] + '\n', turn.get('role') == 'assistant'))
+      return pieces
+    if not isinstance(record.get(prompt, ''), str) or not isinstance(record[completion], str):
+      raise DataError(f'{where}: {prompt!r} and {completion!r} must be text')
+    return [(record.get(prompt, ''), False), (record[completion], True)]

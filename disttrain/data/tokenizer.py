@@ -1,0 +1,180 @@
+"""Tokenizers for raw text: a Hugging Face tokenizer.json, a SentencePiece .model, or bytes.
+
+  load('')                      bytes: ids 0..255, end of sequence 256 (vocabulary 257)
+  load('DIR/tokenizer.json')    the `tokenizers` library (a directory holding one works too)
+  load('DIR/tokenizer.model')   SentencePiece
+
+`encode` adds what the tokenizer itself adds (a tokenizer.json's post-processor, SentencePiece's
+BOS); documents are then ended with `eos_id`. The end-of-sequence token comes from a
+tokenizer_config.json beside the file, else the first of the usual names in the vocabulary.
+Objects pickle as their path, so worker processes load their own copy.
+
+  disttrain tokenizer --input='data/docs/train.jsonl' --vocab_size=4096 \\
+      --out=data/docs/tokenizer.json    # trains a byte-level BPE tokenizer (tokenizers' trainer)
+"""
+
+import json
+import os
+import time
+
+from disttrain.errors import DataError, one_line_errors
+
+_EOS_NAMES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>', '<|im_end|>', '<|eot_id|>')
+BYTE_EOS = 256
+
+
+def _need(module: str):
+  try:
+    return __import__(module)
+  except ImportError as e:
+    raise DataError(f'data.tokenizer needs the {module} package ({e}); pip install '
+                    "'.[text]'") from e
+
+
+class Tokenizer:
+  """encode / decode / vocab_size / eos_id / bos_id of one tokenizer file ('' = bytes)."""
+
+  def __init__(self, path: str = ''):
+    self.path = path
+    self._impl = None
+    self.kind, file = _resolve(path)
+    self.file = file
+    self._load()
+
+  def _load(self) -> None:
+    if self.kind == 'bytes':
+      self.vocab_size, self.eos_id, self.bos_id = 257, BYTE_EOS, None
+    elif self.kind == 'hf':
+      tokenizers = _need('tokenizers')
+      try:
+        self._impl = tokenizers.Tokenizer.from_file(self.file)
+      except Exception as e:  # pylint: disable=broad-except  (the Rust side's own errors)
+        raise DataError(f'data.tokenizer={self.path!r}: {self.file} is not a tokenizer.json '
+                        f'({str(e)[:200]}); pass a Hugging Face tokenizer.json') from e
+      self.vocab_size = self._impl.get_vocab_size(with_added_tokens=True)
+      self.eos_id, self.bos_id = self._special('eos_token'), self._special('bos_token')
+    else:
+      spm = _need('sentencepiece')
+      self._impl = spm.SentencePieceProcessor()
+      try:
+        self._impl.Load(self.file)
+      except (OSError, RuntimeError) as e:
+        raise DataError(f'data.tokenizer={self.path!r}: {self.file} is not a SentencePiece model '
+                        f'({e}); pass a .model file') from e
+      self.vocab_size = self._impl.GetPieceSize()
+      self.eos_id = self._impl.eos_id() if self._impl.eos_id() >= 0 else None
+      self.bos_id = self._impl.bos_id() if self._impl.bos_id() >= 0 else None
+
+  def _special(self, key: str) -> int | None:
+    """A special token's id from tokenizer_config.json beside the file (eos: else usual names)."""
+    config = os.path.join(os.path.dirname(self.file), 'tokenizer_config.json')
+    name = None
+    if os.path.isfile(config):
+      with open(config, encoding='utf-8') as f:
+        name = json.load(f).get(key)
+      name = name.get('content') if isinstance(name, dict) else name
+    if name is not None:
+      return self._impl.token_to_id(name)
+    if key != 'eos_token':
+      return None
+    return next((i for i in map(self._impl.token_to_id, _EOS_NAMES) if i is not None), None)
+
+  def __getstate__(self) -> dict:
+    return {'path': self.path}
+
+  def __setstate__(self, state: dict) -> None:
+    self.__init__(state['path'])
+
+  def encode(self, text: str, special: bool = True) -> list[int]:
+    return self.encode_batch([text], special)[0]
+
+  def encode_batch(self, texts: list[str], special: bool = True) -> list[list[int]]:
+    """Token ids of each text, no EOS; `special`: with what the tokenizer adds itself (BOS),
+    as at the start of a document (not for a later piece of one)."""
+    if self.kind == 'bytes':
+      return [list(t.encode('utf-8')) for t in texts]
+    if self.kind == 'hf':
+      return [e.ids for e in self._impl.encode_batch(texts, add_special_tokens=special)]
+    ids = self._impl.EncodeAsIds(texts)
+    if special and self.bos_id is not None:
+      return [[self.bos_id] + x for x in ids]
+    return ids
+
+  def decode(self, ids: list[int]) -> str:
+    ids = [int(i) for i in ids]
+    if self.kind == 'bytes':
+      return bytes(i for i in ids if i < 256).decode('utf-8', errors='replace')
+    if self.kind == 'hf':
+      return self._impl.decode(ids)
+    return self._impl.DecodeIds(ids)
+
+  def id_to_token(self, i: int) -> str:
+    if self.kind == 'bytes':
+      return '<eos>' if i == BYTE_EOS else chr(i)
+    return self._impl.id_to_token(i) if self.kind == 'hf' else self._impl.IdToPiece(i)
+
+  def check_vocab(self, vocab_size: int) -> None:
+    """Refuses a tokenizer whose ids would not fit the model's vocabulary."""
+    if self.vocab_size > vocab_size:
+      raise DataError(f'data.tokenizer={self.path or "bytes"!r} has {self.vocab_size:,} tokens '
+                      f'but model.vocab_size={vocab_size:,}; raise model.vocab_size to at least '
+                      f'{self.vocab_size} or use a smaller tokenizer')
+
+
+def _resolve(path: str) -> tuple[str, str]:
+  """('bytes' | 'hf' | 'sentencepiece', file)."""
+  if not path:
+    return 'bytes', ''
+  if os.path.isdir(path):
+    for name, kind in (('tokenizer.json', 'hf'), ('tokenizer.model', 'sentencepiece')):
+      if os.path.isfile(os.path.join(path, name)):
+        return kind, os.path.join(path, name)
+    raise DataError(f'data.tokenizer={path!r} is a directory without tokenizer.json or '
+                    'tokenizer.model; pass the tokenizer file')
+  if not os.path.isfile(path):
+    raise DataError(f'data.tokenizer={path!r} does not exist; pass a tokenizer.json, a '
+                    "SentencePiece .model, or '' for bytes")
+  return ('sentencepiece' if path.endswith('.model') else 'hf'), path
+
+
+def load(path: str = '') -> Tokenizer:
+  return Tokenizer(path)
+
+
+def train_bpe(texts, vocab_size: int, out: str) -> Tokenizer:
+  """A byte-level BPE tokenizer (GPT-2's scheme, `tokenizers`' trainer) with <|endoftext|> as
+  token 0 and end of sequence; written to `out` (tokenizer.json)."""
+  tokenizers = _need('tokenizers')
+  # pylint: disable-next=g-import-not-at-top
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=['<|endoftext|>'],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(texts, trainer=trainer)
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  tok.save(out)
+  return Tokenizer(out)
+
+
+def main(argv: list[str]) -> None:
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from disttrain.data import text  # pylint: disable=g-import-not-at-top
+  del argv
+  start = time.perf_counter()
+  docs = text.Documents(text.resolve(flags.FLAGS.input, '--input'), flags.FLAGS.text_field)
+  tok = train_bpe((docs[i] for i in range(len(docs))), flags.FLAGS.vocab_size, flags.FLAGS.out)
+  print(f'trained a {tok.vocab_size:,}-token byte-level BPE tokenizer on {len(docs):,} documents '
+        f'in {time.perf_counter() - start:.1f}s: {flags.FLAGS.out} (eos id {tok.eos_id})')
+
+
+if __name__ == '__main__':
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_string('input', None, 'Text files: .txt, .jsonl or .parquet globs, comma-separated.')
+  flags.DEFINE_string('text_field', 'text', 'JSONL field / Parquet column with the text.')
+  flags.DEFINE_integer('vocab_size', 4096, 'Tokens in the vocabulary (special token included).')
+  flags.DEFINE_string('out', None, 'Where to write tokenizer.json.')
+  flags.mark_flags_as_required(['input', 'out'])
+  app.run(one_line_errors(main))

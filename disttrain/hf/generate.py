@@ -1,0 +1,244 @@
+"""Sampling from a trained language model: prefill, then KV-cache decoding in one compiled loop.
+
+  disttrain generate --workdir=RUN_DIR --prompt='def main' [--prompt=...]
+      [--max_new_tokens=64 --temperature=0.8 --top_k=50 --top_p=0.95 --seed=0 --step=N]
+  disttrain generate --hf_dir=HF_DIR --prompt=...           # a Hugging Face model
+
+`disttrain.generate(model, params, prompts, ...)` is the Python form. Prompts of different
+lengths are left-padded to one length (padding is segment 0, which no token attends to, and
+positions count from each prompt's first token), prefilled in one forward pass that writes the
+cache, then decoded one token per step inside a `lax.while_loop` until every row has produced EOS
+or max_new_tokens: one compilation per (batch, prompt bucket, length), none per token. The cache
+is an argument and a result of the model, never training state. Temperature 0 is greedy.
+"""
+
+import dataclasses
+import functools
+import sys
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from disttrain.errors import ConfigError, one_line_errors
+from disttrain.models.layers import Decode
+
+_BUCKET = 8  # prompt lengths are padded up to a multiple of this (fewer compilations)
+
+
+@dataclasses.dataclass
+class Generation:
+  """New tokens per prompt (up to and excluding EOS), and how long it took."""
+  tokens: list[list[int]]
+  logprobs: list[list[float]]  # the model's log-probability of each new token (temperature 1)
+  seconds: float  # the compiled loop, without compilation
+  compile_seconds: float
+  traces: int  # times the loop was traced in this process (1: compiled once per shape)
+
+  @property
+  def tokens_per_second(self) -> float:
+    return sum(len(t) for t in self.tokens) / max(self.seconds, 1e-9)
+
+
+def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k: int,
+           top_p: float) -> jax.Array:
+  """Next tokens [B]: argmax at temperature 0, else a draw from the tempered distribution
+  restricted to the top_k tokens and to the smallest set whose probability reaches top_p."""
+  if temperature == 0:
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  logits = logits_BxV.astype(jnp.float32) / temperature
+  if top_k:
+    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if top_p < 1.0:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    before = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1) - jax.nn.softmax(
+        sorted_logits, axis=-1)
+    sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)  # keeps the first one
+    logits = jnp.full_like(logits, -jnp.inf).at[
+        jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+_TRACES = [0]
+
+
+def _loop(module, max_new: int, eos: int, temperature: float, top_k: int, top_p: float):
+  """(params, prompt tokens, segments, positions [B, P], key) -> (new tokens, their log-probs)
+  [B, N]."""
+  def run(params, tokens_BxP, segments_BxP, positions_BxP, key):
+    _TRACES[0] += 1
+    b, p = tokens_BxP.shape
+    cache = module.init_cache(b, p + max_new)
+    kv_segments = jnp.zeros((b, p + max_new), jnp.int32).at[:, :p].set(segments_BxP)
+    apply = lambda tokens, positions, segments, kv, at, cache: module.apply(
+        {'params': params}, tokens, False, positions=positions, segment_ids=segments,
+        decode=Decode(kv, at), cache=cache)
+    def pick(logits_BxV, i):
+      token = sample(logits_BxV, jax.random.fold_in(key, i), temperature, top_k, top_p)
+      logprob = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV.astype(jnp.float32)),
+                                    token[:, None], axis=-1)[:, 0]
+      return token, logprob
+    logits, cache = apply(tokens_BxP, positions_BxP, segments_BxP, kv_segments, 0, cache)
+    token, logprob = pick(logits[:, -1], 0)
+    out = (jnp.full((b, max_new), eos, jnp.int32), jnp.zeros((b, max_new), jnp.float32))
+    done = jnp.zeros((b,), bool)
+    state = (0, token, logprob, positions_BxP[:, -1] + 1, done, out, cache, kv_segments)
+
+    def cond(state):
+      i, _, _, _, done, *_ = state
+      return (i < max_new) & ~jnp.all(done)
+
+    def body(state):
+      i, token, logprob, position, done, (out, logprobs), cache, kv = state
+      out = out.at[:, i].set(jnp.where(done, eos, token))
+      logprobs = logprobs.at[:, i].set(logprob)
+      done = done | (token == eos)
+      kv = kv.at[:, p + i].set(1)
+      logits, cache = apply(token[:, None], position[:, None], jnp.ones((b, 1), jnp.int32), kv,
+                            p + i, cache)
+      token, logprob = pick(logits[:, 0], i + 1)
+      return i + 1, token, logprob, position + 1, done, (out, logprobs), cache, kv
+    return jax.lax.while_loop(cond, body, state)[5]
+  return run
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_loop(module, max_new: int, eos: int, temperature: float, top_k: int, top_p: float):
+  """The jitted loop of these settings (one per setting: each traces once per shape)."""
+  loop = _loop(module, max_new, eos, temperature, top_k, top_p)
+  return jax.jit(lambda params, t, s, q, key: loop(params, t, s, q, jax.random.wrap_key_data(key)))
+
+
+def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 64,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             eos_id: int | None = None, mesh=None, context: int | None = None) -> Generation:
+  """Continues each prompt (token ids) with up to max_new_tokens tokens.
+
+  Args:
+    model: a disttrain.models.decoder.LanguageModel (or its Decoder module).
+    params: its parameters, anywhere (e.g. sharded on the run's mesh).
+    prompts: token ids per prompt (at least one token each).
+    eos_id: stop a row at this token (None: never).
+    mesh: where the prompts go (replicated); default: the parameters' devices.
+    context: the longest sequence the model takes; longer prompts + max_new_tokens are refused.
+  """
+  module = getattr(model, 'module', model)
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ConfigError('every prompt needs at least one token')
+  longest = max(len(p) for p in prompts)
+  p = -(-longest // _BUCKET) * _BUCKET
+  if context is not None and longest + max_new_tokens > context:
+    raise ConfigError(f'a prompt of {longest} tokens + max_new_tokens={max_new_tokens} is longer '
+                      f'than the model context of {context} tokens; shorten the prompt or '
+                      'generate fewer tokens')
+  tokens, segments, positions = (np.zeros((len(prompts), p), np.int32) for _ in range(3))
+  for row, prompt in enumerate(prompts):
+    tokens[row, p - len(prompt):] = prompt
+    segments[row, p - len(prompt):] = 1
+    positions[row, p - len(prompt):] = np.arange(len(prompt))
+  eos = -1 if eos_id is None else int(eos_id)
+  if mesh is None:
+    mesh = getattr(jax.tree.leaves(params)[0].sharding, 'mesh', None)
+  put = lambda x: jax.device_put(x, None if mesh is None else NamedSharding(mesh, P()))
+  args = (params, put(tokens), put(segments), put(positions),
+          put(jax.random.key_data(jax.random.key(seed))))
+  fn = _compiled_loop(module, max_new_tokens, eos, float(temperature), int(top_k), float(top_p))
+  start = time.perf_counter()
+  compiled = fn.lower(*args).compile()
+  compile_seconds = time.perf_counter() - start
+  start = time.perf_counter()
+  out, logprobs = jax.block_until_ready(compiled(*args))
+  seconds = time.perf_counter() - start
+  new, scores = [], []
+  for row, row_logprobs in zip(np.asarray(out), np.asarray(logprobs)):
+    ends = np.flatnonzero(row == eos)
+    n = ends[0] if len(ends) else len(row)
+    new.append([int(t) for t in row[:n]])
+    scores.append([float(x) for x in row_logprobs[:n]])
+  return Generation(new, scores, seconds, compile_seconds, _TRACES[0])
+
+
+class SampleAtEnd:
+  """A callback that prints a greedy continuation of each prompt when the run ends (process 0),
+  with the run's model and data.tokenizer: what example configs return from get_callbacks."""
+
+  def __init__(self, cfg, prompts: list[str], max_new_tokens: int = 48):
+    from disttrain import models  # pylint: disable=g-import-not-at-top
+    from disttrain.data import tokenizer as tokenizer_lib
+    self.model = models.build(cfg.model, cfg.precision.compute_dtype, cfg.data.seq_len)
+    self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
+    self.prompts, self.max_new_tokens = prompts, max_new_tokens
+    self.context = self.model.cfg.learned_positions or cfg.model.max_seq_len or cfg.data.seq_len
+
+  def on_end(self, result) -> None:
+    eos = self.tokenizer.eos_id if (self.tokenizer.eos_id or 0) < self.model.cfg.vocab_size \
+        else None
+    out = generate(self.model, result.state.params,
+                   [self.tokenizer.encode(p) for p in self.prompts],
+                   max_new_tokens=self.max_new_tokens, eos_id=eos, context=self.context)
+    if jax.process_index() == 0:
+      for prompt, new in zip(self.prompts, out.tokens):
+        print(f'sample: {prompt + self.tokenizer.decode(new)!r}', flush=True)
+
+
+class _CallableModule(types.ModuleType):
+  """`disttrain.generate(...)` calls generate() even where this module is the attribute."""
+
+  def __call__(self, *args, **kwargs):
+    return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+
+def main(argv) -> None:
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from disttrain.hf import trained  # pylint: disable=g-import-not-at-top
+  del argv
+  f = flags.FLAGS
+  if f.fake_devices:
+    jax.config.update('jax_platforms', 'cpu')
+    jax.config.update('jax_num_cpu_devices', f.fake_devices)
+  mesh = dict(kv.split('=') for kv in f.mesh.split(',')) if f.mesh else None
+  lm = trained.load(workdir=f.workdir, hf_dir=f.hf_dir, step=f.step,
+                    mesh={k: int(v) for k, v in mesh.items()} if mesh else None,
+                    tokenizer=f.tokenizer, ema=f.ema)
+  prompts = [lm.tokenizer.encode(text) for text in f.prompt]
+  eos = lm.tokenizer.eos_id if lm.tokenizer.eos_id is not None and \
+      lm.tokenizer.eos_id < lm.model.cfg.vocab_size else None
+  result = generate(lm.model, lm.params, prompts, max_new_tokens=f.max_new_tokens,
+                    temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
+                    eos_id=eos, mesh=lm.mesh, context=lm.context)
+  for text, new in zip(f.prompt, result.tokens):
+    print(f'{text}{lm.tokenizer.decode(new)}')
+    print('---')
+  count = sum(len(t) for t in result.tokens)
+  print(f'{count} new tokens from {lm.source} on {lm.mesh.size} devices '
+        f'{dict(lm.mesh.shape)} in {result.seconds:.2f}s: {result.tokens_per_second:,.1f} tokens/s '
+        f'(compiled in {result.compile_seconds:.1f}s)', flush=True)
+
+
+if __name__ == '__main__':
+  from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.ERROR)  # orbax's info and read-only notes
+  flags.DEFINE_string('workdir', '', 'A run directory with a checkpoint.')
+  flags.DEFINE_string('hf_dir', '', 'Or a Hugging Face model directory.')
+  flags.DEFINE_multi_string('prompt', None, 'Prompt text; repeat for a batch.')
+  flags.DEFINE_integer('max_new_tokens', 64, 'Tokens to generate per prompt at most.')
+  flags.DEFINE_float('temperature', 0.0, '0 = greedy.')
+  flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens; 0 = all.')
+  flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling: the smallest set reaching this mass.')
+  flags.DEFINE_integer('seed', 0, 'Sampling seed.')
+  flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
+  flags.DEFINE_string('tokenizer', None, "Tokenizer file (default: the run's data.tokenizer).")
+  flags.DEFINE_bool('ema', False, 'Sample from the moving average of the parameters.')
+  flags.DEFINE_string('mesh', '', "Mesh axis sizes instead of the run's, e.g. data=-1 or "
+                      'fsdp=8,data=1.')
+  flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
+  flags.mark_flag_as_required('prompt')
+  app.run(one_line_errors(main))

@@ -1,0 +1,106 @@
+"""A trained language model, loaded for sampling or export: a run's checkpoint or a Hugging Face
+directory, its parameters placed on a mesh with the run's layout (fsdp, tensor), its tokenizer.
+
+Only the parameters are read (orbax partial restore), not the optimizer state, unless the
+moving average of the parameters is asked for.
+"""
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from disttrain import config as config_lib, models
+from disttrain.config import Config
+from disttrain.data import tokenizer as tokenizer_lib
+from disttrain.errors import CheckpointError, ConfigError
+from disttrain.hf import config as hf_config, weights as hf
+from disttrain.parallel import mesh as mesh_lib, optim, state as state_lib
+from disttrain.storage import checkpoint
+
+
+@dataclasses.dataclass
+class Trained:
+  """What sampling and export need."""
+  cfg: Config  # the run's config (for a Hugging Face directory: its model fields)
+  model: Any  # disttrain.models.decoder.LanguageModel
+  params: Any  # on `mesh`
+  mesh: Any
+  tokenizer: tokenizer_lib.Tokenizer
+  source: str  # 'RUN_DIR step N' or the Hugging Face directory
+  context: int  # the longest sequence it takes (positions table, max_seq_len or data.seq_len)
+
+
+def _config(tree: dict, mesh: dict | None) -> Config:
+  cd = config_lib.defaults()
+  for group, fields in tree.items():
+    if isinstance(fields, dict) and group in cd:
+      cd[group].update({k: v for k, v in fields.items() if k in cd[group]})
+    elif group in cd:
+      cd[group] = tuple(tuple(r) for r in fields) if group.endswith('_rules') else fields
+  if mesh:
+    cd.mesh.update(mesh)
+  return config_lib.from_config_dict(cd)
+
+
+def _mesh(cfg: Config, devices):
+  try:
+    return mesh_lib.build(cfg.mesh, devices)
+  except ConfigError as e:
+    raise ConfigError(f'{e} (the run was laid out on mesh {dict(vars(cfg.mesh))}): pass '
+                      '--fake_devices=N to match it on CPU, or --mesh=data=-1 to lay the '
+                      'model out on the devices present') from None
+
+
+def load(*, workdir: str = '', hf_dir: str = '', step: int | None = None, devices=None,
+         mesh: dict | None = None, tokenizer: str | None = None, ema: bool = False,
+         compute_dtype: str | None = None) -> Trained:
+  """The model of `workdir` (latest checkpoint, or `step`) or of `hf_dir`, on a mesh of `devices`
+  with the run's mesh and rules (`mesh` overrides axis sizes, e.g. {'data': -1})."""
+  if bool(workdir) == bool(hf_dir):
+    raise ConfigError('pass --workdir=RUN_DIR (a run with a checkpoint) or --hf_dir=DIR, one')
+  if hf_dir:
+    config, family = hf_config.read(hf_dir)
+    model_fields = hf_config.model_fields(config, family)
+    cfg = _config({'model': {k: v for k, v in model_fields.items() if k != 'rope_scaling'}},
+                  mesh)
+    cd = config_lib.defaults(cfg)
+    cd.model.rope_scaling.update(model_fields.get('rope_scaling', {}))
+    cfg = config_lib.from_config_dict(cd)
+    has_own = any(os.path.isfile(os.path.join(hf_dir, n))
+                  for n in ('tokenizer.json', 'tokenizer.model'))
+    source, tok_path = hf_dir, tokenizer if tokenizer is not None else (hf_dir if has_own else '')
+  else:
+    tree, step = checkpoint.run_config(workdir, step)
+    cfg, source = _config(tree, mesh), f'{workdir} step {step}'
+    tok_path = cfg.data.tokenizer if tokenizer is None else tokenizer
+  dtype = compute_dtype or cfg.precision.compute_dtype
+  model = models.build(cfg.model, dtype, cfg.data.seq_len)
+  if not hasattr(model, 'family'):
+    raise ConfigError(f'model.name={cfg.model.name!r} is not a language model; sampling and '
+                      "export take model.name='llama' or 'gpt'")
+  mesh_ = _mesh(cfg, devices)
+  context = model.cfg.learned_positions or cfg.model.max_seq_len or cfg.data.seq_len
+  spec = {'tokens': jax.ShapeDtypeStruct((1, cfg.data.seq_len), np.int32)}
+  abstract = state_lib.abstract_params(model, spec, cfg, mesh_)
+  if hf_dir:
+    params = hf.restore(hf_dir, model, cfg.model, abstract)
+  elif ema:
+    params = _ema(workdir, step, cfg, model, spec, mesh_)
+  else:
+    params = checkpoint.restore_subtree(workdir, step, {'params': abstract})['params']
+  return Trained(cfg, model, params, mesh_, tokenizer_lib.load(tok_path), source, context)
+
+
+def _ema(workdir: str, step: int, cfg: Config, model, spec, mesh):
+  """The moving average kept in the optimizer state (the whole state is read for it)."""
+  if not cfg.ema_decay:
+    raise CheckpointError(f'{workdir} was trained without ema_decay, so it keeps no moving '
+                          'average; drop --ema')
+  tx, _ = optim.build(cfg)
+  lay = state_lib.layout(model, tx, spec, cfg, mesh)
+  abstract = state_lib.abstract(lay, model, tx, spec, cfg.seed)
+  restored = checkpoint.restore_subtree(workdir, step, {'opt_state': abstract.opt_state})
+  return optim.ema_params(restored['opt_state'])

@@ -1,0 +1,8 @@
+"""What users run: the absl launcher, the restart supervisor and the local multi-process job.
+
+  train       flags -> locked ConfigDict -> Config -> disttrain.train (`disttrain train`,
+              `python launch/train.py`); --check validates without running
+  supervise   restarts a failed job from its last committed checkpoint, by exit status
+  cluster     P local processes x D fake CPU devices as one jax.distributed job
+The `disttrain` command (disttrain/cli.py) names these and the other tools as subcommands.
+"""

@@ -1,0 +1,252 @@
+"""Train a config: disttrain train --config=launch/configs/mnist_mlp.py --workdir=DIR.
+
+(`python launch/train.py ...` is the same launcher; `disttrain check ...` is `--check`.)
+
+Flags: --fake_devices=N gives N CPU devices; --config.<field>=<value> overrides any config field.
+Besides get_config(), a config file may define get_data(config), get_model(config),
+get_task(config) and get_callbacks(config) (HOOKS): they give train() its data, model, task and
+callbacks, so the launcher trains a user's own objects without editing disttrain.
+Bad input (config, flags, data) exits with status 2 and one line naming the value and the fix.
+"""
+
+import os
+import re
+import runpy
+import sys
+from typing import NoReturn
+
+from absl import app, flags, logging
+import ml_collections
+from ml_collections import config_flags
+
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  return int(value) if value and value.isdigit() else None
+
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (launch/configs/*.py).',
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for metrics, run.json, TensorBoard.')
+_FAKE_DEVICES = flags.DEFINE_integer(
+    'fake_devices', None, 'Run on N CPU devices (set before JAX initialises its backend).')
+_DISTRIBUTED = flags.DEFINE_bool(
+    'distributed', False, 'Initialise jax.distributed. Without --coordinator_address, JAX detects '
+    'the cluster itself (Cloud TPU pods, SLURM, ...).')
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', os.environ.get('JAX_COORDINATOR_ADDRESS'),
+    'host:port of process 0 (implies --distributed). Env: JAX_COORDINATOR_ADDRESS.')
+_NUM_PROCESSES = flags.DEFINE_integer(
+    'num_processes', _env_int('JAX_NUM_PROCESSES'), 'Processes in the job. Env: JAX_NUM_PROCESSES.')
+_PROCESS_ID = flags.DEFINE_integer(
+    'process_id', _env_int('JAX_PROCESS_ID'),
+    'This process, 0..num_processes-1. Env: JAX_PROCESS_ID.')
+_INIT_TIMEOUT = flags.DEFINE_integer(
+    'distributed_init_timeout', 300, 'Seconds to wait for every process to join.')
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    'distributed_heartbeat_timeout', 100, 'Seconds without a heartbeat before a process is '
+    'declared dead and the job stops.')
+_CHECK = flags.DEFINE_bool(
+    'check', False, 'Validate the flags and the config (fields, values, hooks) and exit 0 without '
+    'touching jax, the devices or the workdir (tests/test_docs.py checks documented commands).')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+# Config-file function -> the disttrain.train keyword it provides (get_data returns a dict of
+# train_data / eval_data).
+HOOKS = {'get_data': None, 'get_model': 'model', 'get_task': 'task', 'get_callbacks': 'callbacks'}
+_EXAMPLE_CONFIG = 'launch/configs/mnist_mlp.py'
+# A config override as config_flags finds it: --config.a.b=1, -config.a.b 1, --noconfig.flag.
+_OVERRIDE = re.compile(r'^-{1,2}(?:no)?config\.([^=]+)')
+_FLAG_VALUE_ERROR = re.compile(r'^flag --(\S+?)=(.*?): (.*)$')
+
+
+def main(argv):
+  del argv  # _parse_flags rejected positional arguments
+  import disttrain  # pylint: disable=g-import-not-at-top  (names load on first use)
+  try:
+    # A bad config fails here, before jax loads and before joining a job.
+    cfg = disttrain.from_config_dict(_CONFIG.value)
+  except disttrain.DisttrainError as e:
+    _fail(f'{type(e).__name__}: {e}')
+  if _CHECK.value:
+    hooks = [name for name in HOOKS if callable(_config_module().get(name))]
+    print(f'ok: --config={_config_path(sys.argv)} builds a valid config (model {cfg.model.name}, '
+          f'data {cfg.data.name}, {cfg.num_train_steps} steps'
+          f'{", hooks " + ", ".join(hooks) if hooks else ""}); nothing was run')
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  if _FAKE_DEVICES.value is not None:
+    # Must happen before the first backend use; on CPU this gives N devices in this process.
+    jax.config.update('jax_platforms', 'cpu')
+    jax.config.update('jax_num_cpu_devices', _FAKE_DEVICES.value)
+  from disttrain.parallel import distributed  # pylint: disable=g-import-not-at-top
+  try:
+    if _DISTRIBUTED.value or _COORDINATOR.value:
+      distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                             init_timeout=_INIT_TIMEOUT.value,
+                             heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
+    disttrain.train(cfg, _WORKDIR.value, **_hook_objects(cfg))
+  except disttrain.Preempted as e:  # also Interrupted (Ctrl-C)
+    print(e, flush=True)
+    sys.exit(e.exit_code)  # 75 (SIGTERM) or 130 (Ctrl-C): a checkpoint was saved; relaunch
+  except disttrain.DisttrainError as e:
+    _fail(f'{type(e).__name__}: {e}')
+
+
+def _hook_objects(cfg) -> dict:
+  """train() keywords from the config file's get_data / get_model / get_task / get_callbacks."""
+  path, module = _config_path(sys.argv).split(':', 1)[0], _config_module()
+  kwargs = {}
+  for name, keyword in HOOKS.items():
+    if not callable(module.get(name)):
+      continue
+    value = module[name](cfg)
+    if keyword is not None:
+      kwargs[keyword] = value
+    elif not (isinstance(value, dict) and set(value) <= {'train_data', 'eval_data'}
+              and 'train_data' in value):
+      _fail(f'--config={path!r}: get_data(config) returned {type(value).__name__}; return '
+            "{'train_data': source, 'eval_data': source, {name: source} or None}")
+    else:
+      kwargs.update(value)
+  return kwargs
+
+
+def _config_module() -> dict:
+  """The config file's globals (its get_data / get_model / ... hooks)."""
+  return runpy.run_path(_config_path(sys.argv).split(':', 1)[0])
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with every bad flag or config override reported as one `error:` line.
+
+  absl alone prints a multi-line FATAL message (exit 1) for bad flag values, and config_flags
+  raises a bare AttributeError traceback for an unknown --config.<field>; both happen before main.
+  """
+  try:
+    rest = flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(_flag_error(e))
+  except (AttributeError, KeyError, IndexError):
+    # config_flags looks each override up in the (locked) config; a miss is an unknown field.
+    # Anything else (e.g. a bug inside the config file) keeps its traceback.
+    message = _unknown_field(argv)
+    if message is None:
+      raise
+    _fail(message)
+  except OSError as e:  # the config file failed to load and an override touched it
+    _fail(_config_load_error(argv, e))
+  config = _CONFIG.value
+  try:
+    getattr(config, 'to_dict', None)  # config_flags defers a load failure to the first access
+  except OSError as e:
+    _fail(_config_load_error(argv, e))
+  if not isinstance(config, ml_collections.ConfigDict):
+    _fail(f'--config={_config_path(argv)!r}: get_config() returned {type(config).__name__}, not a '
+          'ConfigDict; make it return one (start from disttrain.config.defaults())')
+  if len(rest) > 1:
+    _fail(f'unexpected arguments {rest[1:]}; pass settings as flags, e.g. '
+          '--config.<field>=<value> (quote values with spaces)')
+  if _FAKE_DEVICES.value is not None and _FAKE_DEVICES.value < 1:
+    _fail(f'--fake_devices={_FAKE_DEVICES.value} must be >= 1; pass a device count such as '
+          '--fake_devices=8, or leave it out to use the real devices')
+  workdir = _WORKDIR.value
+  from disttrain import errors  # pylint: disable=g-import-not-at-top
+  from disttrain.storage import urls
+  try:
+    bucket = urls.is_bucket(urls.resolve(workdir))  # a bad URL or a missing extra: now
+  except errors.DisttrainError as e:
+    _fail(str(e))
+  if not bucket and os.path.exists(workdir) and not os.path.isdir(workdir):
+    _fail(f'--workdir={workdir!r} is a file, not a directory; pass a directory path (it is '
+          'created if missing)')
+  return rest
+
+
+def _flag_error(error: flags.Error) -> str:
+  """One line for absl's flag errors (bad value, missing required flag, unknown flag)."""
+  message = str(error)
+  if '\n' in message:  # e.g. a config file that raised: keep its trace, it points at the bug
+    return message
+  if type(error).__name__ == 'FlagOrderError':  # ml_collections' (not exported)
+    return f'{message}; put --config=FILE first, then its --config.<field>=<value> overrides'
+  match = _FLAG_VALUE_ERROR.match(message)
+  if match is None:
+    if isinstance(error, flags.UnrecognizedFlagError):
+      return f'{message}; run with --helpfull to list the flags'
+    return message
+  name, value, reason = match.groups()
+  if 'must have a value other than None' in reason:
+    example = _EXAMPLE_CONFIG if name == 'config' else 'DIR'
+    return f'--{name} is required; pass --{name}={example}'
+  if name.startswith('config.') and isinstance(_schema_value(name[len('config.'):]),
+                                               ml_collections.ConfigDict):
+    return (f'--{name}={value!r}: {name[len("config."):]} is a group of fields, not a value; '
+            f'set its fields instead, e.g. --{name}.<field>=<value>')
+  flag = flags.FLAGS[name] if name in flags.FLAGS else None
+  kind = flag.flag_type() if flag is not None else 'valid'
+  article = 'an' if kind[:1] in 'aeiou' else 'a'
+  example = ''
+  if flag is not None and flag.default is not None:
+    example = f', e.g. --{name}={flag.default}'
+  return (f'--{name}={value!r} is not {article} {kind} value ({reason}); pass {article} {kind}'
+          f'{example}')
+
+
+def _schema_value(path: str):
+  """The default of config field `path` ('mesh.data'), or None when there is no such field."""
+  from disttrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  node = config_lib.defaults()
+  for part in path.split('.'):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      return None
+    node = node[part]
+  return node
+
+
+def _unknown_field(argv: list[str]) -> str | None:
+  """The first --config.<path> override naming a field the config schema lacks, as one line."""
+  from disttrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  schema = config_lib.defaults()
+  for arg in argv:
+    match = _OVERRIDE.match(arg)
+    if match is None:
+      continue
+    node, prefix = schema, ''
+    for part in match.group(1).split('.'):
+      part = part.split('[', 1)[0]
+      group = prefix[:-1] or 'config'
+      if not isinstance(node, ml_collections.ConfigDict):
+        return (f'{arg}: config field {group} is a value, it has no field {part!r}; '
+                f'set --config.{group}=<value> instead')
+      if part not in node:
+        return (f'unknown config field {prefix}{part} in {arg}; {group} has fields '
+                f'{", ".join(node.keys())}: use one of them')
+      node, prefix = node[part], f'{prefix}{part}.'
+  return None
+
+
+def _config_path(argv: list[str]) -> str:
+  """The --config value as absl sees it (the last one given)."""
+  path = ''
+  for i, arg in enumerate(argv):
+    match = re.match(r'^-{1,2}config(=|$)', arg)
+    if match:
+      path = arg.split('=', 1)[1] if match.group(1) else (argv[i + 1] if i + 1 < len(argv) else '')
+  return path
+
+
+def _config_load_error(argv: list[str], error: OSError) -> str:
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  return (f'--config={_config_path(argv)!r} cannot be loaded ({lines[-1] if lines else error}); '
+          f'pass --config=PATH to a config file, e.g. --config={_EXAMPLE_CONFIG}')
+
+
+def _fail(message: str) -> NoReturn:
+  from disttrain.exitcodes import Exit  # pylint: disable=g-import-not-at-top
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  sys.exit(Exit.BAD_INPUT)
+
+
+if __name__ == '__main__':
+  logging.set_verbosity(logging.WARNING)
+  app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,125 @@
+"""Goodput of a run across all its attempts: disttrain goodput RUN_DIR [--json=FILE].
+
+Reads DIR/events.jsonl (disttrain/operating/events.py) and reports how the wall time from the first
+attempt's start to the last one's end was spent: productive training (steps that count toward
+the final model), start-up and compilation, checkpoint blocking, data waits, evals, steps lost
+to restarts (trained after the last committed checkpoint, then trained again), idle time
+between attempts (backoff, the next process starting) and the rest. An attempt that ended
+normally or with an error reports its own time breakdown; one that was killed reports none, so
+its steps are costed at the run's mean step time and the rest of its time is `killed, other`.
+"""
+
+import dataclasses
+import json
+import sys
+
+from absl import app, flags
+
+from disttrain.errors import DataError, one_line_errors
+from disttrain.operating import events as events_lib
+
+_JSON = flags.DEFINE_string('json', '', 'Also write the report as JSON here.')
+
+CATEGORIES = ('productive', 'startup_and_compile', 'checkpoint', 'data', 'eval', 'lost_steps',
+              'idle_between_attempts', 'killed_other', 'other')
+
+
+@dataclasses.dataclass
+class Attempt:
+  number: int
+  started: float  # when train() began (events' start)
+  ended: float | None = None  # its end event, else the supervisor's exit event
+  first_step: int = 0  # the step it resumed from
+  last_step: int | None = None  # the step it reached (end event), None if killed
+  lost_steps: int = 0  # steps it trained past its last checkpoint, trained again by the next
+  exit: str = ''  # how it ended
+  time: dict | None = None  # its phase breakdown (end event), None if killed
+
+
+def attempts(workdir: str) -> list[Attempt]:
+  """The run's attempts in order, from its event log."""
+  out: list[Attempt] = []
+  for e in events_lib.read(workdir):
+    kind = e.get('event')
+    if kind == 'start':
+      out.append(Attempt(number=e['attempt'], started=e['time']))
+    elif not out:
+      continue
+    elif kind == 'restore':
+      out[-1].first_step = e['step']
+      if e.get('trained_through') is not None and len(out) > 1:
+        out[-2].lost_steps = max(e['trained_through'] - e['step'], 0)
+        out[-2].last_step = out[-2].last_step or e['trained_through']
+    elif kind == 'end':
+      out[-1].ended, out[-1].time = e['time'], e.get('breakdown')
+      out[-1].last_step = e.get('step', out[-1].last_step)
+      out[-1].exit = e.get('error') or e.get('stopped_by') or 'done'
+    elif kind == 'exit' and e.get('attempt') == out[-1].number:
+      out[-1].ended = out[-1].ended or e['time']
+      out[-1].exit = out[-1].exit or e.get('reason', '')
+  return out
+
+
+def report(workdir: str) -> dict:
+  """{'wall_seconds', 'seconds': {category: s}, 'fractions', 'attempts': [...]}."""
+  runs = attempts(workdir)
+  if not runs:
+    raise DataError(f'{workdir}/{events_lib.FILE} has no start event; pass the workdir of a run '
+                    'started by disttrain (it writes the event log)')
+  seconds = dict.fromkeys(CATEGORIES, 0.0)
+  timed = [a for a in runs if a.time]
+  step_seconds = sum(a.time['step']['seconds'] for a in timed)
+  steps_timed = sum((a.last_step or 0) - a.first_step for a in timed)
+  per_step = step_seconds / steps_timed if steps_timed else 0.0
+  for i, a in enumerate(runs):
+    if i + 1 < len(runs) and a.ended is not None:
+      seconds['idle_between_attempts'] += max(runs[i + 1].started - a.ended, 0.0)
+    lost = a.lost_steps * per_step
+    seconds['lost_steps'] += lost
+    if a.time:
+      t = {k: v['seconds'] for k, v in a.time.items() if isinstance(v, dict)}
+      seconds['productive'] += t['step'] + t.get('records', 0.0) - lost
+      seconds['startup_and_compile'] += t['setup'] + t['compile']
+      for name in ('checkpoint', 'data', 'eval'):
+        seconds[name] += t[name]
+      seconds['other'] += t.get('other', 0.0) + t.get('profile', 0.0)
+    elif a.ended is not None:
+      kept = (runs[i + 1].first_step - a.first_step) * per_step if i + 1 < len(runs) else 0.0
+      seconds['productive'] += kept
+      seconds['killed_other'] += max(a.ended - a.started - kept - lost, 0.0)
+  last = runs[-1]
+  wall = (last.ended if last.ended is not None else last.started) - runs[0].started
+  return {'wall_seconds': round(wall, 3),
+          'seconds': {k: round(v, 3) for k, v in seconds.items()},
+          'fractions': {k: round(v / wall, 4) if wall > 0 else 0.0 for k, v in seconds.items()},
+          'mean_step_seconds': round(per_step, 6),
+          'attempts': [dataclasses.asdict(a) | {'time': None} for a in runs]}
+
+
+def table(result: dict) -> str:
+  lines = [f'{"attempt":>7} {"from step":>9} {"to step":>7} {"lost steps":>10} {"seconds":>8}  ended']
+  for a in result['attempts']:
+    took = f'{a["ended"] - a["started"]:.1f}' if a['ended'] is not None else '?'
+    lines.append(f'{a["number"]:>7} {a["first_step"]:>9} {a["last_step"] or "?":>7} '
+                 f'{a["lost_steps"]:>10} {took:>8}  {a["exit"]}')
+  lines.append(f'wall {result["wall_seconds"]:.1f}s, goodput '
+               f'{result["fractions"]["productive"]:.1%}:')
+  for name in CATEGORIES:
+    lines.append(f'  {name.replace("_", " "):<24} {result["seconds"][name]:>9.1f}s '
+                 f'{result["fractions"][name]:>7.1%}')
+  return '\n'.join(lines)
+
+
+@one_line_errors
+def main(argv):
+  if len(argv) != 2:
+    raise DataError('pass one run directory: disttrain goodput RUN_DIR')
+  result = report(argv[1])
+  print(table(result))
+  if _JSON.value:
+    with open(_JSON.value, 'w', encoding='utf-8') as f:
+      json.dump(result, f, indent=2)
+
+
+if __name__ == '__main__':
+  sys.exit(app.run(main))

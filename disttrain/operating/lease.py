@@ -1,0 +1,134 @@
+"""One run per workdir: DIR/lease.json names the process that trains there and is refreshed.
+
+Schedulers and supervisors do start a new attempt while a stale one still runs; two runs in one
+workdir clean up each other's in-progress checkpoints and interleave their records. So process
+0 holds a lease before it touches the workdir: host, pid, attempt, start time and `refreshed`,
+rewritten every `seconds / 4` by a thread. A second launch finds it and decides:
+- held by a process of this host: taken over if that process no longer exists (SIGKILL, the
+  OOM killer; pid and start time, so a reused pid is not mistaken for it), else refused with one
+  line naming it (exit 2);
+- held on another host (or by a restarted pod's predecessor): it watches the lease until
+  `seconds` have passed since its last refresh; a refresh means the holder lives (refused, within
+  about `seconds / 4`), none means a dead run, and the lease is taken over.
+A run releases its lease when it ends, however it ends (short of SIGKILL).
+"""
+
+import json
+import os
+import socket
+import threading
+import time
+
+from disttrain.errors import ConfigError
+from disttrain.storage import urls
+
+FILE = 'lease.json'
+
+
+def _started(pid: int) -> int | None:
+  """When process `pid` started (clock ticks since boot), None if there is no such process: a
+  pid reused by another process, e.g. in a restarted container, has another start time."""
+  try:
+    with open(f'/proc/{pid}/stat', encoding='utf-8') as f:
+      return int(f.read().rsplit(')', 1)[1].split()[19])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def _alive(holder: dict) -> bool:
+  """The holder's process still runs (on this host)."""
+  pid = int(holder.get('pid', -1))
+  if holder.get('pid_start') is not None and os.path.isdir('/proc'):
+    return _started(pid) == holder['pid_start']
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # exists, owned by someone else
+    return True
+  return True
+
+
+class Lease:
+  """Held from `acquire()` to `release()`; `seconds` <= 0 disables it."""
+
+  def __init__(self, workdir: str, seconds: float, attempt: int = 0):
+    self.workdir, self.path = workdir, urls.join(workdir, FILE)
+    self.seconds = seconds
+    self.me = {'host': socket.gethostname(), 'pid': os.getpid(), 'attempt': attempt,
+               'started': round(time.time(), 3), 'pid_start': _started(os.getpid())}
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def _read(self) -> dict | None:
+    """The lease; None if there is none; {} if it cannot be read now (a torn write, a glitch)."""
+    try:
+      text = urls.read_text(self.path)
+      return None if text is None else json.loads(text)
+    except (OSError, json.JSONDecodeError):
+      return {}
+
+  def _write(self) -> None:
+    # Readers see the old lease or the new one, never half of one.
+    urls.write_text(self.path, json.dumps(
+        {**self.me, 'refreshed': round(time.time(), 3), 'seconds': self.seconds}))
+
+  def _refuse(self, holder: dict) -> None:
+    age = time.time() - holder.get('refreshed', 0)
+    raise ConfigError(
+        f'{self.workdir} is in use by another run (host {holder.get("host")}, pid '
+        f'{holder.get("pid")}, attempt {holder.get("attempt")}, started '
+        f'{time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))}, lease '
+        f'refreshed {age:.0f}s ago); wait for it to end or stop it, or pass another --workdir')
+
+  def _outlive(self, holder: dict) -> None:
+    """Returns once the holder is known dead; raises ConfigError while it lives."""
+    if holder.get('host') == self.me['host']:
+      if holder.get('pid') == self.me['pid'] and \
+          holder.get('pid_start') == self.me['pid_start']:
+        return  # this process's own lease (an earlier train() call)
+      if _alive(holder):
+        self._refuse(holder)
+      return
+    # Another host's holder (or a restarted pod's predecessor): alive only if it refreshes.
+    seconds = holder.get('seconds', self.seconds)
+    while time.time() - holder.get('refreshed', 0) < seconds:
+      time.sleep(min(1.0, seconds / 8))
+      now = self._read()
+      if now is None:
+        return  # released
+      if now and now.get('refreshed') != holder.get('refreshed'):
+        self._refuse(now)
+
+  def acquire(self) -> None:
+    if self.seconds <= 0:
+      return
+    holder = self._read()
+    if holder:  # an unreadable one was torn by a crash: nobody refreshes it
+      self._outlive(holder)
+    try:
+      self._write()
+    except OSError as e:
+      raise ConfigError(f'workdir={self.workdir!r} cannot be used ({e.strerror}); '
+                        'pass a writable directory path') from e
+    self._thread = threading.Thread(target=self._refresh, name='disttrain-lease', daemon=True)
+    self._thread.start()
+
+  def _refresh(self) -> None:
+    while not self._stop.wait(self.seconds / 4):
+      try:
+        self._write()
+      except Exception:  # pylint: disable=broad-except
+        # A full disk, a gone mount or an unreachable bucket: the run itself will say so.
+        pass
+
+  def release(self) -> None:
+    if self._thread is None:
+      return
+    self._stop.set()
+    self._thread.join()
+    self._thread = None
+    holder = self._read()
+    if holder and holder.get('pid') == self.me['pid'] \
+        and holder.get('host') == self.me['host']:
+      urls.path(self.path).unlink(missing_ok=True)

@@ -1,0 +1,182 @@
+"""Run outputs: DIR/metrics.jsonl, DIR/run.json, TensorBoard events, console lines.
+
+Only process 0 writes; on the other processes a Writer is silent. metrics.jsonl and run.json are
+public interfaces (docs/outputs.md): add fields freely, rename or remove only with a deprecation.
+"""
+
+import json
+import math
+import os
+import sys
+
+from disttrain.errors import ConfigError
+from disttrain.storage import urls
+
+
+def _summary_writer(**kwargs):
+  """tensorboardX's SummaryWriter, imported with torch hidden: tensorboardX imports torch, if it
+  is installed, only to accept its tensors (1.5 s of every start; we write floats)."""
+  if 'tensorboardX' not in sys.modules and 'torch' not in sys.modules:
+    sys.modules['torch'] = None  # `import torch` raises ImportError, which tensorboardX expects
+    try:
+      import tensorboardX  # pylint: disable=g-import-not-at-top,unused-import
+    finally:
+      del sys.modules['torch']
+  from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+  return SummaryWriter(**kwargs)
+
+
+_KEPT = ('metrics.jsonl', 'metrics.superseded.jsonl')  # what a bucket workdir's mirror starts from
+
+
+class Writer:
+  """Appends records to metrics.jsonl and TensorBoard, prints progress; process 0 only.
+
+  A run that starts at step S (resumed, or started again) first moves the records of steps after
+  S, written by an attempt that died before its next checkpoint, from metrics.jsonl to
+  metrics.superseded.jsonl, and TensorBoard purges its events from step S + 1 on: every reader
+  then sees each step once, as if the run had never been interrupted. In a bucket workdir the
+  files are written to `local` (urls.Mirror) and uploaded at most every 30 s, at every
+  checkpoint (`sync`) and at the end.
+  """
+
+  def __init__(self, workdir: str, enabled: bool):
+    self.enabled = enabled
+    self.workdir = workdir
+    self.local = workdir  # where this process writes files (a bucket's local mirror)
+    self._jsonl = self._tb = self._mirror = None
+    if enabled:
+      try:
+        self._mirror = urls.Mirror(workdir, pull=_KEPT)
+        self.local = self._mirror.local
+        os.makedirs(self.local, exist_ok=True)
+        with open(os.path.join(self.local, 'metrics.jsonl'), 'a', encoding='utf-8'):
+          pass
+      except OSError as e:
+        raise ConfigError(f'workdir={workdir!r} cannot be used ({e.strerror}); pass a writable '
+                          'directory path') from e
+
+  def start(self, first_step: int) -> int | None:
+    """Opens the outputs for a run whose first new step is first_step + 1; returns the last
+    step of the records it moved aside (steps a killed attempt trained past its checkpoint)."""
+    if not self.enabled:
+      return None
+    path = os.path.join(self.local, 'metrics.jsonl')
+    moved = supersede(path, first_step)
+    self._jsonl = open(path, 'a', encoding='utf-8')
+    self._tb = _summary_writer(logdir=self.local, purge_step=first_step + 1)
+    self.sync()
+    return max(moved, default=None)
+
+  def sync(self, force: bool = True) -> None:
+    """Uploads what changed (bucket workdirs; a no-op for local ones)."""
+    if self._mirror is not None:
+      self._mirror.push(force)
+
+  def write_run(self, info: dict) -> None:
+    """DIR/run.json: resolved config and layout, so anyone can see how the run was laid out."""
+    if self.enabled:
+      with open(os.path.join(self.local, 'run.json'), 'w', encoding='utf-8') as f:
+        json.dump(info, f, indent=2, sort_keys=True)
+      self.sync()
+
+  def write(self, record: dict) -> None:
+    """One JSON line; numeric fields also go to TensorBoard as '<split>/<name>'."""
+    if not self.enabled:
+      return
+    self._jsonl.write(json.dumps(record) + '\n')
+    self._jsonl.flush()
+    for name, value in record.items():
+      if name not in ('step', 'split') and isinstance(value, (int, float)):
+        self._tb.add_scalar(f'{record["split"]}/{name}', value, record['step'])
+    self._tb.flush()
+    self.sync(force=False)
+
+  def print(self, line: str) -> None:
+    if self.enabled:
+      print(line, flush=True)
+
+  def close(self) -> None:
+    if self._jsonl is not None:
+      self._jsonl.close()
+      self._tb.close()
+    self.sync()
+    if self._mirror is not None:
+      self._mirror.close()
+
+
+def supersede(path: str, first_step: int) -> list[int]:
+  """Moves the lines of steps after first_step (and any line cut short by a kill) from `path`
+  to its .superseded.jsonl sibling, appended there before `path` is replaced; returns the steps
+  of the records moved."""
+  if not os.path.isfile(path):
+    return []
+  keep, moved, steps = [], [], []
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      try:
+        step = json.loads(line)['step']
+      except (json.JSONDecodeError, KeyError, TypeError):
+        moved.append(line if line.endswith('\n') else line + '\n')
+        continue
+      if step <= first_step:
+        keep.append(line)
+      else:
+        moved.append(line)
+        steps.append(step)
+  if moved:
+    with open(path[:-len('.jsonl')] + '.superseded.jsonl', 'a', encoding='utf-8') as f:
+      f.writelines(moved)
+    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+      f.writelines(keep)
+    os.replace(path + '.tmp', path)
+  return steps
+
+
+# Dense bf16 peak FLOP/s per device (vendor figures), matched against jax's device_kind.
+PEAK_FLOPS = {
+    'TPU v4': 275e12,
+    'TPU v5 lite': 197e12,  # v5e
+    'TPU v5e': 197e12,
+    'TPU v5p': 459e12,
+    'TPU v5': 459e12,
+    'TPU v6 lite': 918e12,  # Trillium
+    'TPU v6e': 918e12,
+    'H200': 989e12,
+    'H100': 989e12,  # SXM; the PCIe card is ~756e12: set peak_flops_per_device
+    'A100': 312e12,
+    'L4': 121e12,
+    'A10G': 125e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """The table's peak for a device kind ('NVIDIA H100 80GB HBM3' -> 989e12), else None."""
+  for name, flops in sorted(PEAK_FLOPS.items(), key=lambda item: -len(item[0])):
+    if name.lower() in device_kind.lower():
+      return flops
+  return None
+
+
+class Throughput:
+  """Tokens/s and model FLOPs utilisation, for models that count tokens and FLOPs."""
+
+  def __init__(self, tokens_per_example: int | None, flops_per_example: float | None,
+               peak_flops_total: float | None):
+    self.tokens_per_example = tokens_per_example
+    self.flops_per_example, self.peak = flops_per_example, peak_flops_total
+
+  def fields(self, examples_per_sec: float) -> dict:
+    out = {}
+    if self.tokens_per_example:
+      out['tokens_per_sec'] = examples_per_sec * self.tokens_per_example
+    if self.flops_per_example and self.peak:
+      out['mfu'] = examples_per_sec * self.flops_per_example / self.peak
+    return out
+
+
+def format_eta(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return '?'
+  minutes, secs = divmod(int(seconds), 60)
+  return f'{minutes}m{secs:02d}s' if minutes else f'{secs}s'

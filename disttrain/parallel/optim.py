@@ -1,0 +1,126 @@
+"""Optimizer and learning-rate schedule from the config.
+
+  clip_by_global_norm(grad_clip_norm) -> adam | adamw | sgd | adafactor | lion (mu_dtype, decay
+  mask) -> EMA of the parameters (ema_decay)
+
+Weight decay (adamw, lion, adafactor) applies to weight matrices only: never to biases and norm
+scales, and to embedding tables only with weight_decay_embeddings; `decayed_paths` lists them
+(run.json). The exponential moving average lives in the optimizer state, so checkpoints keep
+it, it is sharded like the parameters, and `ema_params` finds it for evals and exports. Records
+keep the gradient norm before clipping.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from disttrain.config import Config
+from disttrain.parallel import sharding as sharding_lib
+
+_NO_DECAY = ('bias', 'scale', 'gamma', 'beta')  # biases and norm parameters (Flax, Keras names)
+_EMBEDDINGS = ('embed', 'embedding', 'positions', 'wte', 'wpe')
+
+
+def schedule(cfg: Config) -> optax.Schedule:
+  """Learning rate by step: linear warm-up from 0, then constant, cosine or linear decay to
+  min_lr_ratio x peak, or warm-up-stable-decay (the last wsd_decay_fraction decays linearly)."""
+  peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+  decay_steps = max(cfg.num_train_steps - cfg.warmup_steps, 1)
+  if cfg.lr_schedule == 'wsd':
+    decay = max(int(round(cfg.wsd_decay_fraction * cfg.num_train_steps)), 1)
+    main = optax.join_schedules([optax.constant_schedule(peak),
+                                 optax.linear_schedule(peak, end, decay)],
+                                [max(decay_steps - decay, 0)])
+  else:
+    main = {
+        'constant': lambda: optax.constant_schedule(peak),
+        'cosine': lambda: optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio),
+        'linear': lambda: optax.linear_schedule(peak, end, decay_steps),
+    }[cfg.lr_schedule]()
+  if not cfg.warmup_steps:
+    return main
+  warmup = optax.linear_schedule(0.0, peak, cfg.warmup_steps)
+  return optax.join_schedules([warmup, main], [cfg.warmup_steps])
+
+
+def decays(path: str, ndim: int, embeddings: bool) -> bool:
+  """Whether weight decay applies to the parameter at `path` ('blocks/mlp/up/kernel')."""
+  parts = path.split('/')
+  if parts[-1] in _NO_DECAY or any('norm' in p for p in parts):
+    return False
+  if any(p in _EMBEDDINGS for p in parts):
+    return embeddings
+  return ndim >= 2
+
+
+def decay_mask(cfg: Config):
+  """params -> a tree of booleans (optax's `mask` argument)."""
+  def mask(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: decays(sharding_lib.path_str(path), x.ndim, cfg.weight_decay_embeddings),
+        params)
+  return mask
+
+
+def decayed_paths(cfg: Config, params) -> list[str]:
+  """The parameters weight decay applies to (run.json `weight_decay_paths`)."""
+  if not cfg.weight_decay or cfg.optimizer not in ('adamw', 'lion', 'adafactor'):
+    return []
+  flags = jax.tree_util.tree_flatten_with_path(decay_mask(cfg)(params))[0]
+  return [sharding_lib.path_str(path) for path, on in flags if on]
+
+
+class EmaState(NamedTuple):
+  """The moving average of the parameters after each update."""
+  ema: Any
+
+
+def ema(decay: float) -> optax.GradientTransformation:
+  """Keeps ema = decay x ema + (1 - decay) x the updated parameters; updates pass through."""
+  def init(params):
+    return EmaState(ema=jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params))
+
+  def update(updates, state, params):
+    new = optax.apply_updates(params, updates)
+    return updates, EmaState(ema=jax.tree.map(lambda e, p: decay * e + (1 - decay) * p,
+                                              state.ema, new))
+  return optax.GradientTransformation(init, update)
+
+
+def ema_params(opt_state) -> Any:
+  """The EMA of the parameters kept in `opt_state`, or None without one."""
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, EmaState))
+           if isinstance(s, EmaState)]
+  return found[0].ema if found else None
+
+
+def _base(cfg: Config, lr) -> optax.GradientTransformation:
+  mu_dtype = jnp.dtype(cfg.mu_dtype) if cfg.mu_dtype else None
+  b1 = lambda default: default if cfg.b1 < 0 else cfg.b1
+  b2 = lambda default: default if cfg.b2 < 0 else cfg.b2
+  mask = decay_mask(cfg)
+  if cfg.optimizer == 'adam':
+    return optax.adam(lr, b1(0.9), b2(0.999), mu_dtype=mu_dtype)
+  if cfg.optimizer == 'adamw':
+    return optax.adamw(lr, b1(0.9), b2(0.999), mu_dtype=mu_dtype, weight_decay=cfg.weight_decay,
+                       mask=mask)
+  if cfg.optimizer == 'lion':
+    return optax.lion(lr, b1(0.9), b2(0.99), mu_dtype=mu_dtype, weight_decay=cfg.weight_decay,
+                      mask=mask)
+  if cfg.optimizer == 'adafactor':
+    return optax.adafactor(lr, momentum=None if cfg.b1 < 0 else cfg.b1, dtype_momentum=mu_dtype
+                           or jnp.float32, weight_decay_rate=cfg.weight_decay or None,
+                           weight_decay_mask=mask)
+  return optax.sgd(lr, momentum=cfg.momentum or None, accumulator_dtype=mu_dtype)
+
+
+def build(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """The gradient transformation and its schedule (the schedule is also logged)."""
+  lr = schedule(cfg)
+  parts = [optax.clip_by_global_norm(cfg.grad_clip_norm)] if cfg.grad_clip_norm else []
+  parts.append(_base(cfg, lr))
+  if cfg.ema_decay:
+    parts.append(ema(cfg.ema_decay))
+  return (parts[0] if len(parts) == 1 else optax.chain(*parts)), lr

@@ -1,0 +1,269 @@
+"""Orbax checkpoints under DIR/checkpoints: TrainState + data iterator state + run metadata.
+
+Saves are asynchronous; their errors are raised at the next save or at close, never swallowed.
+A save torn by a kill stays an orbax temporary directory, is never listed as a step, and is
+cleaned up when the next run opens the manager. Restores build the abstract state with the
+*current* mesh's shardings and let orbax reshard. A latest checkpoint that fails to restore while
+an older one restores is moved aside to DIR/checkpoints/corrupt/ (kept for inspection, never
+deleted) and the older one is used; if none restores, nothing is moved and the error is raised.
+Nothing here deletes a complete checkpoint: only keep-N retention does. In a bucket (gs://, s3://;
+storage/urls.py) a step commits by its marker file instead of a rename: a step without it is never
+listed and is cleaned up like a local temporary directory.
+"""
+
+import contextlib
+import errno
+import shutil
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from absl import logging
+from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
+
+from disttrain.config import Config
+from disttrain.errors import CheckpointError, first_line
+from disttrain.parallel import sharding as sharding_lib
+from disttrain.storage import urls
+
+ITEMS = ('state', 'data', 'meta')
+
+
+def _handlers() -> dict:
+  # Registered up front so that metadata (shapes) can be read before anything is saved.
+  return {'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
+          'meta': ocp.JsonCheckpointHandler()}
+
+
+class _Manager(ocp.CheckpointManager):
+  """Orbax's manager without its own preemption check: disttrain agrees on stops itself
+  (distributed.StopSignals counts calls to jax's preemption sync point; orbax would pass it step
+  numbers, and after a resume a signal's agreed call would never come)."""
+
+  def reached_preemption(self, step: int) -> bool:
+    del step
+    return False
+
+
+def abstract_like(shardings: Any, shapes: Any) -> Any:
+  """ShapeDtypeStructs carrying the current layout's shardings: orbax reshards into them."""
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, shardings)
+
+
+class Checkpointer:
+  """One run's checkpoints: save every N steps and at the end, keep N (and the best), restore."""
+
+  def __init__(self, workdir: str, cfg: Config):
+    self.directory = urls.join(urls.resolve(workdir), 'checkpoints')
+    keep = [policies.LatestN(n=cfg.max_to_keep)]
+    if cfg.best_metric:
+      keep.append(policies.BestN(get_metric_fn=lambda m: m[cfg.best_metric],
+                                 reverse=cfg.best_mode == 'min', n=1,
+                                 keep_checkpoints_without_metrics=False))
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=policies.AnyPreservationPolicy(keep),
+        cleanup_tmp_directories=True,  # torn saves from killed runs
+        enable_async_checkpointing=True,
+        # Object stores have no atomic rename: commit by marker (orbax does so for gs:// itself).
+        temporary_path_class=(ocp.path.atomicity.CommitFileTemporaryPath
+                              if urls.is_bucket(self.directory) else None))
+    self._manager = _Manager(self.directory, options=options,
+                                          item_handlers=_handlers())
+    # orbax deletes torn saves in a background thread that only its next save waits for: finish
+    # it now, before steps are listed, and so that a run ending early (bad input) does not exit
+    # under it (the thread then prints a RuntimeError traceback).
+    getattr(self._manager, '_maybe_await_cleanup_tmp_directory', lambda: None)()
+    self._started: list[int] = []  # steps whose save was started, oldest first
+    self._need: int | None = None  # bytes a save needs at most (set by the first save)
+
+  def steps(self) -> list[int]:
+    """Complete checkpoints, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def save(self, step: int, state: Any, data_state: dict, meta: dict,
+           metrics: dict | None = None) -> None:
+    """Starts an async save; raises the error of an earlier async save if it failed."""
+    with self._named_failures():
+      self._manager.check_for_errors()
+      self._check_space(step, state)
+      self._started.append(step)
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+          meta=ocp.args.JsonSave(meta)), metrics=metrics, force=True)
+
+  def wait(self) -> None:
+    """Blocks until every started save has committed; raises its error if one failed."""
+    with self._named_failures():
+      self._manager.wait_until_finished()
+      self._manager.check_for_errors()
+
+  def close(self) -> None:
+    self.wait()
+    self._manager.close()
+
+  def _check_space(self, step: int, state: Any) -> None:
+    """A save that cannot fit is refused before orbax starts it (and fails noisily)."""
+    if self._need is None:  # the state's shapes never change within a run
+      self._need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+      self._need += 2**16  # metadata and the data iterator's state; arrays are stored at most raw
+    try:
+      free = -1 if urls.is_bucket(self.directory) else shutil.disk_usage(self.directory).free
+    except OSError:  # not made yet: the save itself will tell
+      free = -1
+    if jax.process_count() > 1:  # every process must take process 0's decision
+      free = float(multihost_utils.broadcast_one_to_all(np.float32(free / 2**20))) * 2**20
+    if 0 <= free < self._need:
+      raise self._no_space(step, f'needs about {self._need / 2**20:,.1f} MiB but '
+                                 f'{free / 2**20:,.1f} MiB are free', self.steps())
+
+  def _no_space(self, step: int, why: str, done) -> CheckpointError:
+    last = (f'the last complete checkpoint is step {max(done)}, kept' if done else
+            'no checkpoint has completed yet')
+    return CheckpointError(f'saving checkpoint step {step} to {self.directory} {why}; {last}: '
+                           'free space there (or lower max_to_keep), then relaunch with the '
+                           'same --workdir')
+
+  @contextlib.contextmanager
+  def _named_failures(self):
+    """A save that ran out of space is one line naming the step, the directory and the newest
+    checkpoint that did commit (orbax reports it as a multi-line RESOURCE_EXHAUSTED error)."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      if getattr(e, 'errno', None) != errno.ENOSPC and 'No space left on device' not in str(e):
+        raise
+      self._manager.reload()
+      done = set(self._manager.all_steps())
+      failed = min((s for s in self._started if s not in done), default=self._started[-1])
+      raise self._no_space(failed, 'failed: no space left on device', done) from None
+
+  def restore_latest(self, abstract_state: Any) -> tuple[Any, dict, dict, int] | None:
+    """(state, data state, meta, step) of the newest checkpoint that restores; None if none.
+
+    A newer step that fails while an older one restores under the same conditions is unreadable
+    and is moved aside; if no step restores (out of memory, permissions, storage down, ...)
+    nothing is moved and the error is raised, so a relaunch never silently starts over.
+    """
+    failures = []
+    for step in reversed(self.steps()):
+      check_fits(self._manager, step, abstract_state, self.directory)
+      try:
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore()))
+      except Exception as e:  # pylint: disable=broad-except
+        failures.append((step, f'{type(e).__name__}: {first_line(e, 200)}'))
+        continue
+      if failures:
+        self._quarantine([s for s, _ in failures])
+        logging.warning('checkpoint step %s in %s could not be restored (%s); fell back to step '
+                        '%d', failures[0][0], self.directory, failures[0][1], step)
+        print(f'warning: checkpoint step {failures[0][0]} is corrupt ({failures[0][1]}); moved '
+              f'to {self.directory}/corrupt/, resuming from step {step} instead', flush=True)
+      return restored['state'], restored['data'], restored['meta'], step
+    if failures:
+      raise CheckpointError(f'no checkpoint in {self.directory} could be restored (steps '
+                            f'{[s for s, _ in failures]}, first error: {failures[0][1]}); they '
+                            'are left in place: fix the cause (memory, permissions, storage) and '
+                            'relaunch, or use another workdir')
+    return None
+
+  def _quarantine(self, steps: list[int]) -> None:
+    """Moves unreadable steps aside (never deleted) so later saves can reuse their numbers."""
+    if jax.process_index() == 0:
+      root = urls.path(self.directory)
+      (root / 'corrupt').mkdir(parents=True, exist_ok=True)
+      for step in steps:
+        (root / str(step)).rename(root / 'corrupt' / f'{step}-{int(time.time())}')
+    if jax.process_count() > 1:  # every process must see the moves before listing steps again
+      multihost_utils.sync_global_devices('disttrain_checkpoint_quarantine')
+    self._manager.reload()
+
+
+def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
+               where: str) -> None:
+  """One-line error naming the first parameter (then other leaf) whose shape or presence differs."""
+  try:
+    saved = manager.item_metadata(step)['state'].tree
+  except Exception:  # pylint: disable=broad-except
+    return  # unreadable metadata: a corrupt checkpoint, which restore reports and falls back from
+  expected = {sharding_lib.path_str(p): tuple(x.shape)
+              for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+  found = {sharding_lib.path_str(p): tuple(x.shape)
+           for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
+  # Parameters first: a model mismatch is named by its parameter, not by the optimizer's copy.
+  for path, shape in sorted(expected.items(), key=lambda item: not item[0].startswith('params')):
+    if path not in found:
+      raise CheckpointError(f'checkpoint {where}/{step} has no {path} (config expects shape '
+                            f'{shape}); it was saved for another model: use a matching config '
+                            'or another workdir')
+    if found[path] != shape:
+      raise CheckpointError(f'checkpoint {where}/{step}: {path} has shape {found[path]} but the '
+                            f'config expects {shape}; use the config it was saved with or '
+                            'another workdir')
+  extra = sorted(set(found) - set(expected))
+  if extra:
+    raise CheckpointError(f'checkpoint {where}/{step} has {extra[0]} {found[extra[0]]}, which the '
+                          'config does not; use the config it was saved with or another workdir')
+
+
+def restore_params(path: str, abstract_state: Any) -> tuple[Any, Any, int]:
+  """(params, mutable, step) from another run's checkpoint, for fine-tuning / warm starts.
+
+  `path` is a checkpoints directory (its latest step is used) or one step directory in it.
+  """
+  path = urls.resolve(path)
+  directory, step = path, None
+  if path.rstrip('/').rsplit('/', 1)[-1].isdigit():
+    directory, step = path.rsplit('/', 1)[0], int(path.rsplit('/', 1)[-1])
+  if not urls.path(directory).is_dir():
+    raise CheckpointError(f'restore_from={path!r} does not exist; pass a checkpoints directory '
+                          'or one of its step directories')
+  manager = _Manager(directory, item_handlers=_handlers(),
+                                  options=ocp.CheckpointManagerOptions(read_only=True))
+  step = manager.latest_step() if step is None else step
+  if step is None or step not in manager.all_steps():
+    raise CheckpointError(f'restore_from={path!r} holds no complete checkpoint; pass a '
+                          'checkpoints directory or one of its step directories')
+  check_fits(manager, step, abstract_state, directory)
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state)))
+  manager.close()
+  return restored['state'].params, restored['state'].mutable, step
+
+
+def _steps_dir(workdir: str) -> str:
+  directory = urls.join(urls.resolve(workdir), 'checkpoints')
+  if not urls.path(directory).is_dir():
+    raise CheckpointError(f'--workdir={workdir!r} has no checkpoints directory; pass the workdir '
+                          'of a run that saved a checkpoint')
+  return directory
+
+
+def run_config(workdir: str, step: int | None = None) -> tuple[dict, int]:
+  """(the config dict a run's checkpoint was saved with, its step): the latest, or `step`."""
+  directory = _steps_dir(workdir)
+  manager = _Manager(directory, item_handlers=_handlers(),
+                     options=ocp.CheckpointManagerOptions(read_only=True))
+  steps = sorted(manager.all_steps())
+  if not steps or (step is not None and step not in steps):
+    raise CheckpointError(f'{directory} has no complete checkpoint'
+                          + (f' at step {step} (it has {steps})' if steps else '')
+                          + '; pass the workdir of a run that saved one, or one of its steps')
+  step = steps[-1] if step is None else step
+  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  manager.close()
+  return meta['config'], step
+
+
+def restore_subtree(workdir: str, step: int, abstract: dict) -> dict:
+  """Part of a saved TrainState, e.g. {'params': ShapeDtypeStructs with shardings}: only those
+  arrays are read (no optimizer state), resharded onto the given shardings."""
+  path = urls.join(_steps_dir(workdir), str(step), 'state')
+  restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+  return ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+      item=abstract, restore_args=restore_args, partial_restore=True))

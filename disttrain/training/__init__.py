@@ -1,0 +1,8 @@
+"""A run from its config: the top layer, which drives every other one.
+
+  setup    setup(): everything before the first step (mesh, data, model, state, steps), the
+           memory pre-flight, run.json
+  actions  the loop's periodic actions: TrainRecords, Evaluator, Saver, Stopper, Profiler
+  loop     train() and evaluate(): build the run, then the list of what happens each step
+`disttrain.train` is training.loop.train.
+"""

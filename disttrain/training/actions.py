@@ -1,0 +1,348 @@
+"""The loop's periodic actions, each a small object with one `maybe_...(step, ...)` entry.
+
+  TrainRecords  fetches step metrics one step late, checks them finite, writes train records
+  Evaluator     evaluates every eval source exactly once per eval (padded + masked)
+  Saver         checks the parameters finite and starts an async checkpoint
+  Stopper       SIGTERM, Ctrl-C and callback stop requests, agreed across processes
+  Profiler      a jax.profiler trace of a window of steps
+The loop (training/loop.py) calls them in order each step; callbacks hang off the first three.
+"""
+
+import dataclasses
+import glob
+import os
+from typing import Callable
+
+import jax
+import numpy as np
+
+from disttrain.config import Config
+from disttrain.data.batches import TrainIterator, eval_batches
+from disttrain.data.records import Records
+from disttrain.errors import Interrupted, NonFiniteError, Preempted
+from disttrain.operating import metrics, timing
+from disttrain.operating.callbacks import Callbacks
+from disttrain.parallel import distributed, optim, step as step_lib
+from disttrain.parallel.compiled import Steps
+from disttrain.parallel.step import Variant
+from disttrain.storage import checkpoint, urls
+
+
+@dataclasses.dataclass
+class Output:
+  """Where records go: metrics.jsonl/TensorBoard/console (process 0), the in-memory list."""
+  writer: metrics.Writer
+  records: list
+  hooks: Callbacks
+
+  def emit(self, record: dict, hook: str) -> None:
+    self.records.append(record)
+    self.writer.write(record)
+    self.hooks.call(hook, record)
+
+
+class TrainRecords:
+  """Train records every log_every_steps: the mean loss of the window, the last step's metrics.
+
+  Step N's metrics are fetched after step N + 1 is dispatched, so logging never leaves the
+  device idle; `flush` fetches what is pending before anything is saved or evaluated.
+  """
+
+  def __init__(self, cfg: Config, out: Output, phases: timing.Phases, lr_schedule: Callable,
+               throughput: metrics.Throughput, last_saved: Callable[[], str]):
+    self.cfg, self.out, self.phases = cfg, out, phases
+    self.lr_schedule, self.throughput, self.last_saved = lr_schedule, throughput, last_saved
+    self.k = cfg.steps_per_dispatch
+    self._variants = {logged: Variant(metrics=logged, steps=self.k, full_batch=True)
+                      for logged in (True, False)}
+    self.window: list = []  # [(first step, last step, metrics)] since the last record
+    self.due = None  # the window of a record not yet written
+    self._mark = None  # (step, active seconds, data seconds) at the previous record
+
+  def variant(self, step_no: int) -> Variant:
+    """Every metric on steps that end a record, the loss alone in between (full batches)."""
+    return self._variants[step_no % self.cfg.log_every_steps == 0
+                          or step_no == self.cfg.num_train_steps]
+
+  def start(self, step_no: int) -> None:
+    self._mark = (step_no, self.phases.active(), self.phases.seconds['data'])
+
+  def maybe_write(self, step_no: int, step_metrics: dict) -> None:
+    """Writes the record due at the previous step, then adds this step's metrics."""
+    if self.due is not None:
+      with self.phases('records'):
+        self._write(self.due)
+      self.due = None
+    self.window.append((step_no - self.k + 1, step_no, step_metrics))
+    if self.variant(step_no).metrics:
+      self.due, self.window = self.window, []
+
+  def flush(self) -> None:
+    """Writes a pending record and checks the steps since it finite (fetching them)."""
+    with self.phases('records'):
+      if self.due is not None:
+        self._write(self.due)
+        self.due = None
+      self.window = self._checked(self.window)
+
+  def _checked(self, window: list) -> list:
+    """Fetches [(first, last step, metrics)] as one entry per step; a non-finite step stops the
+    run."""
+    with self.phases('step'):  # waits for the steps still running: step time, not records'
+      # np.asarray per metric: jax.device_get's per-leaf async copies cost ~10x more (measured).
+      fetched = [(first, last, jax.tree.map(np.asarray, m)) for first, last, m in window]
+    flat = []
+    for first, last, m in fetched:
+      if first == last:
+        flat.append((last, last, m))
+        continue
+      # One dispatch of K steps: per-step metrics have a leading [K] axis, the rest (scalars)
+      # belong to its last step.
+      per_step = [k for k, v in m.items() if np.ndim(v) == 1]
+      for i, at in enumerate(range(first, last + 1)):
+        entry = {k: m[k][i] for k in per_step}
+        if at == last:
+          entry.update((k, v) for k, v in m.items() if k not in per_step)
+        flat.append((at, at, entry))
+    for at, _, m in flat:
+      m.setdefault('count', self.cfg.global_batch_size)  # quiet steps: full batches
+      checked = {k: float(m[k]) for k in ('loss', 'grad_norm') if k in m}
+      if not all(np.isfinite(v) for v in checked.values()):
+        values = ' '.join(f'{k}={v}' for k, v in checked.items())
+        raise NonFiniteError(
+            f'step {at}: {values} is not finite; that state was not saved, {self.last_saved()}; '
+            'lower learning_rate or check the data (a target outside the model\'s classes also '
+            'gives a NaN loss)')
+    return flat
+
+  def _write(self, window: list) -> None:
+    window = self._checked(window)
+    at = window[-1][1]
+    first, active, waited = self._mark
+    seconds = max(self.phases.active() - active, 1e-9)
+    data_seconds = self.phases.seconds['data'] - waited
+    self._mark = (at, self.phases.active(), self.phases.seconds['data'])
+    examples_per_sec = (at - first) * self.cfg.global_batch_size / seconds
+    record = _train_record(at, [m for _, _, m in window], float(self.lr_schedule(at - 1)))
+    record.update(examples_per_sec=examples_per_sec,
+                  data_wait_fraction=round(min(data_seconds / seconds, 1.0), 4),
+                  **self.throughput.fields(examples_per_sec))
+    self.out.emit(record, 'on_train_record')
+    eta = (self.cfg.num_train_steps - at) * seconds / max(at - first, 1)
+    self.out.writer.print(f'train step {at}/{self.cfg.num_train_steps}: loss {record["loss"]:.4f} '
+                          f'{examples_per_sec:,.0f} examples/s, ETA {metrics.format_eta(eta)}')
+
+
+def _train_record(step: int, window: list[dict], lr: float) -> dict:
+  """A train record over the steps since the last one.
+
+  Metrics every step reports ('loss', and with the default step the task's metrics) are averaged
+  over those global batches, weighted by count; the others (grad_norm) are the last step's.
+  """
+  counts = np.array([float(m['count']) for m in window])
+  record = {'step': step, 'split': 'train'}
+  every_step = set(window[0]).intersection(*window[1:])
+  for key, value in window[-1].items():
+    if key == 'count':
+      continue
+    if key in every_step:
+      record[key] = float(np.sum([float(m[key]) for m in window] * counts) / counts.sum())
+    else:
+      record[key] = float(value)
+  record.setdefault('grad_norm', 0.0)  # a custom step without one: the field is always there
+  record['learning_rate'] = lr
+  return record
+
+
+def evaluate(steps: Steps, state, records: Records, batch_size: int, batch_sharding,
+             beat: Callable[[], None] = lambda: None) -> dict[str, float]:
+  """Every metric over every example of `records` exactly once (the last batch padded, masked)."""
+  totals: dict[str, float] = {}
+  pending = None
+
+  def add(sums) -> None:
+    for k, v in jax.device_get(sums).items():
+      totals[k] = totals.get(k, 0.0) + float(v)
+    beat()
+  for batch in eval_batches(records, batch_size, batch_sharding):
+    sums = steps.evaluate(state, batch)
+    if pending is not None:  # fetch one batch late: the device stays busy, <= 2 in flight
+      add(pending)
+    pending = sums
+  add(pending)
+  count = totals.pop('count')
+  examples = totals.pop('num_examples', count)
+  tokens = totals.pop('num_tokens', None)
+  out = {k: v / count for k, v in totals.items()}
+  out['num_examples'] = int(examples)
+  if tokens is not None:  # a per-token task: the loss is nats per counted token
+    out['num_tokens'] = int(tokens)
+    if 'loss' in out:
+      out['perplexity'] = float(np.exp(min(out['loss'], 700.0)))
+  return out
+
+
+class Evaluator:
+  """Evaluates each eval source every eval_every_steps, at the end, and when asked to."""
+
+  def __init__(self, cfg: Config, steps: Steps, sources: dict[str, Records], batch_sharding,
+               out: Output, phases: timing.Phases):
+    self.cfg, self.steps, self.sources, self.out = cfg, steps, sources, out
+    self.batch_sharding, self.phases = batch_sharding, phases
+    self.last: dict[str, dict] = {}  # split -> the latest eval result
+    self.at = None  # the step of the latest eval
+
+  def maybe_eval(self, step_no: int, device_state, force: bool = False) -> dict | None:
+    """{split: result} if an eval is due at step_no (or forced) and not done there yet."""
+    due = force or (self.cfg.eval_every_steps and step_no % self.cfg.eval_every_steps == 0)
+    if not due or not self.sources or self.at == step_no:
+      return None
+    state = self.steps.export(device_state)
+    ema = optim.ema_params(state.opt_state) if self.cfg.ema_eval else None
+    if ema is not None:  # the moving average (ema_decay), sharded as the parameters
+      state = state.replace(params=ema)
+    with self.phases('eval'):
+      results = {split: evaluate(self.steps, state, records, self.cfg.eval_batch,
+                                 self.batch_sharding, self.phases.beat)
+                 for split, records in self.sources.items()}
+    self.at, self.last = step_no, results
+    for split, result in results.items():
+      self.out.emit({'step': step_no, 'split': split, **result}, 'on_eval')
+      tokens = f', {result["num_tokens"]:,} tokens' if 'num_tokens' in result else ''
+      self.out.writer.print(f'{split:<5} step {step_no}: {summary(result)} '
+                            f'({result["num_examples"]} examples{tokens})')
+    return results
+
+  def checkpoint_metrics(self) -> dict | None:
+    """The latest eval as {'val/accuracy': ...}, plus bare names for the default 'eval' source
+    (best_metric='accuracy' predates named sources)."""
+    if not self.last:
+      return None
+    flat = {f'{split}/{k}': v for split, result in self.last.items() for k, v in result.items()}
+    flat.update(self.last.get('eval', {}))
+    return flat
+
+
+def summary(result: dict) -> str:
+  """'accuracy 0.9650, loss 0.1140': accuracy first when the task has it, then the rest."""
+  names = sorted(k for k in result if k not in ('num_examples', 'num_tokens'))
+  names.sort(key=lambda k: k != 'accuracy')
+  return ', '.join(f'{k} {result[k]:.4f}' for k in names)
+
+
+class Saver:
+  """Checkpoints every checkpoint_every_steps, at the end and at a stop; never a non-finite one."""
+
+  def __init__(self, cfg: Config, ckpt: checkpoint.Checkpointer, steps: Steps,
+               batches: TrainIterator, hooks: Callbacks, phases: timing.Phases,
+               meta: Callable[[int], dict], sync: Callable[[], None] = lambda: None):
+    self.cfg, self.ckpt, self.steps, self.batches = cfg, ckpt, steps, batches
+    self.hooks, self.phases, self.meta, self.sync = hooks, phases, meta, sync
+
+  def last_saved(self) -> str:
+    """'the last checkpoint is step N in DIR' or 'there is no checkpoint yet in DIR'."""
+    self.ckpt.wait()  # a save still committing is the last good checkpoint too
+    saved = self.ckpt.steps()
+    if not saved:
+      return f'there is no checkpoint yet in {self.ckpt.directory}'
+    return f'the last checkpoint is step {saved[-1]} in {self.ckpt.directory}'
+
+  def maybe_save(self, step_no: int, device_state, force: bool = False,
+                 evals: dict | None = None) -> bool:
+    due = force or (self.cfg.checkpoint_every_steps
+                    and step_no % self.cfg.checkpoint_every_steps == 0)
+    if not due:
+      return False
+    with self.phases('checkpoint'):
+      exported = self.steps.export(device_state)
+      # grad_norm is only computed on logged steps: the parameters themselves are checked here,
+      # so a non-finite state is never saved whatever step it appears at.
+      with self.phases('step'):  # the check waits for the steps still running
+        finite = bool(step_lib.params_finite(exported.params))
+      if not finite:
+        raise NonFiniteError(f'step {step_no}: the parameters are not finite (the losses up to '
+                             f'here were); that state was not saved, {self.last_saved()}; lower '
+                             'learning_rate')
+      self.ckpt.save(step_no, exported, self.batches.get_state(), self.meta(step_no),
+                     metrics=evals)
+      self.sync()  # a bucket workdir's records reach the bucket with each checkpoint
+    self.hooks.call('on_checkpoint', step_no, urls.join(self.ckpt.directory, str(step_no)))
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class StopRequest:
+  """Why the loop stops before num_train_steps."""
+  kind: str  # 'preempted' (SIGTERM), 'interrupted' (Ctrl-C) or 'callback'
+  who: str = ''
+  why: str = ''
+
+  def error(self, step: int, directory: str) -> Exception | None:
+    """The exception that ends the run (None: a callback's stop ends it normally)."""
+    if self.kind == 'interrupted':
+      return Interrupted(step, directory)
+    if self.kind == 'preempted':
+      return Preempted(step, directory)
+    return None
+
+
+class Stopper:
+  """Turns signals and callback requests into one stop that every process takes at one step."""
+
+  def __init__(self, signals: distributed.StopSignals, hooks: Callbacks):
+    self.signals, self.hooks = signals, hooks
+
+  def maybe_stop(self, step_no: int, hooks_ran: bool) -> StopRequest | None:
+    """Call every step on every process; `hooks_ran`: a record or eval was emitted this step
+    (the same steps on every process, so the agreement below is a matched collective)."""
+    if self.signals.reached(step_no):
+      return StopRequest('interrupted' if self.signals.interrupted else 'preempted')
+    if not (self.hooks and hooks_ran):
+      return None
+    requests = self.hooks.take()
+    if not distributed.any_process(bool(requests)):
+      return None
+    who = ', '.join(name for name, _ in requests) or 'a callback on another process'
+    why = '; '.join(reason for _, reason in requests if reason)
+    return StopRequest('callback', who, why)
+
+
+class Profiler:
+  """A jax.profiler trace of steps start..start+n-1 into DIR/plugins/profile (TensorBoard)."""
+
+  def __init__(self, cfg: Config, workdir: str, writer: metrics.Writer, phases: timing.Phases):
+    self.start, self.num = cfg.profile.start_step, cfg.profile.num_steps
+    self.enabled = bool(self.num) and (cfg.profile.all_processes or jax.process_index() == 0)
+    # Traces go where the writer writes (a bucket workdir's local mirror, uploaded after).
+    self.workdir, self.writer, self.phases = writer.local, writer, phases
+    self.k = cfg.steps_per_dispatch
+    self.tracing = False
+
+  def maybe_start(self, step_no: int) -> None:
+    """Before dispatching the call that ends at step_no."""
+    if self.enabled and not self.tracing and step_no - self.k < self.start <= step_no:
+      with self.phases('profile'):
+        jax.profiler.start_trace(self.workdir)
+      self.tracing = True
+
+  def close(self) -> None:
+    """Ends a trace that an error interrupted (jax allows one trace at a time per process)."""
+    if self.tracing:
+      jax.profiler.stop_trace()
+      self.tracing = False
+
+  def maybe_stop(self, step_no: int, device_state, force: bool = False) -> None:
+    """After dispatching the call that ends at step_no: stops once the window's steps ran."""
+    if self.tracing and (force or step_no >= self.start + self.num - 1):
+      with self.phases('step'):
+        jax.block_until_ready(device_state)  # the traced steps' device work is in the trace
+      with self.phases('profile'):
+        jax.profiler.stop_trace()
+      self.tracing = False
+      runs = sorted(glob.glob(os.path.join(self.workdir, 'plugins', 'profile', '*')))
+      where = os.path.relpath(runs[-1] if runs else os.path.join(self.workdir, 'plugins',
+                                                                 'profile'), self.workdir)
+      self.writer.sync()
+      self.writer.print(f'profile: steps {self.start}-{step_no} traced into '
+                        f'{urls.join(self.writer.workdir, where)} (tensorboard '
+                        f'--logdir={self.writer.workdir}, Profile tab)')

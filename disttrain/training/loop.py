@@ -1,0 +1,258 @@
+"""The training loop: `train` builds the run, `_loop` is the list of what happens each step."""
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import jax
+from jax.sharding import Mesh
+
+import disttrain
+from disttrain.config import Config
+from disttrain.data.batches import TrainIterator
+from disttrain.hf import weights as hf
+from disttrain.operating import callbacks as callbacks_lib, events, lease as lease_lib, metrics
+from disttrain.operating import timing, tracking, watchdog
+from disttrain.parallel import distributed, mesh as mesh_lib, state as state_lib
+from disttrain.storage import checkpoint, urls
+from disttrain.training import actions, setup as run_lib
+from disttrain.training.setup import Setup, setup
+
+__all__ = ['Result', 'Setup', 'evaluate', 'setup', 'train']
+evaluate = actions.evaluate
+
+
+@dataclasses.dataclass
+class Result:
+  """What a run leaves behind in memory (the files are in the workdir)."""
+  state: state_lib.TrainState
+  records: list[dict]  # the metrics.jsonl records, also on processes that do not write
+  trace_count: int  # most traces of any train-step variant; 1 = each compiled once
+  step: int = 0  # the step the run ended at
+  stopped_by: str = ''  # '' when it ran to num_train_steps, else who stopped it and why
+  time: dict = dataclasses.field(default_factory=dict)  # seconds and fractions per phase
+
+
+def _must_bound_in_flight(mesh: Mesh) -> bool:
+  # XLA:CPU's in-process all-reduce deadlocks when many multi-device steps are queued on few
+  # cores (measured: aborts after a 40 s rendezvous timeout). Accelerators do not need this.
+  return mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1
+
+
+def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
+          devices: Sequence[jax.Device] | None = None, tx: Any = None,
+          train_step: Callable | None = None, *, eval_step: Callable | None = None,
+          train_data: Any = None, eval_data: Any = None, callbacks: Sequence[Any] = ()) -> Result:
+  """Trains `model` (default: the one cfg.model names) per `cfg`, writing outputs to `workdir`.
+
+  Levels of disclosure: the config alone; your own data (`train_data`, `eval_data`: any source of
+  feature dicts, see disttrain.data.records), `model` (any front end in disttrain.models) and `task`
+  (per-example loss and metrics); your own optax `tx`, `train_step(ctx, state, batch) -> (state,
+  metrics)` and `eval_step(ctx, state, batch) -> masked sums` (see step.StepContext); callbacks
+  (see disttrain.operating.callbacks). Sharding, data, checkpoints and logging stay the same.
+  Resumes from the newest complete checkpoint in `workdir` if there is one. `devices` defaults to every device
+  of every process. Raises NonFiniteError on a NaN/Inf loss or gradient norm, Preempted after
+  saving on SIGTERM and Interrupted after saving on Ctrl-C. `workdir` is a local directory or a
+  bucket URL (gs://BUCKET/PATH, s3://BUCKET/PATH; disttrain/storage/urls.py).
+  """
+  workdir = urls.resolve(workdir)
+  if urls.is_bucket(workdir) and jax.process_index() == 0:
+    urls.check_writable(workdir)  # a missing bucket or credentials: one line, before the run
+  log = events.EventLog(workdir, enabled=jax.process_index() == 0)
+  # Before anything touches the workdir: another live run there keeps it (operating/lease.py).
+  lease = lease_lib.Lease(workdir, cfg.lease_seconds if jax.process_index() == 0 else 0,
+                          log.attempt)
+  lease.acquire()
+  try:
+    result = _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step,
+                    train_data, eval_data, callbacks)
+  except BaseException as e:
+    if log.started:  # not for bad input found before the workdir was opened
+      log.emit('end', error=type(e).__name__, **({'step': e.step} if hasattr(e, 'step') else {}))
+    raise
+  finally:
+    lease.release()
+  log.emit('end', step=result.step, stopped_by=result.stopped_by, breakdown=result.time)
+  return result
+
+
+def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, train_data,
+           eval_data, callbacks) -> Result:
+  phases = timing.Phases()
+  with phases('setup'):
+    run = setup(cfg, model, task, devices, tx, train_step, eval_step, train_data, eval_data)
+    throughput = run_lib.throughput(run)
+  writer = metrics.Writer(workdir, enabled=jax.process_index() == 0)
+  log.start(jax.process_count())
+  info = run_lib.run_info(run)
+  writer.write_run(info)
+  evals = ', '.join(f'{len(r)} {name}' for name, r in run.eval_data.items()) or 'no eval'
+  writer.print(f'disttrain: {run.mesh.size} devices, mesh {mesh_lib.axis_sizes(run.mesh)}, '
+               f'step_mode={cfg.step_mode}, sharding={cfg.sharding}, data='
+               f'{cfg.data.name if train_data is None else run.train_data.kind} '
+               f'({len(run.train_data)} train / {evals})')
+  hooks = callbacks_lib.Callbacks([*callbacks, *callbacks_lib.from_config(cfg.early_stop),
+                                   *tracking.from_config(cfg, workdir, writer.local)])
+  with contextlib.ExitStack() as stack:  # closed in reverse: saves commit before the writer goes
+    stack.callback(writer.close)
+    ckpt = checkpoint.Checkpointer(workdir, cfg)
+    stack.callback(ckpt.close)  # waits for async saves to commit (and raises their errors)
+    batches = TrainIterator(run.train_data, cfg.global_batch_size, cfg.seed,
+                                 run.batch_sharding, prefetch=cfg.data.prefetch,
+                                 batches_per_element=cfg.steps_per_dispatch,
+                                 workers=cfg.data.workers)
+    stack.callback(batches.close)
+    signals = distributed.StopSignals()
+    stack.callback(signals.close)
+    with phases('setup'):
+      state = _restore_or_init(ckpt, run, batches, hooks, writer)
+    run.state = None  # donated to the first step: never touch it again
+    first_step = int(jax.device_get(state.step))
+    # Records of steps after it, from an attempt killed before its next checkpoint, step aside.
+    lost_through = writer.start(first_step)
+    if first_step or lost_through is not None:
+      log.emit('restore', step=first_step, trained_through=lost_through)
+    device_state = run.steps.place(state)
+    del state
+    with phases('compile'):
+      info['compiled'], info['memory_limit_bytes'] = run_lib.preflight(
+          run, device_state, run_lib.loop_variants(cfg, first_step), writer.print)
+    info['compiled'] = {k: v.to_json() for k, v in info['compiled'].items()}
+    writer.write_run(info)
+    guard = watchdog.Watchdog(watchdog.default_seconds(cfg.watchdog_seconds), phases, workdir)
+    stack.callback(guard.close)
+    acts = _Actions.build(run, workdir=workdir, ckpt=ckpt, batches=batches, signals=signals,
+                          hooks=hooks, writer=writer, phases=phases, throughput=throughput)
+    stack.callback(acts.profiler.close)  # a trace left open by an error
+    result = _loop(run, first_step, device_state, batches, acts, phases)
+    info['time'] = result.time
+    info['stopped_by'] = result.stopped_by
+    writer.write_run(info)
+  hooks.call('on_end', result)
+  return result
+
+
+def _restore_or_init(ckpt, run: Setup, batches, hooks, writer):
+  """The newest checkpoint of this workdir, else a warm start from restore_from, else the fresh
+  state; the data position and the callbacks' state come back with a checkpoint."""
+  cfg, state = run.cfg, run.state
+  abstract = checkpoint.abstract_like(run.layout.shardings, state)
+  restored = ckpt.restore_latest(abstract)
+  if restored is not None:
+    state, data_state, meta, at = restored
+    batches.set_state(data_state)  # the data order continues exactly where it stopped
+    hooks.restore(meta.get('callbacks', {}))
+    writer.print(f'resumed from step {at}: {ckpt.directory}/{at}')
+    return state
+  if cfg.restore_from and hf.is_hf_dir(cfg.restore_from):
+    params = hf.restore(cfg.restore_from, run.model, cfg.model, abstract.params)
+    writer.print(f'warm start: params from the Hugging Face model in {cfg.restore_from}; '
+                 'optimizer, step and data order start fresh')
+    return state.replace(params=params)
+  if cfg.restore_from:
+    params, mutable, at = checkpoint.restore_params(cfg.restore_from, abstract)
+    writer.print(f'warm start: params from {cfg.restore_from} (step {at}); optimizer, step and '
+                 'data order start fresh')
+    return state.replace(params=params, mutable=mutable)
+  return state
+
+
+@dataclasses.dataclass
+class _Actions:
+  """The periodic actions of one run (training/actions.py), in the order the loop calls them."""
+  out: actions.Output
+  records: actions.TrainRecords
+  evaluator: actions.Evaluator
+  stopper: actions.Stopper
+  saver: actions.Saver
+  profiler: actions.Profiler
+
+  @classmethod
+  def build(cls, run: Setup, *, workdir, ckpt, batches, signals, hooks, writer, phases,
+            throughput) -> '_Actions':
+    cfg = run.cfg
+    out = actions.Output(writer, [], hooks)
+    saver = actions.Saver(cfg, ckpt, run.steps, batches, hooks, phases,
+                          lambda at: _meta(cfg, run.mesh, at, hooks), sync=writer.sync)
+    return cls(out=out,
+               records=actions.TrainRecords(cfg, out, phases, run.lr_schedule, throughput,
+                                            saver.last_saved),
+               evaluator=actions.Evaluator(cfg, run.steps, run.eval_data, run.batch_sharding, out,
+                                           phases),
+               stopper=actions.Stopper(signals, hooks), saver=saver,
+               profiler=actions.Profiler(cfg, workdir, writer, phases))
+
+
+def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
+          phases: timing.Phases) -> Result:
+  """Train steps with their records, evals, checkpoints, stops and profile; the final Result."""
+  cfg, steps, writer = run.cfg, run.steps, acts.out.writer
+  bound_in_flight = _must_bound_in_flight(run.mesh)
+  if bound_in_flight:  # the program that made (or restored) the state has finished everywhere
+    jax.block_until_ready(device_state)
+  acts.records.start(first_step)
+  phases.finished(first_step)
+  step_no, previous, stop = first_step, None, None
+  k = cfg.steps_per_dispatch  # every cadence is a multiple of K: K steps per compiled call
+  for step_no in range(first_step + k, cfg.num_train_steps + 1, k):
+    last = step_no == cfg.num_train_steps
+    acts.profiler.maybe_start(step_no)
+    with phases('data'):
+      batch = next(batches)
+    with phases('step'):
+      device_state, step_metrics = steps.train(device_state, batch, acts.records.variant(step_no))
+      if bound_in_flight and previous is not None:
+        jax.block_until_ready(previous)  # at most two multi-device steps in flight (see above)
+    previous = step_metrics
+    emitted = len(acts.out.records)
+    acts.records.maybe_write(step_no, step_metrics)  # the previous step's record, fetched now
+    acts.profiler.maybe_stop(step_no, device_state)
+    eval_due = last or (cfg.eval_every_steps and step_no % cfg.eval_every_steps == 0)
+    save_due = last or (cfg.checkpoint_every_steps and step_no % cfg.checkpoint_every_steps == 0)
+    if eval_due or save_due:
+      acts.records.flush()  # every step up to here is checked finite before anything is saved
+    evals = acts.evaluator.maybe_eval(step_no, device_state, force=last)
+    # Records and evals are emitted at the same steps on every process: a matched agreement.
+    stop = acts.stopper.maybe_stop(step_no, hooks_ran=len(acts.out.records) > emitted)
+    if stop is not None:
+      acts.records.flush()
+      if stop.kind == 'callback':  # a callback ends training here: a final eval as at the end
+        evals = acts.evaluator.maybe_eval(step_no, device_state, force=True) or evals
+    acts.saver.maybe_save(step_no, device_state, force=last or stop is not None,
+                          evals=acts.evaluator.checkpoint_metrics() if evals or stop else None)
+    phases.finished(step_no)
+    if stop is not None:
+      break
+  acts.profiler.maybe_stop(step_no, device_state, force=True)
+  if stop is not None and stop.error(step_no, acts.saver.ckpt.directory) is not None:
+    with phases('checkpoint'):
+      acts.saver.ckpt.wait()  # the checkpoint must have committed before the process exits
+    raise stop.error(step_no, acts.saver.ckpt.directory)
+  if first_step >= cfg.num_train_steps:
+    writer.print(f'already at step {first_step} of {cfg.num_train_steps}: nothing to train')
+    acts.evaluator.maybe_eval(first_step, device_state, force=True)
+  with phases('checkpoint'):
+    acts.saver.ckpt.wait()  # the last save commits inside the measured time
+  stopped_by = ''
+  if stop is not None:
+    stopped_by = f'{stop.who}: {stop.why}' if stop.why else stop.who
+    writer.print(f'stopped at step {step_no} of {cfg.num_train_steps}: {stopped_by} (a checkpoint '
+                 f'was saved: raise num_train_steps and relaunch to continue)')
+  time = phases.breakdown()
+  last_evals = acts.evaluator.last
+  final = last_evals.get('eval') or next(iter(last_evals.values()), None)
+  result_line = (f'final eval {actions.summary(final)} ({final["num_examples"]} examples)'
+                 if final else 'no eval data')
+  writer.print(f'done: {step_no - first_step} steps in {time["wall_seconds"]:.1f}s on '
+               f'{run.mesh.size} devices {mesh_lib.axis_sizes(run.mesh)}; time: '
+               f'{timing.summary(time)}; {result_line}; outputs in {writer.workdir}')
+  return Result(state=steps.export(device_state), records=acts.out.records,
+                trace_count=steps.trace_count, step=step_no, stopped_by=stopped_by, time=time)
+
+
+def _meta(cfg: Config, mesh: Mesh, step_no: int, hooks) -> dict:
+  """Run metadata stored with each checkpoint (the callbacks' state among it)."""
+  return {'step': step_no, 'config': cfg.to_dict(), 'mesh': mesh_lib.axis_sizes(mesh),
+          'num_processes': jax.process_count(), 'disttrain_version': disttrain.__version__,
+          'callbacks': hooks.states()}

@@ -1,0 +1,286 @@
+"""Everything a run is built from, before any step: mesh, data, model, state, compiled steps.
+
+`setup` is what `train` starts with, and what tests and benchmarks drive directly. `preflight`
+compiles the train-step variants the loop will use, reports their memory and refuses a step that
+needs more than the device has, before the first step runs.
+"""
+
+import dataclasses
+import platform
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+import disttrain
+from disttrain import models
+from disttrain.config import Config
+from disttrain.data import records as records_lib, sources
+from disttrain.data.batches import check_eval_size, check_workers, element_spec, stacked_sharding
+from disttrain.data.records import Records
+from disttrain.errors import ConfigError, DisttrainError
+from disttrain.models import pipeline
+from disttrain.operating import metrics
+from disttrain.parallel import mesh as mesh_lib, optim, sharding as sharding_lib, spmd
+from disttrain.parallel import state as state_lib, step as step_lib
+from disttrain.parallel.compiled import CompileInfo, Steps, shard_bytes
+from disttrain.parallel.step import Variant
+
+
+class MemoryLimitError(DisttrainError):
+  """A train step needs more memory per device than the device (or memory_limit_bytes) has."""
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything a run is built from, before any step: also what tests and benchmarks drive."""
+  cfg: Config
+  mesh: Mesh
+  train_data: Records
+  eval_data: dict[str, Records]  # split name ('eval', or the names given) -> records
+  model: Any
+  task: Any
+  tx: Any
+  lr_schedule: Any  # logged as learning_rate
+  batch_sharding: Any
+  state: state_lib.TrainState  # fresh, created sharded
+  layout: state_lib.Layout
+  steps: Steps
+
+  @property
+  def parallel(self) -> mesh_lib.Parallelism:
+    return mesh_lib.Parallelism(self.mesh)
+
+
+def setup(cfg: Config, model: Any = None, task: Any = None,
+          devices: Sequence[jax.Device] | None = None, tx: Any = None,
+          train_step: Callable | None = None, eval_step: Callable | None = None,
+          train_data: Any = None, eval_data: Any = None) -> Setup:
+  """Mesh, data, model, optimizer, sharded state and the compiled-on-first-use steps for `cfg`.
+
+  Data: `train_data` (any source of feature dicts, or disttrain.Data with transforms) and
+  `eval_data` (one source, or {name: source} for several); both default to cfg.data.name's
+  built-in set when train_data is None. A dict of arrays is one in-memory source.
+  """
+  parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
+  parallel.check_batch_sizes(cfg)
+  mesh = parallel.mesh
+  check_workers(cfg.data.workers)
+  if train_data is None:
+    built = sources.build(cfg)
+    train_data, eval_data = built['train_data'], built['eval_data'] if eval_data is None else \
+        eval_data
+  train = Records(train_data, 'train', cfg.seed)
+  evals = {name: Records(source, name, cfg.seed)
+           for name, source in records_lib.named_sources(eval_data).items()}
+  batch_sharding = parallel.rows
+  for records in evals.values():
+    check_eval_size(records, cfg.eval_batch, batch_sharding)
+    if records.spec.keys() != train.spec.keys():
+      raise ConfigError(f'the {records.name} data has fields {sorted(records.spec)} but the train '
+                        f'data has {sorted(train.spec)}; give both the same fields')
+  _check_metric_names(cfg, evals)
+  model = model or models.build(cfg.model, cfg.precision.compute_dtype, cfg.data.seq_len)
+  task = task or models.task(cfg.model)
+  config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
+  tx = tx or config_tx
+  parallel.check_model(model, _tokens(model, element_spec(train)))
+  state, lay = state_lib.create(model, tx, element_spec(train), cfg, mesh)
+  steps = spmd.build(model, task, tx, cfg, mesh, lay, batch_sharding, train_step, eval_step)
+  return Setup(cfg, mesh, train, evals, model, task, tx, lr_schedule, batch_sharding, state, lay,
+               steps)
+
+
+def _tokens(model, spec: dict) -> int:
+  """Tokens per example of a model that counts them (language models), else 0."""
+  count = getattr(model, 'tokens_per_example', None)
+  return count(spec) if count is not None and getattr(model, 'splits_sequence', False) else 0
+
+
+def _check_metric_names(cfg: Config, evals: dict[str, Records]) -> None:
+  """best_metric / early_stop.metric name an eval source that exists ('split/name')."""
+  for field, metric in (('best_metric', cfg.best_metric), ('early_stop.metric',
+                                                           cfg.early_stop.metric)):
+    if not metric:
+      continue
+    split = metric.rpartition('/')[0] or 'eval'
+    if split not in evals:
+      raise ConfigError(f'{field}={metric!r} names eval data {split!r}, but the run evaluates '
+                        f'{sorted(evals) or "nothing"}; use one of them, e.g. '
+                        f'{next(iter(evals), "eval")}/accuracy')
+
+
+def train_batch_spec(run: Setup) -> dict:
+  """The loop's train batch as ShapeDtypeStructs: [B, ...] (or [K, B, ...]) with shardings."""
+  k = run.cfg.steps_per_dispatch
+  spec = element_spec(run.train_data)
+  lead = (run.cfg.global_batch_size,) if k == 1 else (k, run.cfg.global_batch_size)
+  sharding = stacked_sharding(run.batch_sharding, k)
+  return {name: jax.ShapeDtypeStruct(lead + s.shape[1:], s.dtype, sharding=sharding)
+          for name, s in spec.items() if name != records_lib.MASK}  # made in the step
+
+
+def loop_variants(cfg: Config, first_step: int) -> list[Variant]:
+  """The train-step variants the loop will call from first_step on."""
+  k = cfg.steps_per_dispatch
+  ends = range(first_step + k, cfg.num_train_steps + 1, k)
+  logged = {s % cfg.log_every_steps == 0 or s == cfg.num_train_steps for s in ends}
+  return [Variant(metrics=m, steps=k, full_batch=True) for m in sorted(logged, reverse=True)]
+
+
+def memory_limit(cfg: Config, mesh: Mesh) -> int | None:
+  """cfg.memory_limit_bytes, else what this process's devices report (accelerators), else None."""
+  if cfg.memory_limit_bytes:
+    return cfg.memory_limit_bytes
+  device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+  try:
+    stats = device.memory_stats()
+  except jax.errors.JaxRuntimeError:  # not supported on this platform
+    stats = None
+  return int(stats['bytes_limit']) if stats and stats.get('bytes_limit') else None
+
+
+def _mib(n: int) -> str:
+  return f'{n / 2**30:.2f} GiB' if n >= 2**30 else f'{n / 2**20:.1f} MiB'
+
+
+def preflight(run: Setup, device_state: Any, variants: list[Variant],
+              say: Callable[[str], None]) -> tuple[dict[str, CompileInfo], int | None]:
+  """Compiles `variants`, says their per-device memory, refuses one that exceeds the limit."""
+  batch = train_batch_spec(run)
+  limit = memory_limit(run.cfg, run.mesh)
+  infos = {}
+  for variant in variants:
+    info = run.steps.compile(variant, device_state, batch)
+    infos[variant.name] = info
+    say(f'compiled train step {variant.name} in {info.compile_seconds:.1f}s; per device: '
+        f'state {_mib(info.state_bytes)}, arguments {_mib(info.argument_bytes)}, outputs '
+        f'{_mib(info.output_bytes)} ({_mib(info.alias_bytes)} in place of the state), '
+        f'temporaries {_mib(info.temp_bytes)}: needs {_mib(info.peak_bytes)}'
+        + (f' of {_mib(limit)}' if limit else ''))
+    if limit and info.peak_bytes > limit:
+      raise MemoryLimitError(
+          f'train step {variant.name} needs {_mib(info.peak_bytes)} per device (state '
+          f'{_mib(info.state_bytes)}, temporaries {_mib(info.temp_bytes)}) but the limit is '
+          f'{_mib(limit)} ({"memory_limit_bytes" if run.cfg.memory_limit_bytes else "device"}); '
+          'split the state (sharding=fsdp with mesh.fsdp, mesh.tensor with logical_rules), '
+          'recompute activations (model.remat=full), split the batch (grad_accum_steps=4) or '
+          'use a smaller global_batch_size')
+  return infos, limit
+
+
+@dataclasses.dataclass
+class Plan:
+  """A run's compiled-on-demand steps over abstract state and batch: nothing is created."""
+  cfg: Config
+  steps: Steps
+  state: state_lib.TrainState  # ShapeDtypeStructs with shardings
+  batch: dict  # the train batch [B, ...] as ShapeDtypeStructs with the batch sharding
+
+  def compile(self, variant: Variant = Variant(full_batch=True)) -> CompileInfo:
+    """Compile seconds and per-device memory of a train-step variant (the loop's by default)."""
+    return self.steps.compile(variant, self.state, self.batch)
+
+
+def plan(cfg: Config, spec: dict, devices: Sequence[jax.Device] | None = None, model: Any = None,
+         task: Any = None, tx: Any = None) -> Plan:
+  """The steps of `cfg` for data of element spec `spec` ({field: ShapeDtypeStruct((1, ...))}),
+  with an abstract state: the memory of a model too large to create on this host."""
+  parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
+  parallel.check_batch_sizes(cfg)
+  mesh = parallel.mesh
+  model = model or models.build(cfg.model, cfg.precision.compute_dtype, cfg.data.seq_len)
+  task = task or models.task(cfg.model)
+  tx = tx or optim.build(cfg)[0]
+  parallel.check_model(model, _tokens(model, spec))
+  lay = state_lib.layout(model, tx, spec, cfg, mesh)
+  batch_sharding = parallel.rows
+  steps = spmd.build(model, task, tx, cfg, mesh, lay, batch_sharding)
+  batch = {k: jax.ShapeDtypeStruct((cfg.global_batch_size,) + s.shape[1:], s.dtype,
+                                   sharding=batch_sharding)
+           for k, s in spec.items() if k != records_lib.MASK}
+  return Plan(cfg, steps, state_lib.abstract(lay, model, tx, spec, cfg.seed), batch)
+
+
+def saved_activation_bytes(run: Setup) -> int:
+  """Bytes the train step's forward pass keeps for its backward pass, over all devices: the
+  residuals of jax.vjp of the loss of one micro-batch (the global batch / grad_accum_steps)
+  under the precision policy, from shapes only. Unlike XLA's temp bytes this does not depend on
+  the backend (XLA:CPU computes bf16 dots in float32)."""
+  policy = step_lib.Policy(jnp.dtype(run.cfg.precision.compute_dtype))
+  micro = run.cfg.global_batch_size // run.cfg.grad_accum_steps
+  batch = {k: jax.ShapeDtypeStruct((micro,) + v.shape[1:], v.dtype)
+           for k, v in train_batch_spec(run).items()}
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.state.params)
+  mutable = run.state.mutable
+
+  def loss(params, batch):
+    outputs, _, _ = run.model.apply({'params': policy.cast(params), **mutable},
+                                    policy.cast_batch(batch), train=True, rng=jax.random.key(0))
+    return jnp.mean(run.task.per_example(outputs, step_lib.with_mask(batch))['loss'])
+  vjp_fn = jax.eval_shape(lambda p, b: jax.vjp(lambda q: loss(q, b), p)[1], params, batch)
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(vjp_fn))
+
+
+def _dtypes(tree: Any) -> list[str]:
+  return sorted({np.dtype(x.dtype).name for x in jax.tree.leaves(tree)})
+
+
+def run_info(run: Setup) -> dict:
+  """The contents of run.json (before compilation)."""
+  cfg, mesh, lay = run.cfg, run.mesh, run.layout
+  return {
+      'config': cfg.to_dict(),
+      'mesh': mesh_lib.axis_sizes(mesh),
+      'num_devices': mesh.size,
+      'num_processes': jax.process_count(),
+      'step_mode': cfg.step_mode,
+      'param_specs': sharding_lib.spec_lists(lay.param_specs),
+      'fsdp_replicated': lay.replicated,
+      'weight_decay_paths': optim.decayed_paths(cfg, run.state.params),
+      'state_dtypes': {name: _dtypes(getattr(run.state, name))
+                       for name in ('params', 'opt_state', 'mutable')},
+      'state_bytes_per_device': shard_bytes(run.state),
+      'data': {'train': {'examples': len(run.train_data), 'fields': _spec_json(run.train_data)},
+               **{name: {'examples': len(r)} for name, r in run.eval_data.items()}},
+      'versions': {'disttrain': disttrain.__version__, 'jax': jax.__version__,
+                   'python': platform.python_version()},
+      'platform': mesh.devices.flat[0].platform,
+      'device_kind': mesh.devices.flat[0].device_kind,
+      **({'pipeline': _pipeline_info(run)} if run.parallel.stages > 1 else {}),
+  }
+
+
+def _pipeline_info(run: Setup) -> dict:
+  """Stages, micro-batches, GPipe's bubble, and the state bytes of the staged layers (split over
+  the stage axis) and of the rest, whole and per device."""
+  axis, parts = run.parallel.stage_axis, {'layer': [], 'other': []}
+  for leaf in jax.tree.leaves(run.state):
+    parts['layer' if axis in sharding_lib.spec_axes(leaf.sharding.spec) else 'other'].append(leaf)
+  s, m = run.parallel.stages, run.cfg.grad_accum_steps
+  out = {'stages': s, 'micro_batches': m, 'bubble_fraction': pipeline.bubble_fraction(s, m)}
+  for name, leaves in parts.items():
+    out[f'{name}_state_bytes'] = sum(int(x.nbytes) for x in leaves)
+    out[f'{name}_state_bytes_per_device'] = shard_bytes(leaves)
+  return out
+
+
+def _spec_json(records: Records) -> dict:
+  return {k: {'shape': list(s.shape), 'dtype': np.dtype(s.dtype).name}
+          for k, s in records.spec.items()}
+
+
+def throughput(run: Setup) -> metrics.Throughput:
+  """Tokens/s and MFU fields for models that count them (models.LanguageModel), else none."""
+  flops = getattr(run.model, 'flops_per_example', None)
+  tokens = getattr(run.model, 'tokens_per_example', None)
+  spec = element_spec(run.train_data)
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.state.params))
+  device = run.mesh.devices.flat[0]
+  peak = run.cfg.peak_flops_per_device or metrics.peak_flops(device.device_kind)
+  return metrics.Throughput(tokens(spec) if tokens else None,
+                            flops(spec, num_params) if flops else None,
+                            peak * run.mesh.size if peak else None)

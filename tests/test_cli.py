@@ -1,0 +1,111 @@
+"""The `disttrain` command and the spellings it replaces: every subcommand answers --help with its
+own flags, the installed script runs them, old module paths are the same modules (with a
+DeprecationWarning at the user's line) and an old `python -m disttrain.<tool>` runs the tool,
+saying its new spelling once. (Real runs of each subcommand: test_launcher, test_supervise,
+test_multiprocess, test_text_data, test_hf, test_generate, test_goodput, test_operations.)"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import warnings
+
+from disttrain import cli
+from tests.conftest import ROOT
+from tests.test_goodput import _log
+
+SCRIPT = pathlib.Path(sys.executable).parent / 'disttrain'  # what `pip install` put on the PATH
+
+
+def _run(*argv: str, **kw) -> subprocess.CompletedProcess:
+  return subprocess.run(list(argv), cwd=ROOT, capture_output=True, text=True, timeout=120,
+                        check=False, env={**os.environ, 'JAX_PLATFORMS': 'cpu'}, **kw)
+
+
+def test_the_installed_script_lists_the_subcommands_and_refuses_an_unknown_one():
+  assert SCRIPT.is_file(), f'no {SCRIPT}: `pip install -e .` installs the disttrain command'
+  listing = _run(str(SCRIPT), '--help')
+  assert listing.returncode == 0, listing.stderr
+  assert [line.split()[0] for line in listing.stdout.splitlines()[2:]] == list(cli.COMMANDS)
+  bad = _run(str(SCRIPT), 'trian', '--config=x')
+  assert bad.returncode == 2 and bad.stdout == '', bad
+  assert bad.stderr.splitlines() == [
+      "error: disttrain has no subcommand 'trian'; use one of train, check, supervise, cluster, "
+      'export, generate, convert, tokenizer, goodput, plot (disttrain --help)']
+
+
+_HELP = textwrap.dedent("""
+    # `disttrain <sub> --help` for every subcommand, each in a forked child (one import of jax).
+    import json, os, sys
+    import jax, flax, orbax.checkpoint  # what most subcommands load
+    from disttrain import cli
+    out = {}
+    for name in cli.COMMANDS:
+      read, write = os.pipe()
+      pid = os.fork()
+      if pid == 0:
+        os.close(read); os.dup2(write, 1); os.dup2(write, 2)
+        try:
+          cli.main(['disttrain', name, '--help'])
+          code = 0
+        except SystemExit as e:
+          code = e.code if isinstance(e.code, int) else 0
+        sys.stdout.flush(); sys.stderr.flush(); os._exit(code)
+      os.close(write)
+      with os.fdopen(read) as pipe:
+        text = pipe.read()
+      out[name] = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text]
+    print(json.dumps(out))
+""")
+# A flag only this subcommand's program has: its --help names it and no other program's.
+OWN_FLAG = {'train': '--coordinator_address', 'check': '--check', 'supervise': '--max_restarts',
+            'cluster': '--devices_per_process', 'export': '--dtype', 'generate': '--temperature',
+            'convert': '--source', 'tokenizer': '--vocab_size', 'goodput': '--json',
+            'plot': '--metrics'}
+
+
+def test_every_subcommand_answers_help_with_its_own_flags():
+  proc = _run(sys.executable, '-c', _HELP)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  helps = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert set(helps) == set(cli.COMMANDS) == set(OWN_FLAG)
+  for name, (code, text) in helps.items():
+    module = cli.COMMANDS[name][0]
+    assert code == 1 and 'Try --helpfull' in text, (name, text[-2000:])  # absl's --help exit
+    assert f'{module.replace(".", "/")}.py:' in text, (name, text[:2000])  # its flags, by file
+    assert OWN_FLAG[name] in text, (name, text[:2000])
+    others = {flag for other, flag in OWN_FLAG.items() if cli.COMMANDS[other][0] != module}
+    assert not [flag for flag in others if f'  {flag}:' in text], (name, text[:2000])
+
+
+def test_old_module_paths_are_the_same_modules_with_a_warning_at_the_callers_line():
+  from disttrain.data import records  # pylint: disable=g-import-not-at-top
+  from disttrain.training import loop  # pylint: disable=g-import-not-at-top
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    import disttrain.records as old_records  # pylint: disable=g-import-not-at-top
+    from disttrain.loop import train  # pylint: disable=g-import-not-at-top
+    from disttrain import data  # pylint: disable=g-import-not-at-top
+    batch_sharding = data.batch_sharding
+  assert old_records is records and train is loop.train
+  from disttrain.parallel import mesh  # pylint: disable=g-import-not-at-top
+  assert batch_sharding is mesh.batch_sharding
+  moved = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+  assert [str(w.message).split(';')[0] for w in moved] == [
+      'disttrain.records moved to disttrain.data.records',
+      'disttrain.loop moved to disttrain.training.loop',
+      'disttrain.data.batch_sharding moved to disttrain.parallel.mesh.batch_sharding']
+  assert {w.filename for w in moved} == {__file__}, [(w.filename, w.lineno) for w in moved]
+
+
+def test_an_old_python_m_spelling_runs_the_tool_and_names_the_new_one_once(tmp_path):
+  _log(tmp_path)
+  old = _run(sys.executable, '-m', 'disttrain.goodput', str(tmp_path))
+  new = _run(str(SCRIPT), 'goodput', str(tmp_path))
+  assert old.returncode == new.returncode == 0, old.stderr + new.stderr
+  assert old.stdout == new.stdout and 'goodput 66.7%' in new.stdout
+  assert new.stderr == ''
+  assert old.stderr.splitlines() == ['note: `python -m disttrain.goodput` is now `disttrain '
+                                     'goodput` (same flags); the old spelling still works for now']
