@@ -1,6 +1,7 @@
 """Shared test helpers: configs with dotted overrides, small layouts."""
 
 import runpy
+import sys
 
 import jax
 import numpy as np
@@ -108,3 +109,14 @@ def saved_params(workdir, step: int) -> list[np.ndarray]:
   assert leaves, f'{path} has no parameters'
   return leaves
 
+
+# Execs its arguments with SIGINT's default action, which exec keeps (a fork with a preexec_fn
+# would run Python in a child of the multithreaded test process).
+_FOREGROUND = ('import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); '
+               'os.execv(sys.argv[1], sys.argv[1:])')
+
+
+def foreground(command: list[str]) -> list[str]:
+  """`command` taking Ctrl-C as a terminal's foreground job does, also when the suite itself runs
+  in the background (SIGINT ignored on entry, which a run then leaves ignored)."""
+  return [sys.executable, '-c', _FOREGROUND, *command]

@@ -42,9 +42,9 @@ def _env():
 
 
 def _launch(workdir, *extra, steps: int = STEPS) -> subprocess.Popen:
-  return subprocess.Popen(LAUNCH + [f'--workdir={workdir}', f'--config.num_train_steps={steps}',
-                                    *extra], env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  command = LAUNCH + [f'--workdir={workdir}', f'--config.num_train_steps={steps}', *extra]
+  return subprocess.Popen(helpers.foreground(command), env=_env(), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _train_losses(workdir) -> dict[int, float]:

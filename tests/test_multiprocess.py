@@ -82,9 +82,9 @@ def _cluster(overrides: dict, workdir) -> str:
 
 def _start_cluster(overrides: dict, workdir, grace: float = 20, config: str = CONFIG,
                    env: dict | None = None) -> subprocess.Popen:
-  return subprocess.Popen(_cluster_cmd(*_train_flags(overrides, workdir, config), grace=grace),
-                          cwd=ROOT, env={**_env(), **(env or {})}, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  command = _cluster_cmd(*_train_flags(overrides, workdir, config), grace=grace)
+  return subprocess.Popen(helpers.foreground(command), cwd=ROOT, env={**_env(), **(env or {})},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _ops_cluster(workdir, env: dict, overrides: dict, grace: float = 20) -> subprocess.Popen:

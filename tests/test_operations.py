@@ -8,6 +8,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -215,16 +216,42 @@ def test_plot_draws_the_curves_of_two_runs(tmp_path):
 
 def test_second_ctrl_c_is_left_to_the_default_action():
   """The first Ctrl-C asks for a checkpointed stop; the handler then restores SIGINT's default
-  action, so a second one ends the process at once (the kernel's doing: no traceback)."""
-  signals = distributed.StopSignals()
+  action, so a second one ends the process at once (the kernel's doing: no traceback). Closing
+  puts back whatever handler was there before."""
+  before = lambda *_: None  # a foreground job's handler (Python's default_int_handler)
+  outer = signal.signal(signal.SIGINT, before)
   try:
-    assert not signals.interrupted and not signals.reached(1)
-    signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # what the first Ctrl-C runs
-    assert signals.interrupted and signals.reached(2)
-    assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    signals = distributed.StopSignals()
+    try:
+      assert not signals.interrupted and not signals.reached(1)
+      signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # what the first Ctrl-C runs
+      assert signals.interrupted and signals.reached(2)
+      assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    finally:
+      signals.close()
+    assert signal.getsignal(signal.SIGINT) is before
   finally:
-    signals.close()
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    signal.signal(signal.SIGINT, outer)
+
+
+def test_a_background_job_leaves_its_ignored_ctrl_c_ignored():
+  """Started with SIGINT ignored (`cmd &` in a script, nohup, a CI runner), a run leaves it so: a
+  Ctrl-C meant for the terminal does not stop it; SIGTERM still does, at the next step."""
+  outer = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    signals = distributed.StopSignals()
+    try:
+      assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+      os.kill(os.getpid(), signal.SIGINT)
+      assert not signals.interrupted and not signals.reached(1)
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(0.01)  # Python runs the handler between bytecodes
+      assert signals.reached(2) and not signals.interrupted
+    finally:
+      signals.close()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGINT, outer)
 
 
 def test_healthy_slow_steps_are_never_killed_by_the_watchdog(tmp_path):

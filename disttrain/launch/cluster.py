@@ -24,7 +24,7 @@ import time
 from absl import app, flags
 
 from disttrain.exitcodes import Exit, describe, shell_status
-from disttrain.parallel.distributed import free_port_pair
+from disttrain.parallel.distributed import free_port_pair, ignored
 
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', 2, 'Processes to start.')
 _DEVICES = flags.DEFINE_integer('devices_per_process', 4, 'Fake CPU devices per process.')
@@ -116,7 +116,8 @@ def run(num_processes: int, devices: int, train_args: list[str], timeout: float,
         os.killpg(p.pid, signum)
     if signum == signal.SIGINT:  # the next Ctrl-C takes the default way out, for everyone
       signal.signal(signal.SIGINT, lambda *_: (_stop(procs, 0), os._exit(INTERRUPTED)))
-  previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)
+              if not ignored(s)}  # a background job's ignored Ctrl-C stays ignored
   deadline = time.monotonic() + timeout
   try:
     while True:

@@ -14,7 +14,8 @@ spending the failure budget (--max_preemptions bounds those); 3 (hang), a death 
 any other status restart after an exponential backoff with jitter and count as failures. The
 count goes back to 0 whenever an attempt advanced the committed checkpoint; --max_restarts
 failures in a row without progress end it with one line and the last status. SIGTERM and SIGINT
-are passed to the job, which saves and stops; the supervisor then stops too. Each attempt's end
+are passed to the job, which saves and stops; the supervisor then stops too (a supervisor started
+with SIGINT ignored, in the background, leaves it ignored, and so does its job). Each attempt's end
 is appended to DIR/events.jsonl (`exit` events).
 """
 
@@ -95,7 +96,8 @@ class Supervisor:
         random.uniform(0.5, 1.5)
 
   def run(self) -> int:
-    previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGINT)
+                if signal.getsignal(s) is not signal.SIG_IGN}
     try:
       return self._run()
     finally:

@@ -126,6 +126,11 @@ def free_port_pair() -> int:
   raise RuntimeError('no free pair of loopback ports')
 
 
+def ignored(signum: int) -> bool:
+  """The signal was ignored when this process started (a background job's SIGINT): leave it so."""
+  return signal.getsignal(signum) is signal.SIG_IGN
+
+
 class StopSignals:
   """SIGTERM (preemption) and SIGINT (Ctrl-C) as a stop at one step that every process agrees on.
 
@@ -136,7 +141,9 @@ class StopSignals:
   this counts its own calls. A Ctrl-C is turned into that same SIGTERM path (the process sends
   itself SIGTERM), remembered as an interrupt. A single process catches both signals itself
   (main thread only) and stops at the next step. After the first Ctrl-C, a second one gets the
-  default action: the process ends at once, without a traceback.
+  default action: the process ends at once, without a traceback. A process started with SIGINT
+  ignored (a background job: `cmd &` in a script, nohup, a CI runner) leaves it ignored, as
+  shells do: the terminal's Ctrl-C is not meant for it; SIGTERM still stops it with a checkpoint.
   """
 
   def __init__(self):
@@ -149,7 +156,8 @@ class StopSignals:
       if not self._multi:
         self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM,
                                                        lambda *_: self._terminated.set())
-      self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
+      if not ignored(signal.SIGINT):
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
 
   def _on_interrupt(self, *_) -> None:
     self._interrupted.set()
