@@ -9,11 +9,14 @@ schedule spans the run. The full run's first record is the mean of the same 25 p
 to rtol 1e-6 (the quiet steps between records train exactly like logged ones, as
 tests/test_dispatch.py checks), so the full run is the run that matches 1 device. One step agrees
 to ~1e-7 across layouts; training then amplifies reassociation at a rate that depends on the
-initial weights. Measured with a fresh install (2026-11-24), 8 vs 1 devices:
-mnist_mlp stays within 4e-7 relative over 30 steps, while nnx_mlp (the same model, other initial
-weights) reaches 5e-6 at step 5, 1.3e-3 at step 10 and 1.9e-2 at step 30 with dropout on or off;
-its gradients at step 1 agree to 2.5e-7, as mnist_mlp's do. So: rtol 1e-4 over the first 5 steps
-and 5e-2 over 30.
+initial weights and on the host's floating-point code (Adam's first updates are nearly sign(g), so
+a gradient component within rounding of 0 moves by a whole learning rate). Measured with a fresh
+install, 8 vs 1 devices: mnist_mlp stays within 4e-7 relative over 30 steps, while nnx_mlp (the
+same model, other initial weights) reaches 5e-6 at step 5, 1.3e-3 at step 10 and 1.9e-2 at step
+30 on the 2026-11-24 host; on an AMD EPYC host without AVX-512 (2026-11-26) its first two losses
+are bitwise equal, then 3.4e-5 at step 3, 2.1e-4 at step 4 and 2.2e-3 at step 10. Its gradients
+at step 1 agree to 2.5e-7, as mnist_mlp's do. So: rtol 1e-5 over the first 2 steps (a forward
+pass and one update) and 5e-2 over 30.
 Dropout stays on: under jit the mask is drawn for the global batch from the step's key, so it
 does not depend on the layout (pmap draws per-device masks and is compared without dropout).
 
@@ -77,7 +80,7 @@ def _check(name, mnist_dir, tmp_path, floor: float, task=None, whole_schedule=Fa
 
   train8, train1 = first_steps(8), first_steps(1)
   losses8, losses1 = [r['loss'] for r in train8[:30]], [r['loss'] for r in train1[:30]]
-  np.testing.assert_allclose(losses8[:5], losses1[:5], rtol=1e-4)
+  np.testing.assert_allclose(losses8[:2], losses1[:2], rtol=1e-5)
   np.testing.assert_allclose(losses8, losses1, rtol=5e-2)
   # The full run trained as the per-step one did: its first record is their first 25 steps' mean.
   assert windows8[0]['step'] == WINDOW
