@@ -69,7 +69,8 @@ def test_llama_on_packed_tokenized_documents(tmp_path):
       ('step', 'jax_jit'), ('train_loop', 'hand_written_loop'),
       ('train_loop', 'step_on_device_data')]
   for row in rows:
-    assert row['tokens_per_sec'] == pytest.approx(row['examples_per_sec'] * 128, rel=1e-3)
+    # 128 tokens a row; examples/s is reported to 0.1, tokens/s from the unrounded rate.
+    assert row['tokens_per_sec'] == pytest.approx(row['examples_per_sec'] * 128, abs=0.05 * 128.1)
     assert 0 < row['mfu'] < 1
 
 
@@ -86,7 +87,8 @@ def test_llama_on_packed_tokenized_documents(tmp_path):
 def test_several_devices(tmp_path, args):
   (row,) = _results(tmp_path, *args)
   if '--model=gpt' in args:  # language models report tokens/s and model FLOPs utilisation
-    assert row['tokens_per_sec'] == pytest.approx(row['examples_per_sec'] * 128, rel=1e-3)
+    # 128 tokens a row; examples/s is reported to 0.1, tokens/s from the unrounded rate.
+    assert row['tokens_per_sec'] == pytest.approx(row['examples_per_sec'] * 128, abs=0.05 * 128.1)
     assert 0 < row['mfu'] < 1 and row['mfu_peak'] == 'measured dot peak'
 
   assert f'--fake_devices={row["devices"]}' in args
