@@ -82,8 +82,8 @@ def uninterrupted(tmp_path_factory):
   return workdir
 
 
-@pytest.mark.parametrize('sig', [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
-                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_killed_run_resumes_bit_exactly(sig, uninterrupted, tmp_path):
   proc = _launch(tmp_path, EVALS, steps=1000)
   # Kill at a step after the second checkpoint (steps 20 and 40) has committed.
@@ -157,8 +157,9 @@ def saved_on_eight(tmp_path_factory):
   return workdir, to_numpy(saved.state.params), losses, common
 
 
-@pytest.mark.parametrize('mesh_overrides,n', [({'mesh__data': 1}, 1),
-                                              ({'mesh__data': 4, 'mesh__tensor': 2}, 8)])
+@pytest.mark.parametrize('mesh_overrides,n', [
+    pytest.param({'mesh__data': 1}, 1, marks=pytest.mark.slow),
+    ({'mesh__data': 4, 'mesh__tensor': 2}, 8)])
 def test_checkpoint_restores_onto_another_mesh(saved_on_eight, mesh_overrides, n, tmp_path):
   source, saved_params, losses, common = saved_on_eight
   cfg = make_config(num_train_steps=12, **mesh_overrides, **common)
@@ -293,6 +294,7 @@ def test_no_restorable_checkpoint_moves_nothing(saved_on_eight, tmp_path):
   assert (ckpt_dir / '10').is_dir() and not (ckpt_dir / 'corrupt').exists()
 
 
+@pytest.mark.slow
 def test_best_checkpoint_is_kept_beside_the_latest(tmp_path):
   # best_mode='max' on the eval loss keeps the *worst* loss: the first checkpoint, since the loss
   # falls, which makes the kept set deterministic.
@@ -382,3 +384,28 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(small_disk, tmp_p
                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300,
                          check=False)
   assert again.returncode == 0 and 'resumed from step 20' in again.stdout, again.stderr[-2000:]
+
+
+def test_small_replicated_arrays_are_saved_whole_and_large_ones_in_slices(tmp_path, caplog):
+  """orbax writes a replicated array as one slice per replica and compiles a slice program per
+  (shape, device) first: an 8-device save of small arrays compiles none (one replica writes them
+  whole), while an array whose per-replica slice reaches MIN_REPLICA_SLICE_BYTES is still split.
+  Both restore to what was saved."""
+  replicated = jax.sharding.NamedSharding(jax.make_mesh((8,), ('data',), devices=devices(8)),
+                                          jax.sharding.PartitionSpec())
+  rows = 8 * checkpoint.MIN_REPLICA_SLICE_BYTES // (4 * 256)  # 8 slices of the threshold's size
+  trees = {'small': {'w': np.arange(64 * 96, dtype=np.float32).reshape(64, 96)},
+           'large': {'w': np.arange(rows * 256, dtype=np.float32).reshape(rows, 256)}}
+  for name, tree in trees.items():
+    state = jax.device_put(tree, replicated)
+    ckpt = checkpoint.Checkpointer(str(tmp_path / name), make_config())
+    caplog.clear()
+    with jax.log_compiles(True), caplog.at_level('WARNING'):
+      ckpt.save(1, state, {}, {})
+      ckpt.wait()
+    slices = [r for r in caplog.records if 'Compiling jit(slice)' in r.getMessage()]
+    assert len(slices) == (0 if name == 'small' else 8), (name, len(slices))
+    restored = ckpt.restore_latest(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree))
+    np.testing.assert_array_equal(np.asarray(restored[0]['w']), tree['w'])
+    ckpt.close()
