@@ -306,6 +306,17 @@ def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
   assert not alive, f'{len(alive)} worker(s) outlived the launcher'
 
 
+def _assert_committed(step_dir) -> None:
+  """The step's checkpoint was finalized by the job: its state and data items are in place.
+
+  Process 0 writes this model's state alone: its replicated arrays are under
+  storage/checkpoint.py's MIN_REPLICA_SLICE_BYTES a replica, so the first replica writes each
+  whole; process 1's part in the save is its log line and the barrier the commit waits for."""
+  assert (step_dir / 'state' / 'ocdbt.process_0').is_dir(), sorted(os.listdir(step_dir))
+  assert (step_dir / 'data').is_dir(), sorted(os.listdir(step_dir))
+  assert not any('tmp' in name for name in os.listdir(step_dir.parent)), os.listdir(step_dir.parent)
+
+
 def _interrupt(overrides: dict, workdir, after: int, sig: int, exit_code: int, said: str) -> int:
   """Starts the job, sends `sig` to the launcher once step `after` is logged, checks that every
   process saved one checkpoint at one agreed step and exited with `exit_code`; returns the step.
@@ -329,8 +340,7 @@ def _interrupt(overrides: dict, workdir, after: int, sig: int, exit_code: int, s
   assert processes == [0, 1] and len(saved) == 1, out[-3000:]  # both processes, one agreed step
   (at,) = saved
   assert after <= at < STEPS, (after, at)
-  state_dir = workdir / 'checkpoints' / str(at) / 'state'
-  assert (state_dir / 'ocdbt.process_0').is_dir() and (state_dir / 'ocdbt.process_1').is_dir()
+  _assert_committed(workdir / 'checkpoints' / str(at))
   return at
 
 
@@ -428,8 +438,7 @@ def test_callback_stop_is_agreed_saved_and_resumes_exactly(runs, tmp_path):
            in line]
   assert [line[:3] for line in stops] == ['[0]'], out[-3000:]  # process 0 prints for the job
   assert 'Traceback' not in out
-  state_dir = tmp_path / 'checkpoints' / '18' / 'state'
-  assert (state_dir / 'ocdbt.process_0').is_dir() and (state_dir / 'ocdbt.process_1').is_dir()
+  _assert_committed(tmp_path / 'checkpoints' / '18')
   assert json.loads((tmp_path / 'run.json').read_text())['stopped_by'] == 'StopAt: saw step 17'
   proc = _ops_cluster(tmp_path, {}, overrides)
   out, _ = proc.communicate(timeout=JOB_TIMEOUT)
