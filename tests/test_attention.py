@@ -63,7 +63,8 @@ def test_attention_equals_the_naive_form_and_its_gradients(case, implementation)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('implementation', ['xla', 'blockwise'])
+@pytest.mark.parametrize('implementation', [pytest.param('xla', marks=pytest.mark.slow),
+                                            'blockwise'])
 def test_positions_split_over_context_equal_the_naive_form(implementation):
   """Under a jit step on data 2 x context 2 x tensor 2 (and context 8), queries split over
   'context' against all-gathered keys and values: packed rows, GQA; values and gradients."""

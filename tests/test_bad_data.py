@@ -65,15 +65,16 @@ CASES = [
      'use a smaller eval_batch_size or more eval examples'),
     ('reserved', [], ["the train data has a field '_mask', a name disttrain reserves"],
      'rename it in the source or a transform'),
-    ('transform', ['--config.data.workers=2'],
-     ['train transform FailsOn17 raised ValueError: cannot augment this one (example 17'],
-     'fix the transform or that example'),
+    pytest.param('transform', ['--config.data.workers=2'],
+                 ['train transform FailsOn17 raised ValueError: cannot augment this one '
+                  '(example 17'], 'fix the transform or that example', marks=pytest.mark.slow),
     ('good', ['--config.data.workers=100000'],
      ['data.workers=100000 is more than this machine can run'], 'use at most'),
 ]
 
 
-@pytest.mark.parametrize('case,flags,needles,fix', CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize('case,flags,needles,fix', CASES,
+                         ids=[getattr(c, 'values', c)[0] for c in CASES])
 def test_bad_source_is_one_line_and_exit_2(tmp_path, case, flags, needles, fix):
   line = _one_error_line(_launch(tmp_path, case, *flags))
   assert 'DataError' in line, line

@@ -92,8 +92,9 @@ def _accumulating(cfg: disttrain.Config, m: int) -> disttrain.Config:
   return disttrain.from_config_dict(cd)
 
 
-ACCUMULATION = [(_mlp, layout, (2, 4)) for layout in ('one', 'replicate8', 'fsdp8',
-                                                       'data4_tensor2', 'shard_map8')] + [
+ACCUMULATION = [(_mlp, layout, (2, 4)) for layout in ('one', 'replicate8', 'fsdp8')] + [
+    pytest.param(_mlp, layout, (2, 4), marks=pytest.mark.slow)
+    for layout in ('data4_tensor2', 'shard_map8')] + [
     # The GPT's compiles are the slow part (~8 s a row): data x tensor and shard_map are the
     # MLP's alone (the step styles accumulate in one code path whatever the model).
     pytest.param(_tiny_gpt, 'one', (4,), marks=pytest.mark.slow),
@@ -133,6 +134,7 @@ def test_padded_batch_under_accumulation_is_the_global_masked_mean(step_mode):
   np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_thirty_steps_with_accumulation_and_several_steps_per_call(tmp_path):
   """M=2 with 2 steps per call (fsdp, 8 devices) trains like M=1 one step per call: training
   amplifies the reassociation, so rtol 1e-4 over 10 steps and 1e-2 over 30."""
@@ -253,6 +255,7 @@ def test_remat_computes_the_same_step():
                                err_msg=f'gradient (remat=full) {jax.tree_util.keystr(path)}')
 
 
+@pytest.mark.slow
 def test_gpt2_small_compiles_split_over_eight_devices():
   """124 M parameters: per-device state <= 1.1 x total / the ways the parameters are split."""
   for mesh, ways in (({'mesh.data': 1, 'mesh.fsdp': 8}, 8),
@@ -331,6 +334,7 @@ def test_bf16_activations_float32_state_and_first_loss():
   assert info['config']['precision'] == {'compute_dtype': 'bfloat16', 'param_dtype': 'float32'}
 
 
+@pytest.mark.slow
 def test_bf16_halves_the_activations_kept_for_the_backward_pass():
   """The GPT config at an activation-dominated batch: bf16 keeps <= 0.66 x the bytes float32
   keeps for the backward pass (measured 2026-11-25: jax 0.10 244.7 vs 383.3 MiB = 0.64, jax 0.12

@@ -63,7 +63,8 @@ def local_run(tmp_path_factory):
   return workdir, result
 
 
-@pytest.mark.parametrize('scheme', ['gs', pytest.param('s3', marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('scheme', ['gs', 's3'])
 def test_bucket_run_resumes_and_equals_a_local_run(servers, local_run, scheme):
   """20 steps into a bucket, then on to 30 from its checkpoint: every output is in the bucket,
   keep-2 left exactly 2 steps there, and losses, curves and parameters equal a local run's."""
@@ -122,6 +123,7 @@ def test_torn_save_in_a_bucket_is_never_restored_and_a_second_run_is_refused(ser
   assert _names(url + '/checkpoints') == ['10']  # the torn step 20 was cleaned up
 
 
+@pytest.mark.slow
 def test_bad_bucket_workdirs_are_one_line_and_exit_2(servers, monkeypatch):
   """A missing bucket (either scheme), missing S3 credentials, an unknown scheme, a URL with
   no bucket and a missing extra: one line each naming the problem and the fix."""

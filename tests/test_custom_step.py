@@ -57,6 +57,7 @@ def test_custom_step_trains_sharded_and_matches_one_device(tmp_path):
   assert fsdp.state.params['Dense_1']['kernel'].addressable_shards[0].data.shape == (64 // 8, 64)
 
 
+@pytest.mark.slow
 def test_custom_step_resumes_exactly(tmp_path):
   straight = _run(tmp_path / 'straight', 8, 20, mesh__data=8)
   _run(tmp_path / 'split', 8, 10, mesh__data=8)

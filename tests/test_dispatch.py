@@ -11,7 +11,7 @@ from disttrain.parallel import mesh as mesh_lib
 from tests.helpers import devices, make_config, to_numpy
 
 
-@pytest.mark.parametrize('step_mode', ['jit', 'shard_map'])
+@pytest.mark.parametrize('step_mode', ['jit', pytest.param('shard_map', marks=pytest.mark.slow)])
 def test_steps_per_dispatch_matches_one_step_per_call(step_mode, tmp_path):
   common = dict(mesh__data=8, step_mode=step_mode, num_train_steps=24, log_every_steps=4,
                 eval_every_steps=12, checkpoint_every_steps=12, model__hidden=64,
@@ -59,7 +59,7 @@ def test_iterator_positions_are_in_batches_whatever_k():
     three.set_state(state)
 
 
-@pytest.mark.parametrize('step_mode', ['jit', 'pmap'])
+@pytest.mark.parametrize('step_mode', ['jit', pytest.param('pmap', marks=pytest.mark.slow)])
 def test_quiet_steps_train_exactly_like_full_ones(step_mode, tmp_path):
   """log_every_steps=1 runs only the full-metrics step; 5 runs the quiet one on 4 of 5 steps.
 

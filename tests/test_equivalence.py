@@ -76,7 +76,9 @@ def one_step_reference():
   return get
 
 
-@pytest.mark.parametrize('layout', list(LAYOUTS))
+@pytest.mark.parametrize('layout', [  # the quick tier: a split state, a split model, pmap
+    pytest.param(layout, marks=pytest.mark.slow) if layout in ('replicate8', 'shard_map8')
+    else layout for layout in LAYOUTS])
 def test_one_step_matches_one_device(layout, one_step_reference):
   overrides, n = LAYOUTS[layout]
   cfg = make_config(**overrides, model__dropout=_dropout(layout))
@@ -109,7 +111,9 @@ def _run_config(dropout: float, **overrides):
   return make_config(**base)
 
 
-@pytest.mark.parametrize('layout', list(LAYOUTS))
+@pytest.mark.parametrize('layout', [  # the quick tier keeps fsdp8: one run, every code path
+    layout if layout == 'fsdp8' else pytest.param(layout, marks=pytest.mark.slow)
+    for layout in LAYOUTS])
 def test_thirty_steps_match_one_device(layout, reference_losses, tmp_path):
   overrides, _ = LAYOUTS[layout]
   rate = _dropout(layout)

@@ -231,6 +231,7 @@ def _sum_loss_layers(dropout: float):
   return layers
 
 
+@pytest.mark.slow
 def test_keras_dropout_and_summed_losses_match_one_device(tmp_path):
   # jit: Keras dropout draws from seeds derived from the step's key, so 8 devices draw the
   # global mask of 1 device. shard_map: per-device masks differ, so dropout is off there; a sum

@@ -239,6 +239,7 @@ def test_console_lines(run):
   assert 'Traceback' not in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_run_json_fsdp_specs(tmp_path):
   """With sharding=fsdp the kernels of at least fsdp_min_size elements are split over 'fsdp'."""
   result = launch(f'--config={CONFIG}', f'--workdir={tmp_path}', '--fake_devices=8', *TINY,

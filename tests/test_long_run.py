@@ -6,6 +6,7 @@ import disttrain
 from tests.helpers import devices, make_config
 
 
+@pytest.mark.slow
 def test_hundreds_of_steps_on_eight_cpu_devices_do_not_deadlock(tmp_path):
   # Queueing many 8-device steps on 2 cores used to abort XLA:CPU's all-reduce after a 40 s
   # rendezvous timeout; the loop bounds the steps in flight. log_every_steps > steps means the

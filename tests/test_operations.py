@@ -58,6 +58,7 @@ def test_early_stopping_stops_a_plateau_after_patience_evals(tmp_path):
   assert all(isinstance(v, (int, float, str)) for r in result.records for v in r.values())
 
 
+@pytest.mark.slow
 def test_early_stopping_from_config_fields_never_stops_an_improving_run(tmp_path):
   result = disttrain.train(_mlp(learning_rate=3e-3, num_train_steps=30,
                                 early_stop__metric='eval/loss', early_stop__mode='min',
@@ -115,6 +116,7 @@ def test_callbacks_that_only_read_records_add_no_device_fetch(tmp_path, monkeypa
   assert rows[0].startswith('step,split') and len(rows) == 1 + 8
 
 
+@pytest.mark.slow
 def test_a_callback_that_raises_is_one_line_and_keeps_the_checkpoint(tmp_path):
   proc = _launch(tmp_path, '--config.num_train_steps=20', '--config.checkpoint_every_steps=5',
                  '--config.eval_every_steps=10', env=_env(RAISE_IN='on_eval'))
@@ -165,6 +167,7 @@ def test_profiler_window_writes_a_trace_with_the_step_scopes(tmp_path, capsys):
     assert scope in content, scope
 
 
+@pytest.mark.slow
 def test_time_breakdown_adds_up_and_points_at_the_culprit(tmp_path, monkeypatch):
   """The phases plus 'other' are the wall time; a slow data source shows as data, saving every
   step shows as checkpoint."""
@@ -193,6 +196,7 @@ def test_time_breakdown_adds_up_and_points_at_the_culprit(tmp_path, monkeypatch)
 # ------------------------------------------------------------------------------------------
 # Plots.
 
+@pytest.mark.slow
 def test_plot_draws_the_curves_of_two_runs(tmp_path):
   pytest.importorskip('matplotlib')
   for name, lr in (('fast', 3e-3), ('slow', 1e-4)):
@@ -254,6 +258,7 @@ def test_a_background_job_leaves_its_ignored_ctrl_c_ignored():
     signal.signal(signal.SIGINT, outer)
 
 
+@pytest.mark.slow
 def test_healthy_slow_steps_are_never_killed_by_the_watchdog(tmp_path):
   # 6 reads of 0.6 s each (3.6 s in all) under a 1 s watchdog: each is shorter than the limit.
   proc = _launch(tmp_path, '--config.num_train_steps=5', '--config.log_every_steps=1',

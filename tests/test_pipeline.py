@@ -64,6 +64,7 @@ def test_ten_bf16_remat_steps_pipelined_equal_one_device(tmp_path, name, layout,
   assert reference[-1] < reference[0]
 
 
+@pytest.mark.slow
 def test_each_stage_holds_its_layers_and_run_json_says_so(tmp_path):
   """stage=4: the stacked layers' parameters and Adam moments per device are a quarter of theirs
   whole (the embeddings stay replicated); run.json reports both and the bubble."""

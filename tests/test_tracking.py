@@ -190,6 +190,7 @@ def test_missing_wandb_names_the_extra(monkeypatch, tmp_path):
   assert result.stdout.strip() == '[]', result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_wandb_skips_the_steps_an_earlier_attempt_wrote(monkeypatch, tmp_path):
   """W&B writes its file in the background, so a SIGKILLed attempt's file may hold nothing (as in
   the test above, where the resumed attempt catches up from metrics.jsonl) or steps past the
