@@ -137,7 +137,8 @@ class DataConfig:
   tokenizer: str = ''
   # documents / sft / tokens: concat (joined, cut into windows) or documents (whole documents in
   # rows by best fit, with segment_ids and positions; token files need the converter's .docs.npy).
-  packing: str = 'concat'
+  # '' = documents for sft (a fine-tuning example is never cut across rows), concat otherwise.
+  packing: str = ''
   text_field: str = 'text'  # documents: the JSONL field / Parquet column holding the text
   synthetic: SyntheticConfig = SyntheticConfig()
   text: TextConfig = TextConfig()
@@ -145,7 +146,8 @@ class DataConfig:
   sft: SftConfig = SftConfig()
 
   def __post_init__(self):
-    _one_of('data.packing', self.packing, PACKING)
+    if self.packing:
+      _one_of('data.packing', self.packing, PACKING)
     # data.name is checked against disttrain.data.sources.SOURCES when the data is built.
     if self.name == 'mnist' and not self.dir:
       raise ConfigError("data.name='mnist' needs data.dir; pass --config.data.dir=PATH/TO/MNIST")
@@ -158,6 +160,11 @@ class DataConfig:
     _positive('data.workers', self.workers, allow_zero=True)
     if self.prefetch < -1:
       raise ConfigError(f'data.prefetch={self.prefetch} must be -1 (auto) or >= 0; pass one')
+
+  @property
+  def packed_as(self) -> str:
+    """data.packing with '' resolved: what the run does (the console's data line says it)."""
+    return self.packing or ('documents' if self.name == 'sft' else 'concat')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,8 +61,6 @@ CASES = [
     ('empty', [], ['the train data is empty'], 'pass a source with at least one example'),
     ('no_len', [], ['the train data (generator) has no __len__ and __getitem__'],
      'pass a random-access source'),
-    ('small_eval', [], ['the eval data has 3 examples, fewer than the 8 rows each device holds'],
-     'use a smaller eval_batch_size or more eval examples'),
     ('reserved', [], ["the train data has a field '_mask', a name disttrain reserves"],
      'rename it in the source or a transform'),
     pytest.param('transform', ['--config.data.workers=2'],

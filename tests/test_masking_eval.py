@@ -76,3 +76,21 @@ def test_eval_counts_every_example_once_and_matches_numpy(n_devices, tmp_path):
                                      keepdims=True)) - logits.max(-1, keepdims=True)
   expected_loss = -np.mean(log_probs[np.arange(297), split['label']])
   np.testing.assert_allclose(final['loss'], expected_loss, rtol=1e-4)
+
+
+@pytest.mark.parametrize('step_mode', ['jit', 'pmap'])
+def test_an_eval_set_smaller_than_one_device_s_rows_is_padded_and_counted(step_mode):
+  """3 eval examples in batches of 64 on 8 devices: device 0 holds them with 5 padding rows,
+  devices 1-7 padding only; the eval counts the 3 and matches numpy."""
+  cfg = make_config(mesh__data=8, step_mode=step_mode, eval_batch_size=BATCH)
+  small = {k: v[:3] for k, v in sources.build(cfg)['eval_data'].items()}
+  run = disttrain.setup(cfg, devices=devices(8), eval_data=small)
+  result = disttrain.evaluate(run.steps, run.state, run.eval_data['eval'], cfg.eval_batch,
+                              run.batch_sharding)
+  logits = _numpy_forward(to_numpy(run.state.params), to_numpy(run.state.mutable)['batch_stats'],
+                          small['image'])
+  assert result['num_examples'] == 3
+  assert result['accuracy'] == pytest.approx(np.mean(np.argmax(logits, -1) == small['label']))
+  log_probs = logits - np.log(np.sum(np.exp(logits), -1, keepdims=True))
+  np.testing.assert_allclose(result['loss'], -np.mean(log_probs[np.arange(3), small['label']]),
+                             rtol=1e-4)

@@ -185,7 +185,7 @@ def _sft_config(files, **overrides) -> disttrain.Config:
   cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'llama.py')
   base = {'data.name': 'sft', 'data.train_files': str(files / 'train.jsonl'),
           'data.eval_files': str(files / 'eval.jsonl'), 'data.tokenizer': '',
-          'data.packing': 'documents', 'model.vocab_size': 260, 'model.num_layers': 2,
+          'model.vocab_size': 260, 'model.num_layers': 2,
           'model.hidden': 32, 'model.num_heads': 2, 'model.num_kv_heads': 1,
           'model.mlp_dim': 64, 'data.seq_len': 32, 'global_batch_size': 16,
           'eval_batch_size': 16, 'eval_every_steps': 0, 'mesh.data': 2, 'mesh.fsdp': 2,
@@ -203,6 +203,22 @@ def _hand_loss(model, params, rows: dict) -> tuple[float, int]:
   ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(
       jnp.asarray(logits), jnp.asarray(np.maximum(targets, 0))))
   return float((ce * counted).sum() / counted.sum()), int(counted.sum())
+
+
+def test_sft_packs_whole_examples_by_default_and_the_eval_counts_every_completion_token(
+    sft_files):
+  """data.packing unset: sft rows hold whole examples (best fit), so train and eval count every
+  completion token; concat cut pairs across rows and dropped the eval's tail."""
+  cfg = _sft_config(sft_files, **{'data.packing': '', 'data.seq_len': 64})
+  assert cfg.data.packed_as == 'documents'
+  built = sources.build(cfg)
+  for split in ('train_data', 'eval_data'):
+    rows, docs = built[split], built[split].docs
+    assert max(docs.lengths) - 1 <= cfg.data.seq_len  # every example fits a row
+    completion = sum(int(docs.tokens(i)[1][1:].sum()) for i in range(len(docs)))
+    read = [rows[r] for r in range(len(rows))]
+    assert sum(int(row['loss_mask'].sum()) for row in read) == completion, split
+    assert sum(int(row['segment_ids'].max()) for row in read) == len(docs), split  # none cut
 
 
 @pytest.mark.slow

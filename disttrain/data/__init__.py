@@ -16,7 +16,7 @@ The names below are the layer's public API, imported on first use (they were dis
 from disttrain import moved
 
 _EXPORTS = {
-    'Batch': 'batches', 'TrainIterator': 'batches', 'check_eval_size': 'batches',
+    'Batch': 'batches', 'TrainIterator': 'batches',
     'check_workers': 'batches', 'element_spec': 'batches', 'eval_batches': 'batches',
     'local_rows': 'batches', 'stacked_sharding': 'batches',
     'Data': 'records', 'ID': 'records', 'MASK': 'records', 'RESERVED': 'records',

@@ -340,18 +340,9 @@ def stacked_sharding(sharding: NamedSharding, k: int) -> NamedSharding:
   return NamedSharding(sharding.mesh, P(None, *sharding.spec))
 
 
-def check_eval_size(records: Records, batch_size: int, sharding: NamedSharding) -> None:
-  """An eval source must fill at least one device's rows of an eval batch."""
-  shards = sharding.num_devices // _replicas(sharding)
-  if len(records) < batch_size // shards:
-    raise DataError(f'the {records.name} data has {len(records)} examples, fewer than the '
-                    f'{batch_size // shards} rows each device holds of an eval batch of '
-                    f'{batch_size} over {shards} devices; use a smaller eval_batch_size or more '
-                    'eval examples')
-
-
 def eval_batches(records: Records, batch_size: int, sharding: NamedSharding) -> Iterator[Batch]:
-  """Every example exactly once in source order; the last batch is padded with mask 0."""
+  """Every example exactly once in source order; the last batch is padded with mask 0 (also when
+  the whole set is smaller than one device's rows: devices then hold padding only)."""
   assemble = _Assembler(sharding, batch_size)
   count = -(-len(records) // batch_size)
   read = _ReadEvalBatch(records, batch_size, assemble.rows)

@@ -240,7 +240,7 @@ def _array_record(cfg: Config) -> dict:
 def _tokens(cfg: Config) -> dict:
   """Flat token files, windows of data.seq_len + 1 tokens (packing='concat'), or the documents
   of the converter's files packed into rows (packing='documents'); ids checked < vocab_size."""
-  if cfg.data.packing == 'documents':
+  if cfg.data.packed_as == 'documents':
     return _packed(cfg, lambda patterns, field: packing.TokenFileDocuments(
         formats.resolve_files(patterns, field), cfg.data.tokens.dtype, cfg.model.vocab_size))
   return _files_split(cfg, lambda patterns, field: formats.TokenWindows(
@@ -288,16 +288,20 @@ def _packed(cfg: Config, open_docs) -> dict:
                       'in data.train_files; pass fewer, or data.eval_files')
     train, held_out = (packing.DocRange(train, 0, len(train) - n),
                        packing.DocRange(train, len(train) - n, len(train)) if n else None)
-  rows = packing.PackedDocuments if cfg.data.packing == 'documents' else packing.ConcatWindows
+  rows = packing.PackedDocuments if cfg.data.packed_as == 'documents' else packing.ConcatWindows
   out = {'train_data': rows(train, cfg.data.seq_len),
          'eval_data': rows(held_out, cfg.data.seq_len) if held_out is not None else None}
   if jax.process_index() == 0:
     for split, source in out.items():
       if source is not None:
         tokens = int(source.docs.lengths.sum())
+        # A fine-tuning example longer than a row is split (its pairs past the row are trained
+        # without the start): say how many, and how to keep them whole.
+        long = int(np.sum(source.docs.lengths - 1 > cfg.data.seq_len)) if source.docs.sft else 0
         print(f'{split}: {len(source.docs):,} documents, {tokens:,} tokens -> {len(source):,} rows '
-              f'of {cfg.data.seq_len} ({cfg.data.packing}; {100 * source.padding_fraction:.1f}% '
-              'padding)', flush=True)
+              f'of {cfg.data.seq_len} ({cfg.data.packed_as}; {100 * source.padding_fraction:.1f}% '
+              'padding)' + (f'; {long:,} examples longer than a row are split, raise '
+                            'data.seq_len to keep them whole' if long else ''), flush=True)
   return out
 
 

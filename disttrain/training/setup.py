@@ -19,7 +19,7 @@ import disttrain
 from disttrain import models
 from disttrain.config import Config
 from disttrain.data import records as records_lib, sources
-from disttrain.data.batches import check_eval_size, check_workers, element_spec, stacked_sharding
+from disttrain.data.batches import check_workers, element_spec, stacked_sharding
 from disttrain.data.records import Records
 from disttrain.errors import ConfigError, DisttrainError
 from disttrain.models import pipeline
@@ -78,7 +78,6 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
            for name, source in records_lib.named_sources(eval_data).items()}
   batch_sharding = parallel.rows
   for records in evals.values():
-    check_eval_size(records, cfg.eval_batch, batch_sharding)
     if records.spec.keys() != train.spec.keys():
       raise ConfigError(f'the {records.name} data has fields {sorted(records.spec)} but the train '
                         f'data has {sorted(train.spec)}; give both the same fields')

@@ -76,8 +76,6 @@ def get_data(config):
     return {'train_data': [], 'eval_data': eval_data}
   if case == 'no_len':
     return {'train_data': (e for e in Examples().examples), 'eval_data': eval_data}
-  if case == 'small_eval':
-    return {'train_data': _arrays(), 'eval_data': _arrays(3)}
   if case == 'reserved':
     return {'train_data': {**_arrays(), '_mask': np.ones(N, np.float32)}, 'eval_data': eval_data}
   if case == 'transform':
