@@ -218,6 +218,7 @@ def test_run_json(run):
   assert 'Dense_0/kernel' in specs and 'Dense_2/bias' in specs, specs
   assert all(isinstance(spec, list) for spec in specs.values()), specs
   assert all('fsdp' not in json.dumps(spec) for spec in specs.values()), specs
+  assert info['param_split'] == {'axes': [], 'split': 0, 'arrays': len(specs)}
 
 
 def test_tensorboard_events(run):
@@ -237,6 +238,8 @@ def test_console_lines(run):
   assert re.search(r'final eval accuracy \d\.\d+', summary[0]), summary[0]
   assert f'({DIGITS_EVAL} examples)' in summary[0], summary[0]
   assert 'Traceback' not in result.stdout + result.stderr
+  (start,) = [l for l in lines if l.startswith('disttrain: 8 devices')]
+  assert 'step_mode=jit, params replicated, data=digits' in start, start
 
 
 @pytest.mark.slow
@@ -256,6 +259,8 @@ def test_run_json_fsdp_specs(tmp_path):
   assert 'fsdp' not in specs['Dense_2/kernel'], specs
   assert 'fsdp' not in specs['Dense_0/bias'], specs
   assert any(line.startswith('Dense_2/kernel') for line in info['fsdp_replicated']), info
+  assert info['param_split'] == {'axes': ['fsdp'], 'split': 2, 'arrays': 10}  # BatchNorms too
+  assert 'params split over fsdp (2 of 10 arrays)' in result.stdout
 
 
 @pytest.mark.parametrize('flag', ['config', 'workdir'])

@@ -21,6 +21,7 @@ import pytest
 import disttrain
 from disttrain import data
 from disttrain.parallel import sharding
+from disttrain.training import setup as run_lib
 from tests import helpers
 from tests.conftest import ROOT
 from tests.helpers import assert_trees_close, devices, to_numpy
@@ -87,23 +88,30 @@ def test_ten_steps_on_eight_devices_equal_one(tmp_path, precision, rtol):
   assert reference[-1] < reference[0]
 
 
-def _specs(**overrides) -> tuple[dict, list[str]]:
+def _specs(**overrides) -> tuple[dict, list[str], dict]:
   cfg = _config(**overrides)
+  assert cfg.sharding == 'replicate'  # the field's default: the logical rules split the weights
   run = disttrain.setup(cfg, devices=devices(8))
-  return sharding.spec_lists(run.layout.param_specs), run.layout.replicated
+  return (sharding.spec_lists(run.layout.param_specs), run.layout.replicated,
+          run_lib.run_info(run)['param_split'])
 
 
 def test_kv_heads_split_over_tensor_when_divisible_else_kept_whole():
-  specs, whole = _specs(**CUBE)
+  specs, whole, split = _specs(**CUBE)
   assert specs['blocks/attention/key/kernel'] == [None, 'fsdp', 'tensor', None]
   assert specs['blocks/attention/query/kernel'] == [None, 'fsdp', 'tensor', None]
   assert specs['blocks/mlp/gate/kernel'] == [None, 'fsdp', 'tensor']
   assert specs['embed'] == ['tensor', 'fsdp'] and not whole
-  specs, whole = _specs(**{'mesh.data': 2, 'mesh.tensor': 4})  # 2 K/V heads over tensor=4
+  # What run.json and the console report (sharding=replicate): the axes that really split.
+  assert split['axes'] == ['fsdp', 'tensor'] and split['arrays'] == len(specs)
+  assert split['split'] == sum(spec != [None] * len(spec) for spec in specs.values())
+  specs, whole, split = _specs(**{'mesh.data': 2, 'mesh.tensor': 4})  # 2 K/V heads over tensor=4
   assert specs['blocks/attention/key/kernel'] == [None, 'fsdp', None, None]  # fsdp has size 1
   assert specs['blocks/attention/query/kernel'] == [None, 'fsdp', 'tensor', None]
   assert any('blocks/attention/key/kernel' in w and 'kv_heads=2 is not divisible by tensor=4' in w
              for w in whole), whole
+  assert split['axes'] == ['tensor']  # 'fsdp' named in specs, but of size 1: nothing split
+  assert split['split'] == sum('tensor' in spec for spec in specs.values())
 
 
 def test_bf16_forward_runs_in_bf16_with_float32_state():

@@ -143,6 +143,29 @@ def spec_lists(specs: Any) -> dict[str, list]:
           for path, spec in flat}
 
 
+def split_summary(specs: Any, mesh: Mesh) -> dict:
+  """What the layout does to the parameters, whatever field asked for it (sharding=fsdp,
+  logical or param rules): the mesh axes (of size > 1) that split some parameter, and how many
+  of the parameter arrays are split. run.json's 'param_split'; the console's start line."""
+  sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+  axes, split, leaves = set(), 0, jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  for spec in leaves:
+    used = {a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))
+            if sizes.get(a, 1) > 1}
+    axes |= used
+    split += bool(used)
+  return {'axes': [a for a in mesh.axis_names if a in axes], 'split': split,
+          'arrays': len(leaves)}
+
+
+def describe_split(summary: dict) -> str:
+  """'params split over fsdp, tensor (12 of 14 arrays)' or 'params replicated'."""
+  if not summary['split']:
+    return 'params replicated'
+  return (f"params split over {', '.join(summary['axes'])} ({summary['split']} of "
+          f"{summary['arrays']} arrays)")
+
+
 _ACTIVATIONS = contextvars.ContextVar('disttrain_activation_rules', default=None)
 
 

@@ -14,7 +14,8 @@ from disttrain.data.batches import TrainIterator
 from disttrain.hf import weights as hf
 from disttrain.operating import callbacks as callbacks_lib, events, lease as lease_lib, metrics
 from disttrain.operating import timing, tracking, watchdog
-from disttrain.parallel import distributed, mesh as mesh_lib, state as state_lib
+from disttrain.parallel import distributed, mesh as mesh_lib, sharding as sharding_lib
+from disttrain.parallel import state as state_lib
 from disttrain.storage import checkpoint, urls
 from disttrain.training import actions, setup as run_lib
 from disttrain.training.setup import Setup, setup
@@ -89,7 +90,8 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
   writer.write_run(info)
   evals = ', '.join(f'{len(r)} {name}' for name, r in run.eval_data.items()) or 'no eval'
   writer.print(f'disttrain: {run.mesh.size} devices, mesh {mesh_lib.axis_sizes(run.mesh)}, '
-               f'step_mode={cfg.step_mode}, sharding={cfg.sharding}, data='
+               f'step_mode={cfg.step_mode}, '
+               f'{sharding_lib.describe_split(info["param_split"])}, data='
                f'{cfg.data.name if train_data is None else run.train_data.kind} '
                f'({len(run.train_data)} train / {evals})')
   hooks = callbacks_lib.Callbacks([*callbacks, *callbacks_lib.from_config(cfg.early_stop),

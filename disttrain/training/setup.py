@@ -238,6 +238,7 @@ def run_info(run: Setup) -> dict:
       'num_processes': jax.process_count(),
       'step_mode': cfg.step_mode,
       'param_specs': sharding_lib.spec_lists(lay.param_specs),
+      'param_split': sharding_lib.split_summary(lay.param_specs, mesh),
       'fsdp_replicated': lay.replicated,
       'weight_decay_paths': optim.decayed_paths(cfg, run.state.params),
       'state_dtypes': {name: _dtypes(getattr(run.state, name))
