@@ -4,6 +4,7 @@ The model is a tiny Llama trained 20 steps on byte text on 8 devices with its pa
 over fsdp, loaded back onto that mesh by disttrain.hf.trained (the run's layout).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -105,10 +106,17 @@ def test_generate_command_from_the_run_and_from_its_hugging_face_export(run_dir,
   assert 'tokens/s' in last and mesh in last
   export = _cli('disttrain', 'export', f'--workdir={run_dir}', f'--out={tmp_path / "hf"}')
   assert export.returncode == 0, export.stderr[-2000:]
-  from_hf = _cli('disttrain', 'generate', f'--hf_dir={tmp_path / "hf"}', *args)
+  from_hf = _cli('disttrain', 'generate', f'--hf_dir={tmp_path / "hf"}', *args, '--json=-')
   assert from_hf.returncode == 0, from_hf.stderr[-2000:]
-  texts = lambda p: p.stdout.split('---')[:2]
-  assert texts(from_hf) == texts(proc)  # the same greedy continuations
+  out = json.loads(from_hf.stdout)  # --json=-: the JSON alone
+  # The same greedy continuations: the run's printed texts are the export's tokens decoded.
+  assert [f'{s["prompt"]}{s["text"]}\n' for s in out['samples']] == [
+      t.lstrip('\n') for t in proc.stdout.split('---')[:2]]
+  for sample in out['samples']:
+    assert len(sample['logprobs']) == len(sample['tokens']) and sample['stop'] in ('eos', 'length')
+    assert all(-30 < lp <= 0 for lp in sample['logprobs'])
+    assert (sample['stop'] == 'length') == (len(sample['tokens']) == 12)
+  assert out['settings']['temperature'] == 0 and np.prod(list(out['mesh'].values())) == 8
 
 
 @pytest.mark.parametrize('command,args,message', [

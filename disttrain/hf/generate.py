@@ -1,7 +1,7 @@
 """Sampling from a trained language model: prefill, then KV-cache decoding in one compiled loop.
 
   disttrain generate --workdir=RUN_DIR --prompt='def main' [--prompt=...]
-      [--max_new_tokens=64 --temperature=0.8 --top_k=50 --top_p=0.95 --seed=0 --step=N]
+      [--max_new_tokens=64 --temperature=0 --top_k=0 --top_p=1 --seed=0 --step=N --json=F]
   disttrain generate --hf_dir=HF_DIR --prompt=...           # a Hugging Face model
 
 `disttrain.generate(model, params, prompts, ...)` is the Python form. Prompts of different
@@ -14,6 +14,7 @@ is an argument and a result of the model, never training state. Temperature 0 is
 
 import dataclasses
 import functools
+import json
 import sys
 import time
 import types
@@ -214,13 +215,37 @@ def main(argv) -> None:
   result = generate(lm.model, lm.params, prompts, max_new_tokens=f.max_new_tokens,
                     temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
                     eos_id=eos, mesh=lm.mesh, context=lm.context)
+  count = sum(len(t) for t in result.tokens)
+  summary = (f'{count} new tokens from {lm.source} on {lm.mesh.size} devices '
+             f'{dict(lm.mesh.shape)} in {result.seconds:.2f}s: '
+             f'{result.tokens_per_second:,.1f} tokens/s (compiled in '
+             f'{result.compile_seconds:.1f}s)')
+  if f.json:
+    out = _as_json(lm, f, prompts, result, eos)
+    if f.json == '-':
+      print(json.dumps(out, indent=1), flush=True)
+      return
+    with open(f.json, 'w', encoding='utf-8') as file:
+      json.dump(out, file, indent=1)
   for text, new in zip(f.prompt, result.tokens):
     print(f'{text}{lm.tokenizer.decode(new)}')
     print('---')
-  count = sum(len(t) for t in result.tokens)
-  print(f'{count} new tokens from {lm.source} on {lm.mesh.size} devices '
-        f'{dict(lm.mesh.shape)} in {result.seconds:.2f}s: {result.tokens_per_second:,.1f} tokens/s '
-        f'(compiled in {result.compile_seconds:.1f}s)', flush=True)
+  print(summary + (f'; JSON in {f.json}' if f.json else ''), flush=True)
+
+
+def _as_json(lm, f, prompts: list[list[int]], result: Generation, eos) -> dict:
+  """--json: per prompt its tokens, the new tokens, text and log-probabilities, and why it
+  stopped; the settings and the speed."""
+  samples = [{'prompt': text, 'prompt_tokens': ids, 'tokens': new,
+              'text': lm.tokenizer.decode(new), 'logprobs': [float(x) for x in logprobs],
+              'stop': 'length' if len(new) == f.max_new_tokens else 'eos'}
+             for text, ids, new, logprobs in zip(f.prompt, prompts, result.tokens, result.logprobs)]
+  return {'source': lm.source, 'mesh': dict(lm.mesh.shape), 'eos_id': eos,
+          'settings': {'max_new_tokens': f.max_new_tokens, 'temperature': f.temperature,
+                       'top_k': f.top_k, 'top_p': f.top_p, 'seed': f.seed},
+          'samples': samples, 'seconds': result.seconds,
+          'compile_seconds': result.compile_seconds,
+          'tokens_per_second': result.tokens_per_second}
 
 
 if __name__ == '__main__':
@@ -240,5 +265,7 @@ if __name__ == '__main__':
   flags.DEFINE_string('mesh', '', "Mesh axis sizes instead of the run's, e.g. data=-1 or "
                       'fsdp=8,data=1.')
   flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
+  flags.DEFINE_string('json', '', 'Also write the samples as JSON (token ids, text, '
+                      'log-probabilities, stop reason) to this file; - = stdout, instead of text.')
   flags.mark_flag_as_required('prompt')
   app.run(one_line_errors(main))
