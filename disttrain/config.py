@@ -189,7 +189,7 @@ class ModelConfig:
   """Which model and its hyper-parameters. A field keeps one meaning in every family that
   reads it; its comment names the families that read it."""
   # A builder in disttrain.models.MODELS: mnist_mlp, bobbin_mlp, nnx_mlp, jax_mlp, keras_mlp
-  # (needs the keras extra), gpt, llama, char_lm (deprecated: the gpt).
+  # (needs the keras extra), gpt, llama, qwen2, qwen3, char_lm (deprecated: the gpt).
   name: str = 'mnist_mlp'
   hidden: int = 512  # MLP width / transformer width
   dropout: float = 0.3  # rate; 0 disables dropout
@@ -207,7 +207,10 @@ class ModelConfig:
   remat: str = 'none'
   tied_embeddings: bool = True  # language models: the unembedding is the token embedding's T
   norm: str = ''  # gpt: layernorm (default) or rmsnorm; llama: rmsnorm
-  num_kv_heads: int = 0  # llama: K/V heads shared by groups of query heads; 0 = num_heads
+  num_kv_heads: int = 0  # llama, qwen: K/V heads shared by groups of query heads; 0 = num_heads
+  # llama, qwen: features per attention head; 0 = model.hidden / model.num_heads (Qwen3 and some
+  # Llamas set it apart from the width).
+  head_dim: int = 0
   rope_theta: float = 10000.0  # llama: rotary embedding base
   rope_scaling: RopeScalingConfig = RopeScalingConfig()
   norm_eps: float = 1e-5  # language models' LayerNorm / RMSNorm epsilon
@@ -236,6 +239,7 @@ class ModelConfig:
     _positive('model.rope_theta', self.rope_theta)
     _positive('model.norm_eps', self.norm_eps)
     _positive('model.max_seq_len', self.max_seq_len, allow_zero=True)
+    _positive('model.head_dim', self.head_dim, allow_zero=True)
     _one_of('model.attention', self.attention, ATTENTION)
     _positive('model.attention_block', self.attention_block)
     _positive('model.num_experts', self.num_experts, allow_zero=True)
@@ -361,7 +365,8 @@ class Config:
   best_metric: str = ''
   best_mode: str = 'max'  # 'max' or 'min' for best_metric
   # Warm start: params and mutable collections from another run's checkpoint (a checkpoints dir
-  # or one step in it) or a Hugging Face model directory (llama, gpt); optimizer, step and data
+  # or one step in it) or a Hugging Face model directory (llama, qwen2, qwen3, gpt); optimizer,
+  # step and data
   # order start fresh; ignored when the workdir has a checkpoint of its own.
   restore_from: str = ''
   precision: PrecisionConfig = PrecisionConfig()

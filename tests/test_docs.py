@@ -41,7 +41,7 @@ def test_every_config_field_has_documentation_and_the_reference_lists_it():
   assert sorted(f.path for f in fields) == sorted(p for p in flat if p not in config_lib.DEPRECATED)
   for field in fields:
     assert f'| `{field.path}` |' in page
-  assert '| `model.num_kv_heads` | int | `0` | llama: K/V heads shared' in page
+  assert '| `model.num_kv_heads` | int | `0` | llama, qwen: K/V heads shared' in page
 
 
 def _flatten(tree: dict, prefix: str = '') -> list[str]:

@@ -1,7 +1,8 @@
 """Hugging Face weights in and out, against the reference implementation (`transformers`).
 
-Random tiny LlamaForCausalLM (1, 2 and 4 K/V heads, tied and untied) and GPT2LMHeadModel are
-built from a config and saved with save_pretrained here. Imported into disttrain, their logits
+Random tiny LlamaForCausalLM (1, 2 and 4 K/V heads, tied and untied), Qwen2ForCausalLM and
+Qwen3ForCausalLM (random biases and norm scales) and GPT2LMHeadModel are built from a config and
+saved with save_pretrained here. Imported into disttrain, their logits
 equal transformers' forward pass to 1e-4 (float32; measured <= 3e-7); exported from a disttrain
 run, transformers' logits equal ours to 1e-5 (measured <= 2e-6); import -> export -> import is
 bitwise.
@@ -54,7 +55,7 @@ def _gpt2(tmp_path, **save) -> str:
 
 
 def _model_config(name: str, kv: int = 0, tied: bool = True, **fields) -> ModelConfig:
-  extra = dict(num_kv_heads=kv, mlp_dim=96) if name == 'llama' else dict(max_seq_len=32)
+  extra = dict(num_kv_heads=kv, mlp_dim=96) if name != 'gpt' else dict(max_seq_len=32)
   return ModelConfig(name=name, hidden=64, num_layers=2, num_heads=4, vocab_size=VOCAB,
                      tied_embeddings=tied, dropout=0.0, **extra, **fields)
 
@@ -92,6 +93,34 @@ def test_imported_llama_logits_equal_transformers(tmp_path, kv, tied):
                              _reference_logits(path, TOKENS), rtol=1e-4, atol=1e-4)
 
 
+def _qwen(tmp_path, family: str, tied: bool) -> str:
+  """Qwen2: biases on q, k, v; Qwen3: per-head query and key norms, head_dim 24 apart from the
+  width's 64 / 4 heads. Random norm scales and biases, so a missing one shows in the logits."""
+  torch.manual_seed(3)
+  kind = transformers.Qwen2Config if family == 'qwen2' else transformers.Qwen3Config
+  config = kind(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=tied,
+                **({'head_dim': 24} if family == 'qwen3' else {}))
+  model = transformers.AutoModelForCausalLM.from_config(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith(('norm.weight', 'bias')):
+        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith('weight') else 0.0))
+  path = str(tmp_path / family)
+  model.save_pretrained(path)
+  return path
+
+
+@pytest.mark.parametrize('family,tied', [('qwen2', False), ('qwen3', True)])
+def test_imported_qwen_logits_equal_transformers(tmp_path, family, tied):
+  path = _qwen(tmp_path, family, tied)
+  model, params = _load(path, _model_config(family, 2, tied, norm_eps=1e-6, rope_theta=1e6,
+                                            head_dim=24 if family == 'qwen3' else 0))
+  np.testing.assert_allclose(_our_logits(model, params, TOKENS),
+                             _reference_logits(path, TOKENS), rtol=1e-4, atol=1e-4)
+
+
 def test_imported_gpt2_logits_equal_transformers_from_sharded_files(tmp_path):
   path = _gpt2(tmp_path, max_shard_size='100KB')  # model-0000i-of-0000N + an index
   assert os.path.isfile(os.path.join(path, tensorfiles.INDEX))
@@ -111,8 +140,11 @@ def test_llama3_rope_scaling_equals_transformers():
 
 
 def _train_and_export(tmp_path, name: str, tied: bool, dtype: str = 'float32') -> tuple:
-  """A 2-step disttrain run of a tiny model (byte text), exported; (run dir, HF dir)."""
-  cd = helpers.config_file(ROOT / 'launch' / 'configs' / f'{name}.py')
+  """A 2-step disttrain run of a tiny model (byte text), exported; (run dir, HF dir). Qwen3
+  runs launch/configs/llama.py with its name and a head_dim of 24 (64 / 4 heads would be 16)."""
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / f'{"gpt" if name == "gpt" else "llama"}.py')
+  if name == 'qwen3':
+    helpers.override(cd, {'model.name': 'qwen3', 'model.head_dim': 24})
   helpers.override(cd, {'model.num_layers': 2, 'model.hidden': 64, 'model.num_heads': 4,
                         'model.tied_embeddings': tied, 'num_train_steps': 2, 'mesh.data': 1,
                         'data.seq_len': 16, 'global_batch_size': 8, 'eval_batch_size': 8,
@@ -142,7 +174,7 @@ def llama_export(tmp_path_factory) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('name,tied', [('llama', False), ('gpt', True)])
+@pytest.mark.parametrize('name,tied', [('llama', False), ('gpt', True), ('qwen3', True)])
 def test_exported_run_loads_in_transformers_with_equal_logits(request, tmp_path, name, tied):
   run, out = (request.getfixturevalue('llama_export') if name == 'llama' else
               _train_and_export(tmp_path, name, tied))
@@ -171,10 +203,12 @@ def test_bfloat16_export_is_the_rounded_float32(llama_export, tmp_path):
       str(tmp_path / 'bf16')).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize('name', ['llama', 'gpt'])
+@pytest.mark.parametrize('name', ['llama', 'gpt', 'qwen2'])
 def test_import_export_import_is_bitwise(tmp_path, name):
-  path = _llama(tmp_path, 2, False) if name == 'llama' else _gpt2(tmp_path)
-  cfg = _model_config(name, 2, False) if name == 'llama' else _model_config('gpt')
+  path = {'llama': lambda: _llama(tmp_path, 2, False), 'gpt': lambda: _gpt2(tmp_path),
+          'qwen2': lambda: _qwen(tmp_path, 'qwen2', False)}[name]()
+  cfg = {'llama': _model_config('llama', 2, False), 'gpt': _model_config('gpt'),
+         'qwen2': _model_config('qwen2', 2, False, norm_eps=1e-6, rope_theta=1e6)}[name]
   model, params = _load(path, cfg)
   out = tmp_path / 'again'
   out.mkdir()
@@ -263,18 +297,25 @@ def test_bad_hugging_face_directory_through_the_launcher(tmp_path, case, flags, 
   assert not os.path.isdir(tmp_path / 'run' / 'checkpoints' / '1')
 
 
-@pytest.mark.parametrize('size', ['smollm2_135m', 'llama3_1b'])
-def test_named_sizes_have_the_published_parameter_count(size):
-  """launch/configs/llama.py's published shapes: our parameters (shapes only) number what
-  transformers builds from the config.json we would export for them (on the meta device)."""
+PUBLISHED = {('llama', 'smollm2_135m'): 134_515_008, ('llama', 'llama3_1b'): 1_235_814_400,
+             ('qwen', 'qwen2_5_0_5b'): 494_032_768, ('qwen', 'qwen3_0_6b'): 596_049_920}
+
+
+@pytest.mark.parametrize('config_file,size', list(PUBLISHED))
+def test_named_sizes_have_the_published_parameter_count(config_file, size):
+  """launch/configs/{llama,qwen}.py's published shapes: our parameters (shapes only) number
+  what transformers builds from the config.json we would export for them (on the meta device),
+  and the count the model cards publish."""
   cfg = disttrain.from_config_dict(helpers.config_file_arg(ROOT / 'launch' / 'configs' /
-                                                           'llama.py', size))
+                                                           f'{config_file}.py', size))
   model = models.build(cfg.model, 'float32', cfg.data.seq_len)
   shapes = jax.eval_shape(lambda: model.init(jax.random.key(0),
                                              {'tokens': jnp.zeros((1, 8), jnp.int32)}))
   ours = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes['params']))
-  config = hf_config.for_export('llama', cfg.model, model.cfg, 'float32', {})
+  config = hf_config.for_export(model.family, cfg.model, model.cfg, 'float32', {})
   with torch.device('meta'):
-    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    reference = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**config))
+  assert type(reference).__name__ == hf_config.FAMILIES[model.family]
   assert ours == sum(p.numel() for p in reference.parameters())
-  assert ours == {'smollm2_135m': 134_515_008, 'llama3_1b': 1_235_814_400}[size]
+  assert ours == PUBLISHED[config_file, size]

@@ -71,6 +71,20 @@ def test_one_step_on_data_fsdp_tensor_with_accumulation_equals_one_device():
     assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'gradient and update (M={m})')
 
 
+@pytest.mark.slow
+def test_qwen3_one_step_on_data_fsdp_tensor_equals_one_device():
+  """Qwen3's change to the decoder (per-head query and key norms, a head size of 24 apart from
+  the width's 16) splits over fsdp and tensor like the rest of it. (Qwen2's is biases, which the
+  GPT's layers already split.)"""
+  fields = {'model.name': 'qwen3', 'model.head_dim': 24}
+  ref_loss, ref_grads = _one_step(_config(**ONE, **fields), 1)
+  loss, grads = _one_step(_config(**CUBE, **fields), 8)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(grads, ref_grads, 1e-5, 1e-6, 'qwen3 gradient and update')
+  paths = {sharding.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]}
+  assert 'blocks/attention/query_norm/scale' in paths, paths
+
+
 def _losses(cfg, workdir, n: int) -> list[float]:
   result = disttrain.train(cfg, str(workdir), devices=devices(n))
   assert result.trace_count == 1

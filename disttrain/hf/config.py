@@ -1,6 +1,7 @@
 """config.json of Hugging Face models: read, checked against the run's model fields, written.
 
-`LlamaForCausalLM` is disttrain's llama family and `GPT2LMHeadModel` its gpt family. A field that
+`LlamaForCausalLM` is disttrain's llama family, `Qwen2ForCausalLM` / `Qwen3ForCausalLM` its qwen2
+and qwen3 families (Llama's config.json keys), `GPT2LMHeadModel` its gpt family. A field that
 differs from the run's config is one line naming both values and the flag that fixes it.
 """
 
@@ -13,7 +14,13 @@ from disttrain.config import ModelConfig
 from disttrain.errors import CheckpointError
 from disttrain.models.decoder import DecoderConfig
 
-ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'GPT2LMHeadModel': 'gpt'}
+ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2',
+                 'Qwen3ForCausalLM': 'qwen3', 'GPT2LMHeadModel': 'gpt'}
+# What each rotary family's config.json must say (its transformers default when absent): the
+# parts the family builds in one way only.
+_FIXED = {'llama': {'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': False},
+          'qwen2': {'hidden_act': 'silu', 'use_sliding_window': False},
+          'qwen3': {'hidden_act': 'silu', 'attention_bias': False, 'use_sliding_window': False}}
 FAMILIES = {family: arch for arch, family in ARCHITECTURES.items()}
 
 
@@ -36,9 +43,12 @@ def read(directory: str) -> tuple[dict, str]:
 
 def _hf_values(config: dict, family: str) -> dict:
   """Our resolved decoder fields -> (config.json key, its value, or Hugging Face's default)."""
-  if family == 'llama':
+  if family != 'gpt':
     heads = config['num_attention_heads']
+    head_dim = config.get('head_dim') or (128 if family == 'qwen3' else
+                                          config['hidden_size'] // heads)
     return {'width': ('hidden_size', config['hidden_size']),
+            'head_dim': ('head_dim', head_dim),
             'num_layers': ('num_hidden_layers', config['num_hidden_layers']),
             'num_heads': ('num_attention_heads', heads),
             'num_kv_heads': ('num_key_value_heads', config.get('num_key_value_heads') or heads),
@@ -60,7 +70,7 @@ _FIELD = {'width': 'model.hidden', 'num_layers': 'model.num_layers',
           'num_heads': 'model.num_heads', 'num_kv_heads': 'model.num_kv_heads',
           'mlp_dim': 'model.mlp_dim', 'vocab_size': 'model.vocab_size',
           'norm_eps': 'model.norm_eps', 'tied_embeddings': 'model.tied_embeddings',
-          'learned_positions': 'model.max_seq_len'}
+          'learned_positions': 'model.max_seq_len', 'head_dim': 'model.head_dim'}
 
 
 def _mismatch(where: str, hf_field: str, hf_value, ours: str, value) -> CheckpointError:
@@ -79,8 +89,8 @@ def check(directory: str, family: str, cfg: ModelConfig, decoder: DecoderConfig)
     if not (np.isclose(value, hf_value, rtol=1e-6, atol=0) if isinstance(value, float)
             else value == hf_value):
       raise _mismatch(directory, hf_field, hf_value, _FIELD[field], value)
-  if family == 'llama':
-    _check_llama(directory, config, cfg, decoder)
+  if family != 'gpt':
+    _check_rotary(directory, family, config, cfg)
   elif config.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
     raise CheckpointError(f'{directory}: activation_function={config["activation_function"]!r}; '
                           "the gpt family computes GELU's tanh form (gelu_new)")
@@ -89,21 +99,24 @@ def check(directory: str, family: str, cfg: ModelConfig, decoder: DecoderConfig)
   return config
 
 
-def _check_llama(directory: str, config: dict, cfg: ModelConfig, decoder: DecoderConfig) -> None:
-  fixed = {'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': False}
-  for key, value in fixed.items():
+def rope(config: dict) -> tuple[float, dict]:
+  """(rope_theta, rope_scaling) of a config.json: the top-level keys published configs carry,
+  or transformers 5's `rope_parameters` (theta and type together; type 'default' = no scaling)."""
+  params = config.get('rope_parameters')
+  if isinstance(params, dict) and 'rope_theta' in params:
+    kind = params.get('rope_type', params.get('type', 'default'))
+    return float(params['rope_theta']), (params if kind != 'default' else {})
+  return float(config.get('rope_theta', 10000.0)), config.get('rope_scaling') or {}
+
+
+def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -> None:
+  for key, value in _FIXED[family].items():
     if config.get(key, value) != value:
-      raise CheckpointError(f'{directory}: config.json {key}={config[key]!r}; the llama family '
+      raise CheckpointError(f'{directory}: config.json {key}={config[key]!r}; the {family} family '
                             f'has {key}={value!r}')
-  head_dim = config.get('head_dim') or decoder.head_dim
-  if head_dim != decoder.head_dim:
-    raise CheckpointError(f'{directory}: config.json head_dim={head_dim} differs from '
-                          f'hidden_size / num_attention_heads = {decoder.head_dim}, which the '
-                          'llama family assumes')
-  if not np.isclose(config.get('rope_theta', 10000.0), cfg.rope_theta, rtol=1e-6):
-    raise _mismatch(directory, 'rope_theta', config.get('rope_theta', 10000.0),
-                    'model.rope_theta', cfg.rope_theta)
-  scaling = config.get('rope_scaling') or {}
+  theta, scaling = rope(config)
+  if not np.isclose(theta, cfg.rope_theta, rtol=1e-6):
+    raise _mismatch(directory, 'rope_theta', theta, 'model.rope_theta', cfg.rope_theta)
   kind = scaling.get('rope_type', scaling.get('type', '')) if scaling else ''
   if kind not in ('', 'default', 'llama3'):
     raise CheckpointError(f'{directory}: rope_scaling type {kind!r} is not supported (llama3 or '
@@ -129,10 +142,10 @@ def model_fields(config: dict, family: str) -> dict:
             'tied_embeddings': bool(values['tied_embeddings']), 'dropout': 0.0}
   if family == 'gpt':
     return {**fields, 'max_seq_len': values['learned_positions'], 'norm': 'layernorm'}
-  fields.update(num_kv_heads=values['num_kv_heads'], norm='rmsnorm',
-                rope_theta=float(config.get('rope_theta', 10000.0)),
+  fields.update(num_kv_heads=values['num_kv_heads'], norm='rmsnorm', head_dim=values['head_dim'],
+                rope_theta=rope(config)[0],
                 max_seq_len=int(config.get('max_position_embeddings', 0)))
-  scaling = config.get('rope_scaling') or {}
+  scaling = rope(config)[1]
   if scaling.get('rope_type', scaling.get('type')) == 'llama3':
     fields['rope_scaling'] = {'kind': 'llama3', 'factor': float(scaling['factor']),
                               'low_freq_factor': float(scaling['low_freq_factor']),
@@ -159,10 +172,14 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
     scaling = {'rope_type': 'llama3', 'factor': s.factor, 'low_freq_factor': s.low_freq_factor,
                'high_freq_factor': s.high_freq_factor,
                'original_max_position_embeddings': s.original_max_len}
-  return {**common, 'model_type': 'llama', 'hidden_size': decoder.width,
+  extra = {'use_sliding_window': False} if family != 'llama' else {}
+  config = {**common, **extra, 'model_type': family, 'hidden_size': decoder.width,
           'num_hidden_layers': decoder.num_layers, 'num_attention_heads': decoder.num_heads,
           'num_key_value_heads': decoder.num_kv_heads, 'head_dim': decoder.head_dim,
           'intermediate_size': decoder.mlp_dim, 'rms_norm_eps': decoder.norm_eps,
           'rope_theta': cfg.rope_theta, 'rope_scaling': scaling, 'hidden_act': 'silu',
           'attention_bias': False, 'mlp_bias': False,
           'max_position_embeddings': cfg.max_seq_len or 2048}
+  if family == 'qwen2':  # its query, key and value biases are not a setting
+    del config['attention_bias']
+  return config

@@ -49,7 +49,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
                                ('eos_token_id', lm.tokenizer.eos_id))
              if v is not None and v < lm.model.cfg.vocab_size}
   config = hf_config.for_export(family, lm.cfg.model, lm.model.cfg, dtype, special)
-  if family == 'llama':
+  if family != 'gpt':  # rotary families: the longest sequence the run knows the model takes
     config['max_position_embeddings'] = lm.context
   files = tensorfiles.write(out, hf.export_tensors(family, lm.model.cfg, lm.params, np_dtype),
                             max_shard_bytes, metadata={'format': 'pt'})

@@ -80,7 +80,7 @@ def load(*, workdir: str = '', hf_dir: str = '', step: int | None = None, device
   model = models.build(cfg.model, dtype, cfg.data.seq_len)
   if not hasattr(model, 'family'):
     raise ConfigError(f'model.name={cfg.model.name!r} is not a language model; sampling and '
-                      "export take model.name='llama' or 'gpt'")
+                      "export take a language model (llama, qwen2, qwen3, gpt)")
   mesh_ = _mesh(cfg, devices)
   context = model.cfg.learned_positions or cfg.model.max_seq_len or cfg.data.seq_len
   spec = {'tokens': jax.ShapeDtypeStruct((1, cfg.data.seq_len), np.int32)}

@@ -1,7 +1,7 @@
 """Hugging Face weights in and out: the one place that knows their tensor names and layouts.
 
-`LlamaForCausalLM` is disttrain's llama family and `GPT2LMHeadModel` its gpt family
-(disttrain/models/). Each of our parameters maps to one Hugging Face tensor (per layer for the
+`LlamaForCausalLM` is disttrain's llama family, `Qwen2ForCausalLM` and `Qwen3ForCausalLM` its
+qwen2 and qwen3 families, `GPT2LMHeadModel` its gpt family (disttrain/models/). Each of our parameters maps to one Hugging Face tensor (per layer for the
 scanned blocks, stacked on our leading 'layers' axis): torch Linear weights are [out, in] and are
 transposed, GPT-2's Conv1D weights are [in, out], heads are split out of the width, and our
 vocabulary is padded to a multiple of 128 (padded rows are zeros in, dropped out). `load_params`
@@ -70,9 +70,16 @@ class Tensor:
     return x.reshape(shape[::-1]).T if self.kind == 'linear' else x.reshape(shape)
 
 
-def _llama_table() -> list[Tensor]:
+def _llama_table(qkv_bias: bool = False, qk_norm: bool = False) -> list[Tensor]:
+  """Llama's names; Qwen2 adds the query, key and value biases, Qwen3 the per-head norms."""
   layer = 'model.layers.{i}.'
+  projections = (('query', 'q'), ('key', 'k'), ('value', 'v'))
+  extra = [Tensor(f'blocks/attention/{ours}/bias', f'{layer}self_attn.{hf}_proj.bias')
+           for ours, hf in projections if qkv_bias]
+  extra += [Tensor(f'blocks/attention/{ours}_norm/scale', f'{layer}self_attn.{hf}_norm.weight')
+            for ours, hf in projections[:2] if qk_norm]
   return [Tensor('embed', 'model.embed_tokens.weight', 'embedding'),
+          *extra,
           Tensor('blocks/attention_norm/scale', layer + 'input_layernorm.weight'),
           *(Tensor(f'blocks/attention/{ours}/kernel', f'{layer}self_attn.{hf}_proj.weight',
                    'linear') for ours, hf in (('query', 'q'), ('key', 'k'), ('value', 'v'))),
@@ -98,7 +105,8 @@ def _gpt2_table() -> list[Tensor]:
   return table
 
 
-TABLES = {'llama': _llama_table(), 'gpt': _gpt2_table()}
+TABLES = {'llama': _llama_table(), 'qwen2': _llama_table(qkv_bias=True),
+          'qwen3': _llama_table(qk_norm=True), 'gpt': _gpt2_table()}
 
 
 def is_hf_dir(path: str) -> bool:
@@ -112,7 +120,7 @@ def restore(directory: str, model, cfg: ModelConfig, abstract_params):
   family = getattr(model, 'family', '')
   if not family:
     raise ConfigError(f'restore_from={directory!r} is a Hugging Face model directory, which loads '
-                      f"into model.name='llama' or 'gpt', not {cfg.name!r}")
+                      f'into model.name in {sorted(TABLES)}, not {cfg.name!r}')
   hf_config.check(directory, family, cfg, model.cfg)
   return load_params(directory, family, model.cfg, abstract_params)
 

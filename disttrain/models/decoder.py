@@ -55,10 +55,13 @@ class DecoderConfig:
   expert_capacity: float = 1.25
   router_aux_weight: float = 0.01
   router_z_weight: float = 0.001
+  head_size: int = 0  # features per head; 0 = width / num_heads
+  qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen2)
+  qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
 
   @property
   def head_dim(self) -> int:
-    return self.width // self.num_heads
+    return self.head_size or self.width // self.num_heads
 
   @property
   def padded_vocab(self) -> int:
@@ -78,6 +81,7 @@ class Block(nn.Module):
     attended, cache = layers.Attention(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.use_bias, cfg.fused_qkv, cfg.dtype,
         rope=cfg.rope, implementation=cfg.attention, block_size=cfg.attention_block,
+        qkv_bias=cfg.use_bias or cfg.qkv_bias, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else 0.0,
         name='attention')(h, positions_BxT, segments_BxT, decode, cache)
     x_BxTxD = constrain(x_BxTxD + dropout(attended), ('batch', 'sequence', None))
     h = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'mlp_norm')(x_BxTxD)
@@ -169,7 +173,7 @@ class LanguageModel(LinenModel):
   experts, those of the E - k experts a token does not run.
   """
   input_key: Any = 'tokens'
-  family: str = ''  # 'gpt' or 'llama': which Hugging Face layout its weights map to
+  family: str = ''  # 'gpt', 'llama', 'qwen2', 'qwen3': the Hugging Face layout of its weights
   splits_sequence = True  # mesh.context may split its positions (attention gathers K/V)
   pipelines = True  # mesh.stage may split its layers (disttrain/models/pipeline.py)
 
@@ -221,4 +225,5 @@ class LanguageModel(LinenModel):
     if cfg.num_experts:  # a token runs k of the E experts: the others' weights are not its FLOPs
       per_expert = (3 if cfg.mlp == 'swiglu' else 2) * cfg.width * cfg.mlp_dim
       lookups += (cfg.num_experts - cfg.experts_per_token) * per_expert * cfg.num_layers
-    return float(t * (6 * (num_params - lookups) + 12 * cfg.num_layers * t * cfg.width))
+    attended = cfg.num_heads * cfg.head_dim  # the width, unless head_dim is set apart from it
+    return float(t * (6 * (num_params - lookups) + 12 * cfg.num_layers * t * attended))

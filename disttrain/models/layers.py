@@ -100,11 +100,20 @@ class Attention(nn.Module):
   rope: Any = None  # inverse frequencies (tuple) or None for no rotary embedding
   implementation: str = 'auto'
   block_size: int = 512
+  qkv_bias: bool | None = None  # biases on query, key and value; None = use_bias (Qwen2: True)
+  qk_norm_eps: float = 0.0  # > 0: RMSNorm over each head's queries and keys, before RoPE (Qwen3)
 
   def _dense(self, features: tuple, axes: tuple, name: str):
-    return nn.DenseGeneral(features, use_bias=self.use_bias, dtype=self.dtype, name=name,
+    bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
+    return nn.DenseGeneral(features, use_bias=bias, dtype=self.dtype, name=name,
                            kernel_init=weights(('embed',) + axes),
                            bias_init=weights(axes, nn.initializers.zeros_init()))
+
+  def _head_norm(self, x_BxTxHxK: jax.Array, name: str) -> jax.Array:
+    if not self.qk_norm_eps:
+      return x_BxTxHxK
+    return nn.RMSNorm(epsilon=self.qk_norm_eps, dtype=self.dtype, name=name,
+                      scale_init=weights(('head_dim',), nn.initializers.ones_init()))(x_BxTxHxK)
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, segments_BxT, decode: Decode | None, cache):
@@ -118,6 +127,7 @@ class Attention(nn.Module):
                     ('batch', 'sequence', 'heads', None))
       key, value = (constrain(self._dense((g, k), ('kv_heads', 'head_dim'), name)(x_BxTxD),
                               ('batch', 'sequence', 'kv_heads', None)) for name in ('key', 'value'))
+    q, key = self._head_norm(q, 'query_norm'), self._head_norm(key, 'key_norm')
     if self.rope is not None:
       inv_freq = np.asarray(self.rope, np.float32)
       q, key = apply_rope(q, positions_BxT, inv_freq), apply_rope(key, positions_BxT, inv_freq)

@@ -22,7 +22,8 @@ def default_mlp_dim(width: int) -> int:
 def decoder_config(cfg: ModelConfig, dtype, context: int) -> DecoderConfig:
   """The decoder a Llama model config describes."""
   del context  # rotary positions have no table
-  gpt.check_heads(cfg)
+  if not cfg.head_dim:
+    gpt.check_heads(cfg)
   kv_heads = cfg.num_kv_heads or cfg.num_heads
   if cfg.num_heads % kv_heads:
     raise ConfigError(f'model.num_kv_heads={kv_heads} does not divide model.num_heads='
@@ -30,10 +31,11 @@ def decoder_config(cfg: ModelConfig, dtype, context: int) -> DecoderConfig:
   if cfg.norm not in ('', 'rmsnorm'):
     raise ConfigError(f"model.norm={cfg.norm!r}: the Llama family uses RMSNorm; set 'rmsnorm' "
                       "or leave it ''")
-  head_dim = cfg.hidden // cfg.num_heads
+  head_dim = cfg.head_dim or cfg.hidden // cfg.num_heads
   if head_dim % 2:
-    raise ConfigError(f'model.hidden / model.num_heads = {head_dim} is odd; rotary embeddings '
-                      'rotate pairs of features, so use an even head size')
+    raise ConfigError(f'the head size {head_dim} (model.head_dim, or model.hidden / '
+                      'model.num_heads) is odd; rotary embeddings rotate pairs of features, so '
+                      'use an even head size')
   scaling = layers.RopeScaling(**vars(cfg.rope_scaling)) if cfg.rope_scaling.kind else \
       layers.RopeScaling()
   inv_freq = layers.rope_frequencies(head_dim, cfg.rope_theta, scaling)
@@ -44,7 +46,7 @@ def decoder_config(cfg: ModelConfig, dtype, context: int) -> DecoderConfig:
       use_bias=False, fused_qkv=False, learned_positions=0, rope=tuple(float(f) for f in inv_freq),
       tied_embeddings=cfg.tied_embeddings, dropout=cfg.dropout, remat=cfg.remat,
       attention=cfg.attention, attention_block=cfg.attention_block, dtype=dtype,
-      **gpt.decoder_moe(cfg))
+      head_size=cfg.head_dim, **gpt.decoder_moe(cfg))
 
 
 def build(cfg: ModelConfig, dtype, context: int) -> LanguageModel:

@@ -1,0 +1,45 @@
+"""Qwen decoders (disttrain/models/qwen.py): Llama's decoder with biases on the query, key and
+value projections (qwen2: Qwen2, Qwen2.5) or RMSNorm on each head's queries and keys and a head
+size set apart from the width (qwen3: the dense Qwen3 models).
+
+  python launch/train.py --config=launch/configs/qwen.py --workdir=runs/qwen --fake_devices=8
+  python launch/train.py --config=launch/configs/qwen.py:qwen3_0_6b \\
+      --config.restore_from=PATH/TO/Qwen3-0.6B ...               # fine-tune the published weights
+
+The default size is a small Qwen3 that trains on 2 CPU cores (byte-level text of the standard
+library's source). The named sizes carry the published config.json values of Qwen/Qwen2.5-0.5B
+and Qwen/Qwen3-0.6B, so `restore_from` a downloaded copy of either loads (the fields are checked
+against its config.json). Everything else, logical rules included, is launch/configs/llama.py's.
+"""
+
+import importlib.util
+import os
+
+# name -> model fields, then (context, global batch, learning rate)
+SIZES = {
+    'tiny': (dict(name='qwen3', num_layers=4, hidden=128, num_heads=4, num_kv_heads=2,
+                  head_dim=48, mlp_dim=384, vocab_size=256, rope_theta=1_000_000.0,
+                  tied_embeddings=True), (128, 32, 3e-3)),
+    'qwen2_5_0_5b': (dict(name='qwen2', num_layers=24, hidden=896, num_heads=14, num_kv_heads=2,
+                          mlp_dim=4864, vocab_size=151_936, rope_theta=1_000_000.0,
+                          tied_embeddings=True, max_seq_len=32_768), (2048, 32, 3e-4)),
+    'qwen3_0_6b': (dict(name='qwen3', num_layers=28, hidden=1024, num_heads=16, num_kv_heads=8,
+                        head_dim=128, mlp_dim=3072, vocab_size=151_936, rope_theta=1_000_000.0,
+                        tied_embeddings=True, max_seq_len=40_960), (2048, 32, 3e-4)),
+}
+
+
+def get_config(size: str = 'tiny'):
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llama.py')
+  spec = importlib.util.spec_from_file_location('llama_config', path)
+  llama = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(llama)
+  model, (context, batch, lr) = SIZES[size]
+  cfg = llama.get_config()
+  for field, value in model.items():
+    cfg.model[field] = value
+  cfg.model.norm_eps = 1e-6
+  cfg.data.seq_len = context
+  cfg.global_batch_size = batch
+  cfg.learning_rate = lr
+  return cfg
