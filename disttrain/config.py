@@ -189,7 +189,8 @@ class ModelConfig:
   """Which model and its hyper-parameters. A field keeps one meaning in every family that
   reads it; its comment names the families that read it."""
   # A builder in disttrain.models.MODELS: mnist_mlp, bobbin_mlp, nnx_mlp, jax_mlp, keras_mlp
-  # (needs the keras extra), gpt, llama, qwen2, qwen3, char_lm (deprecated: the gpt).
+  # (needs the keras extra), gpt, llama, qwen2, qwen3, char_lm (deprecated: the gpt); or hf:
+  # the family and every model field from restore_from's config.json (launch/configs/hf.py).
   name: str = 'mnist_mlp'
   hidden: int = 512  # MLP width / transformer width
   dropout: float = 0.3  # rate; 0 disables dropout

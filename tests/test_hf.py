@@ -93,12 +93,12 @@ def test_imported_llama_logits_equal_transformers(tmp_path, kv, tied):
                              _reference_logits(path, TOKENS), rtol=1e-4, atol=1e-4)
 
 
-def _qwen(tmp_path, family: str, tied: bool) -> str:
+def _qwen(tmp_path, family: str, tied: bool, vocab: int = VOCAB) -> str:
   """Qwen2: biases on q, k, v; Qwen3: per-head query and key norms, head_dim 24 apart from the
   width's 64 / 4 heads. Random norm scales and biases, so a missing one shows in the logits."""
   torch.manual_seed(3)
   kind = transformers.Qwen2Config if family == 'qwen2' else transformers.Qwen3Config
-  config = kind(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+  config = kind(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                 rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=tied,
                 **({'head_dim': 24} if family == 'qwen3' else {}))
@@ -119,6 +119,43 @@ def test_imported_qwen_logits_equal_transformers(tmp_path, family, tied):
                                             head_dim=24 if family == 'qwen3' else 0))
   np.testing.assert_allclose(_our_logits(model, params, TOKENS),
                              _reference_logits(path, TOKENS), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_hf_config_trains_the_model_its_directory_describes(tmp_path):
+  """launch/configs/hf.py with restore_from alone: the family and every model field come from
+  config.json (the logits then equal transformers'), a field set to another value is one line,
+  and a one-step run records the resolved model in run.json and starts from the weights."""
+  path = _qwen(tmp_path, 'qwen3', True, vocab=300)  # bytes (end of sequence 256) fit
+  rows = tmp_path / 'sft.jsonl'
+  rows.write_text(''.join(json.dumps({'prompt': f'q{i}?', 'completion': f' a{i}.'}) + '\n'
+                          for i in range(24)))
+  base = {'restore_from': path, 'data.train_files': str(rows), 'data.eval_examples': 8,
+          'data.seq_len': 16, 'global_batch_size': 8, 'eval_batch_size': 8, 'mesh.data': 1,
+          'precision.compute_dtype': 'float32', 'num_train_steps': 1, 'log_every_steps': 1}
+
+  def config(**overrides):
+    cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'hf.py')
+    return disttrain.from_config_dict(helpers.override(cd, {**base, **overrides}))
+
+  resolved = hf_config.from_directory(config(**{'model.head_dim': 24}))  # agrees: kept
+  model = resolved.model
+  assert (model.name, model.hidden, model.num_layers, model.num_heads, model.num_kv_heads,
+          model.head_dim, model.mlp_dim, model.vocab_size, model.tied_embeddings) == (
+              'qwen3', 64, 2, 4, 2, 24, 96, 300, True)
+  assert (model.rope_theta, model.norm_eps, model.dropout) == (1e6, 1e-6, 0.0)
+  ours, params = _load(path, model)
+  np.testing.assert_allclose(_our_logits(ours, params, TOKENS),
+                             _reference_logits(path, TOKENS)[..., :VOCAB], rtol=1e-4, atol=1e-4)
+  with pytest.raises(ConfigError, match='config.json gives model.num_layers=2 but the config '
+                                        'sets model.num_layers=3; drop --config.model.num_layers'):
+    hf_config.from_directory(config(**{'model.num_layers': 3}))
+  with pytest.raises(ConfigError, match="set --config.restore_from=HF_DIR"):
+    hf_config.from_directory(config(restore_from=''))
+  result = disttrain.train(config(), str(tmp_path / 'run'), devices=jax.devices()[:1])
+  info = json.loads((tmp_path / 'run' / 'run.json').read_text())
+  assert info['config']['model']['name'] == 'qwen3' and info['config']['model']['head_dim'] == 24
+  assert result.step == 1 and np.isfinite(result.records[0]['loss'])
 
 
 def test_imported_gpt2_logits_equal_transformers_from_sharded_files(tmp_path):

@@ -5,13 +5,14 @@ and qwen3 families (Llama's config.json keys), `GPT2LMHeadModel` its gpt family.
 differs from the run's config is one line naming both values and the flag that fixes it.
 """
 
+import dataclasses
 import json
 import os
 
 import numpy as np
 
-from disttrain.config import ModelConfig
-from disttrain.errors import CheckpointError
+from disttrain.config import Config, ModelConfig, RopeScalingConfig
+from disttrain.errors import CheckpointError, ConfigError
 from disttrain.models.decoder import DecoderConfig
 
 ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2',
@@ -183,3 +184,40 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
   if family == 'qwen2':  # its query, key and value biases are not a setting
     del config['attention_bias']
   return config
+
+
+FROM_DIRECTORY = 'hf'  # model.name: the family and fields of restore_from's config.json
+_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model')
+
+
+def from_directory(cfg: Config) -> Config:
+  """model.name='hf' (launch/configs/hf.py): the family and every model field from
+  restore_from's config.json, as from_pretrained builds it. A field left at ModelConfig's default
+  is taken; one set otherwise must agree (a contradiction is one line naming both). dropout stays
+  the run's (a training choice); data.tokenizer '' becomes the directory's tokenizer if it has one."""
+  if cfg.model.name != FROM_DIRECTORY:
+    return cfg
+  directory = cfg.restore_from
+  if not directory or not os.path.isfile(os.path.join(directory, 'config.json')):
+    raise ConfigError(f"model.name='{FROM_DIRECTORY}' takes the model from restore_from's "
+                      f'config.json, but restore_from={directory!r} is not a Hugging Face model '
+                      'directory; set --config.restore_from=HF_DIR (config.json + *.safetensors)')
+  config, family = read(directory)
+  fields = model_fields(config, family)
+  fields.pop('dropout')
+  default, given = ModelConfig(), {}
+  for name, value in fields.items():
+    mine = getattr(cfg.model, name)
+    if name == 'rope_scaling':
+      value = RopeScalingConfig(**value)
+    if mine != getattr(default, name) and mine != value and name != 'name':
+      shown = vars(value) if name == 'rope_scaling' else value
+      raise ConfigError(f'{directory}: config.json gives model.{name}={shown!r} but the config '
+                        f'sets model.{name}={mine!r}; drop --config.model.{name} (or set it to '
+                        'that value)')
+    given[name] = value
+  data = cfg.data
+  if not data.tokenizer and any(os.path.isfile(os.path.join(directory, n))
+                                for n in _TOKENIZER_FILES):
+    data = dataclasses.replace(data, tokenizer=directory)
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **given), data=data)

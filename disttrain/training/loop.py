@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 import disttrain
 from disttrain.config import Config
 from disttrain.data.batches import TrainIterator
-from disttrain.hf import weights as hf
+from disttrain.hf import config as hf_config, weights as hf
 from disttrain.operating import callbacks as callbacks_lib, events, lease as lease_lib, metrics
 from disttrain.operating import timing, tracking, watchdog
 from disttrain.parallel import distributed, mesh as mesh_lib, sharding as sharding_lib
@@ -57,6 +57,7 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
   saving on SIGTERM and Interrupted after saving on Ctrl-C. `workdir` is a local directory or a
   bucket URL (gs://BUCKET/PATH, s3://BUCKET/PATH; disttrain/storage/urls.py).
   """
+  cfg = hf_config.from_directory(cfg)  # model.name='hf': the model restore_from's config.json
   workdir = urls.resolve(workdir)
   if urls.is_bucket(workdir) and jax.process_index() == 0:
     urls.check_writable(workdir)  # a missing bucket or credentials: one line, before the run

@@ -22,6 +22,7 @@ from disttrain.data import records as records_lib, sources
 from disttrain.data.batches import check_workers, element_spec, stacked_sharding
 from disttrain.data.records import Records
 from disttrain.errors import ConfigError, DisttrainError
+from disttrain.hf import config as hf_config
 from disttrain.models import pipeline
 from disttrain.operating import metrics
 from disttrain.parallel import mesh as mesh_lib, optim, sharding as sharding_lib, spmd
@@ -65,6 +66,7 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
   `eval_data` (one source, or {name: source} for several); both default to cfg.data.name's
   built-in set when train_data is None. A dict of arrays is one in-memory source.
   """
+  cfg = hf_config.from_directory(cfg)  # model.name='hf': the model restore_from's config.json
   parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
   parallel.check_batch_sizes(cfg)
   mesh = parallel.mesh
@@ -188,6 +190,7 @@ def plan(cfg: Config, spec: dict, devices: Sequence[jax.Device] | None = None, m
          task: Any = None, tx: Any = None) -> Plan:
   """The steps of `cfg` for data of element spec `spec` ({field: ShapeDtypeStruct((1, ...))}),
   with an abstract state: the memory of a model too large to create on this host."""
+  cfg = hf_config.from_directory(cfg)  # model.name='hf': the model restore_from's config.json
   parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
   parallel.check_batch_sizes(cfg)
   mesh = parallel.mesh
