@@ -189,8 +189,8 @@ class ModelConfig:
   """Which model and its hyper-parameters. A field keeps one meaning in every family that
   reads it; its comment names the families that read it."""
   # A builder in disttrain.models.MODELS: mnist_mlp, bobbin_mlp, nnx_mlp, jax_mlp, keras_mlp
-  # (needs the keras extra), gpt, llama, qwen2, qwen3, char_lm (deprecated: the gpt); or hf:
-  # the family and every model field from restore_from's config.json (launch/configs/hf.py).
+  # (needs the keras extra), gpt, llama, qwen2, qwen3, mistral, char_lm (deprecated: the gpt); or
+  # hf: the family and every model field from restore_from's config.json (launch/configs/hf.py).
   name: str = 'mnist_mlp'
   hidden: int = 512  # MLP width / transformer width
   dropout: float = 0.3  # rate; 0 disables dropout
@@ -212,6 +212,9 @@ class ModelConfig:
   # llama, qwen: features per attention head; 0 = model.hidden / model.num_heads (Qwen3 and some
   # Llamas set it apart from the width).
   head_dim: int = 0
+  # llama, qwen, mistral: each token attends to the last N positions (itself included); 0 = all
+  # (Mistral 7B v0.1: 4096).
+  sliding_window: int = 0
   rope_theta: float = 10000.0  # llama: rotary embedding base
   rope_scaling: RopeScalingConfig = RopeScalingConfig()
   norm_eps: float = 1e-5  # language models' LayerNorm / RMSNorm epsilon
@@ -241,6 +244,7 @@ class ModelConfig:
     _positive('model.norm_eps', self.norm_eps)
     _positive('model.max_seq_len', self.max_seq_len, allow_zero=True)
     _positive('model.head_dim', self.head_dim, allow_zero=True)
+    _positive('model.sliding_window', self.sliding_window, allow_zero=True)
     _one_of('model.attention', self.attention, ATTENTION)
     _positive('model.attention_block', self.attention_block)
     _positive('model.num_experts', self.num_experts, allow_zero=True)
@@ -366,9 +370,9 @@ class Config:
   best_metric: str = ''
   best_mode: str = 'max'  # 'max' or 'min' for best_metric
   # Warm start: params and mutable collections from another run's checkpoint (a checkpoints dir
-  # or one step in it) or a Hugging Face model directory (llama, qwen2, qwen3, gpt); optimizer,
-  # step and data
-  # order start fresh; ignored when the workdir has a checkpoint of its own.
+  # or one step in it) or a Hugging Face model directory (llama, qwen2, qwen3, mistral, gpt);
+  # optimizer, step and data order start fresh; ignored when the workdir has a checkpoint of its
+  # own.
   restore_from: str = ''
   precision: PrecisionConfig = PrecisionConfig()
   grad_accum_steps: int = 1  # micro-batches per step (lax.scan in the step), one update per step

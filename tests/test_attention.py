@@ -16,35 +16,42 @@ from disttrain.models import attention as attention_lib
 from disttrain.parallel import mesh as mesh_lib, sharding
 
 
-def _naive(q, k, v, q_seg, kv_seg, offset):
-  """softmax over keys s <= offset + t of the same segment, K/V heads repeated for GQA."""
+def _naive(q, k, v, q_seg, kv_seg, offset, window=0):
+  """softmax over keys s <= offset + t (and > offset + t - window) of the same segment, K/V heads
+  repeated for GQA."""
   t, s, n, g = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
   k, v = jnp.repeat(k, n // g, axis=2), jnp.repeat(v, n // g, axis=2)
   logits = jnp.einsum('bthd,bshd->bhts', q, k) / np.sqrt(q.shape[-1])
   mask = (jnp.arange(s)[None, :] <= offset + jnp.arange(t)[:, None])[None]
+  if window:
+    mask = mask & (jnp.arange(s)[None, :] > offset + jnp.arange(t)[:, None] - window)[None]
   mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
   probs = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), axis=-1)
   return jnp.einsum('bhts,bshd->bthd', probs, v)
 
 
-CASES = {  # (batch, T, S, query heads, K/V heads, head dim, query offset, block)
-    'mha': (2, 32, 32, 4, 4, 16, 0, 8),
-    'gqa_ragged_blocks': (2, 37, 37, 6, 3, 8, 0, 8),
-    'mqa': (2, 24, 24, 4, 1, 8, 0, 16),
-    'decode_into_cache': (2, 3, 40, 4, 2, 8, 20, 8),
+CASES = {  # (batch, T, S, query heads, K/V heads, head dim, query offset, block, window)
+    'mha': (2, 32, 32, 4, 4, 16, 0, 8, 0),
+    'gqa_ragged_blocks': (2, 37, 37, 6, 3, 8, 0, 8, 0),
+    'mqa': (2, 24, 24, 4, 1, 8, 0, 16, 0),
+    'decode_into_cache': (2, 3, 40, 4, 2, 8, 20, 8, 0),
+    # Mistral's sliding window: narrower than a block and than the documents, across blocks.
+    'window_packed': (2, 37, 37, 6, 3, 8, 0, 8, 5),
+    'window_decode': (2, 3, 40, 4, 2, 8, 20, 8, 6),
 }
 
 
 # Each case compiles four gradients: three of them are enough while iterating (-m 'not slow').
 FAST = {('decode_into_cache', 'xla'), ('decode_into_cache', 'blockwise'),
-        ('gqa_ragged_blocks', 'blockwise')}
+        ('gqa_ragged_blocks', 'blockwise'), ('window_packed', 'blockwise'),
+        ('window_decode', 'xla')}
 PAIRS = [pytest.param(case, impl, marks=[pytest.mark.slow] * ((case, impl) not in FAST))
          for case in CASES for impl in ('xla', 'blockwise')]
 
 
 @pytest.mark.parametrize('case,implementation', PAIRS)
 def test_attention_equals_the_naive_form_and_its_gradients(case, implementation):
-  b, t, s, n, g, d, offset, block = CASES[case]
+  b, t, s, n, g, d, offset, block, window = CASES[case]
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (b, t, n, d))
   k, v = (jax.random.normal(key, (b, s, g, d)) for key in keys[1:3])
@@ -55,8 +62,8 @@ def test_attention_equals_the_naive_form_and_its_gradients(case, implementation)
     kv_seg = jnp.broadcast_to(kv_seg, (b, s))
   ours = lambda q, k, v: attention_lib.attention(
       q, k, v, q_segments_BxT=q_seg, kv_segments_BxS=kv_seg, q_offset=offset,
-      implementation=implementation, block_size=block)
-  naive = lambda q, k, v: _naive(q, k, v, q_seg, kv_seg, offset)
+      implementation=implementation, block_size=block, window=window)
+  naive = lambda q, k, v: _naive(q, k, v, q_seg, kv_seg, offset, window)
   np.testing.assert_allclose(jax.jit(ours)(q, k, v), naive(q, k, v), rtol=1e-5, atol=1e-5)
   grad = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), (0, 1, 2)))
   for got, want in zip(grad(ours)(q, k, v), grad(naive)(q, k, v)):
@@ -66,16 +73,17 @@ def test_attention_equals_the_naive_form_and_its_gradients(case, implementation)
 @pytest.mark.parametrize('implementation', [pytest.param('xla', marks=pytest.mark.slow),
                                             'blockwise'])
 def test_positions_split_over_context_equal_the_naive_form(implementation):
-  """Under a jit step on data 2 x context 2 x tensor 2 (and context 8), queries split over
-  'context' against all-gathered keys and values: packed rows, GQA; values and gradients."""
+  """Under a jit step on data 2 x context 2 x tensor 2 (and context 8, with a sliding window of
+  12 that reaches across a device's 8 positions), queries split over 'context' against
+  all-gathered keys and values: packed rows, GQA; values and gradients."""
   b, t, n, g, d = 4, 64, 4, 2, 8
   keys = jax.random.split(jax.random.key(1), 4)
   q = jax.random.normal(keys[0], (b, t, n, d))
   k, v = (jax.random.normal(key, (b, t, g, d)) for key in keys[1:3])
   seg = jnp.sort(jax.random.randint(keys[3], (b, t), 0, 4), axis=-1)[:, ::-1]
-  naive = lambda q, k, v: _naive(q, k, v, seg, seg, 0)
-  want = (naive(q, k, v), jax.grad(lambda *a: jnp.sum(jnp.sin(naive(*a))), (0, 1, 2))(q, k, v))
-  for shape in ({'data': 2, 'context': 2, 'tensor': 2}, {'context': 8}):
+  for shape, window in (({'data': 2, 'context': 2, 'tensor': 2}, 0), ({'context': 8}, 12)):
+    naive = lambda q, k, v: _naive(q, k, v, seg, seg, 0, window)
+    want = (naive(q, k, v), jax.grad(lambda *a: jnp.sum(jnp.sin(naive(*a))), (0, 1, 2))(q, k, v))
     mesh = mesh_lib.build(MeshConfig(**{'data': 1, **shape}), jax.devices()[:8])
 
     def ours(q, k, v):
@@ -83,7 +91,8 @@ def test_positions_split_over_context_equal_the_naive_form(implementation):
         q, k, v = (sharding.constrain(x, ('batch', 'sequence', heads, None))
                    for x, heads in ((q, 'heads'), (k, 'kv_heads'), (v, 'kv_heads')))
         return attention_lib.attention(q, k, v, q_segments_BxT=seg, kv_segments_BxS=seg,
-                                       implementation=implementation, block_size=8)
+                                       implementation=implementation, block_size=8,
+                                       window=window)
     compiled = jax.jit(ours).lower(q, k, v).compile().as_text()
     assert 'all-gather' in compiled, 'keys and values are gathered over context'
     np.testing.assert_allclose(jax.jit(ours)(q, k, v), want[0], rtol=1e-5, atol=1e-5)

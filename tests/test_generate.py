@@ -4,6 +4,7 @@ The model is a tiny Llama trained 20 steps on byte text on 8 devices with its pa
 over fsdp, loaded back onto that mesh by disttrain.hf.trained (the run's layout).
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 import disttrain
 import disttrain.hf.generate as generate_lib
+from disttrain.models.decoder import Decoder
 from disttrain.hf import trained
 from tests import helpers
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
@@ -42,26 +44,31 @@ def run_dir(tmp_path_factory):
 
 def test_greedy_decoding_with_the_cache_equals_the_full_forward_argmax(run_dir):
   """3 prompts of different lengths, 32 new tokens each, parameters split over fsdp=8: every
-  generated token is the argmax of the full forward pass over prompt + tokens so far."""
+  generated token is the argmax of the full forward pass over prompt + tokens so far; also with
+  the same weights under a sliding window of 8 positions (Mistral's attention), which the cached
+  keys of the left-padded prompts must respect."""
   lm = trained.load(workdir=str(run_dir), devices=devices(8))
   assert dict(lm.mesh.shape)['fsdp'] == 8
   assert 'fsdp' in str(lm.params['blocks']['mlp']['up']['kernel'].sharding.spec)
   prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
   assert len({len(p) for p in prompts}) == 3
-  before = generate_lib._TRACES[0]  # pylint: disable=protected-access
-  out = disttrain.generate(lm.model, lm.params, prompts, max_new_tokens=32, mesh=lm.mesh,
-                           context=lm.context)
-  assert generate_lib._TRACES[0] == before + 1  # pylint: disable=protected-access
+  windowed = dataclasses.replace(lm.model, module=Decoder(
+      dataclasses.replace(lm.model.cfg, sliding_window=8)))
   params = jax.device_get(lm.params)
-  for prompt, new, logprobs in zip(prompts, out.tokens, out.logprobs):
-    assert len(new) == 32  # the byte tokenizer's EOS (256) is never likely here
-    sequence = jnp.asarray([prompt + new])
-    logits = np.asarray(lm.model.module.apply({'params': params}, sequence, False))[0]
-    np.testing.assert_array_equal(logits[len(prompt) - 1:-1].argmax(-1), new)
-    # The cached pass's own scores equal the full pass's at every position (positions, cache
-    # slots and masks all right, not only the argmax).
-    full = jax.nn.log_softmax(logits[len(prompt) - 1:-1], axis=-1)[np.arange(32), new]
-    np.testing.assert_allclose(logprobs, full, rtol=1e-4, atol=1e-4)
+  for model in (lm.model, windowed):
+    before = generate_lib._TRACES[0]  # pylint: disable=protected-access
+    out = disttrain.generate(model, lm.params, prompts, max_new_tokens=32, mesh=lm.mesh,
+                             context=lm.context)
+    assert generate_lib._TRACES[0] == before + 1  # pylint: disable=protected-access
+    for prompt, new, logprobs in zip(prompts, out.tokens, out.logprobs):
+      assert len(new) == 32  # the byte tokenizer's EOS (256) is never likely here
+      sequence = jnp.asarray([prompt + new])
+      logits = np.asarray(model.module.apply({'params': params}, sequence, False))[0]
+      np.testing.assert_array_equal(logits[len(prompt) - 1:-1].argmax(-1), new)
+      # The cached pass's own scores equal the full pass's at every position (positions, cache
+      # slots and masks all right, not only the argmax).
+      full = jax.nn.log_softmax(logits[len(prompt) - 1:-1], axis=-1)[np.arange(32), new]
+      np.testing.assert_allclose(logprobs, full, rtol=1e-4, atol=1e-4)
   again = disttrain.generate(lm.model, lm.params, [p[::-1] for p in prompts], max_new_tokens=32,
                              mesh=lm.mesh, context=lm.context)
   assert again.traces == out.traces  # same shapes: the compiled loop is reused, not re-traced

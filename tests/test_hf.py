@@ -121,6 +121,25 @@ def test_imported_qwen_logits_equal_transformers(tmp_path, family, tied):
                              _reference_logits(path, TOKENS), rtol=1e-4, atol=1e-4)
 
 
+def test_imported_mistral_with_a_sliding_window_equals_transformers(tmp_path):
+  """A window of 4 positions in 16-token rows (transformers masks the same: its sliding-window
+  causal mask); the cached decoding of the same model is tests/test_generate.py's."""
+  torch.manual_seed(5)
+  config = transformers.MistralConfig(
+      vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+      rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4, tie_word_embeddings=False)
+  path = str(tmp_path / 'mistral')
+  transformers.MistralForCausalLM(config).eval().save_pretrained(path)
+  model, params = _load(path, _model_config('mistral', 2, False, sliding_window=4))
+  reference = _reference_logits(path, TOKENS)
+  np.testing.assert_allclose(_our_logits(model, params, TOKENS), reference, rtol=1e-4, atol=1e-4)
+  # The window matters here: the same weights attending to every position give other logits.
+  whole = _our_logits(models.build(_model_config('mistral', 2, False), 'float32', 16), params,
+                      TOKENS)
+  assert np.abs(whole - reference).max() > 1e-2
+
+
 @pytest.mark.slow
 def test_hf_config_trains_the_model_its_directory_describes(tmp_path):
   """launch/configs/hf.py with restore_from alone: the family and every model field come from
@@ -179,7 +198,8 @@ def test_llama3_rope_scaling_equals_transformers():
 def _train_and_export(tmp_path, name: str, tied: bool, dtype: str = 'float32') -> tuple:
   """A 2-step disttrain run of a tiny model (byte text), exported; (run dir, HF dir). Qwen3
   runs launch/configs/llama.py with its name and a head_dim of 24 (64 / 4 heads would be 16)."""
-  cd = helpers.config_file(ROOT / 'launch' / 'configs' / f'{"gpt" if name == "gpt" else "llama"}.py')
+  family_file = 'gpt' if name == 'gpt' else 'llama'
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / f'{family_file}.py')
   if name == 'qwen3':
     helpers.override(cd, {'model.name': 'qwen3', 'model.head_dim': 24})
   helpers.override(cd, {'model.num_layers': 2, 'model.hidden': 64, 'model.num_heads': 4,
@@ -335,12 +355,13 @@ def test_bad_hugging_face_directory_through_the_launcher(tmp_path, case, flags, 
 
 
 PUBLISHED = {('llama', 'smollm2_135m'): 134_515_008, ('llama', 'llama3_1b'): 1_235_814_400,
-             ('qwen', 'qwen2_5_0_5b'): 494_032_768, ('qwen', 'qwen3_0_6b'): 596_049_920}
+             ('qwen', 'qwen2_5_0_5b'): 494_032_768, ('qwen', 'qwen3_0_6b'): 596_049_920,
+             ('mistral', 'mistral_7b'): 7_241_732_096}
 
 
 @pytest.mark.parametrize('config_file,size', list(PUBLISHED))
 def test_named_sizes_have_the_published_parameter_count(config_file, size):
-  """launch/configs/{llama,qwen}.py's published shapes: our parameters (shapes only) number
+  """launch/configs/{llama,qwen,mistral}.py's published shapes: our parameters (shapes only) number
   what transformers builds from the config.json we would export for them (on the meta device),
   and the count the model cards publish."""
   cfg = disttrain.from_config_dict(helpers.config_file_arg(ROOT / 'launch' / 'configs' /

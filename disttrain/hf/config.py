@@ -1,7 +1,8 @@
 """config.json of Hugging Face models: read, checked against the run's model fields, written.
 
 `LlamaForCausalLM` is disttrain's llama family, `Qwen2ForCausalLM` / `Qwen3ForCausalLM` its qwen2
-and qwen3 families (Llama's config.json keys), `GPT2LMHeadModel` its gpt family. A field that
+and qwen3 families, `MistralForCausalLM` its mistral family (all with Llama's config.json keys),
+`GPT2LMHeadModel` its gpt family. A field that
 differs from the run's config is one line naming both values and the flag that fixes it.
 """
 
@@ -16,12 +17,14 @@ from disttrain.errors import CheckpointError, ConfigError
 from disttrain.models.decoder import DecoderConfig
 
 ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2',
-                 'Qwen3ForCausalLM': 'qwen3', 'GPT2LMHeadModel': 'gpt'}
+                 'Qwen3ForCausalLM': 'qwen3', 'MistralForCausalLM': 'mistral',
+                 'GPT2LMHeadModel': 'gpt'}
 # What each rotary family's config.json must say (its transformers default when absent): the
 # parts the family builds in one way only.
 _FIXED = {'llama': {'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': False},
           'qwen2': {'hidden_act': 'silu', 'use_sliding_window': False},
-          'qwen3': {'hidden_act': 'silu', 'attention_bias': False, 'use_sliding_window': False}}
+          'qwen3': {'hidden_act': 'silu', 'attention_bias': False, 'use_sliding_window': False},
+          'mistral': {'hidden_act': 'silu'}}
 FAMILIES = {family: arch for arch, family in ARCHITECTURES.items()}
 
 
@@ -50,6 +53,8 @@ def _hf_values(config: dict, family: str) -> dict:
                                           config['hidden_size'] // heads)
     return {'width': ('hidden_size', config['hidden_size']),
             'head_dim': ('head_dim', head_dim),
+            'sliding_window': ('sliding_window', (config.get('sliding_window') or 0)
+                               if family == 'mistral' else 0),
             'num_layers': ('num_hidden_layers', config['num_hidden_layers']),
             'num_heads': ('num_attention_heads', heads),
             'num_kv_heads': ('num_key_value_heads', config.get('num_key_value_heads') or heads),
@@ -71,7 +76,8 @@ _FIELD = {'width': 'model.hidden', 'num_layers': 'model.num_layers',
           'num_heads': 'model.num_heads', 'num_kv_heads': 'model.num_kv_heads',
           'mlp_dim': 'model.mlp_dim', 'vocab_size': 'model.vocab_size',
           'norm_eps': 'model.norm_eps', 'tied_embeddings': 'model.tied_embeddings',
-          'learned_positions': 'model.max_seq_len', 'head_dim': 'model.head_dim'}
+          'learned_positions': 'model.max_seq_len', 'head_dim': 'model.head_dim',
+          'sliding_window': 'model.sliding_window'}
 
 
 def _mismatch(where: str, hf_field: str, hf_value, ours: str, value) -> CheckpointError:
@@ -144,6 +150,7 @@ def model_fields(config: dict, family: str) -> dict:
   if family == 'gpt':
     return {**fields, 'max_seq_len': values['learned_positions'], 'norm': 'layernorm'}
   fields.update(num_kv_heads=values['num_kv_heads'], norm='rmsnorm', head_dim=values['head_dim'],
+                sliding_window=values['sliding_window'],
                 rope_theta=rope(config)[0],
                 max_seq_len=int(config.get('max_position_embeddings', 0)))
   scaling = rope(config)[1]
@@ -173,7 +180,8 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
     scaling = {'rope_type': 'llama3', 'factor': s.factor, 'low_freq_factor': s.low_freq_factor,
                'high_freq_factor': s.high_freq_factor,
                'original_max_position_embeddings': s.original_max_len}
-  extra = {'use_sliding_window': False} if family != 'llama' else {}
+  extra = ({'use_sliding_window': False} if family in ('qwen2', 'qwen3') else
+           {'sliding_window': decoder.sliding_window or None} if family == 'mistral' else {})
   config = {**common, **extra, 'model_type': family, 'hidden_size': decoder.width,
           'num_hidden_layers': decoder.num_layers, 'num_attention_heads': decoder.num_heads,
           'num_key_value_heads': decoder.num_kv_heads, 'head_dim': decoder.head_dim,
@@ -194,7 +202,8 @@ def from_directory(cfg: Config) -> Config:
   """model.name='hf' (launch/configs/hf.py): the family and every model field from
   restore_from's config.json, as from_pretrained builds it. A field left at ModelConfig's default
   is taken; one set otherwise must agree (a contradiction is one line naming both). dropout stays
-  the run's (a training choice); data.tokenizer '' becomes the directory's tokenizer if it has one."""
+  the run's (a training choice); data.tokenizer '' becomes the directory's tokenizer if it has
+  one."""
   if cfg.model.name != FROM_DIRECTORY:
     return cfg
   directory = cfg.restore_from

@@ -1,12 +1,14 @@
 """Hugging Face weights in and out: the one place that knows their tensor names and layouts.
 
 `LlamaForCausalLM` is disttrain's llama family, `Qwen2ForCausalLM` and `Qwen3ForCausalLM` its
-qwen2 and qwen3 families, `GPT2LMHeadModel` its gpt family (disttrain/models/). Each of our parameters maps to one Hugging Face tensor (per layer for the
-scanned blocks, stacked on our leading 'layers' axis): torch Linear weights are [out, in] and are
-transposed, GPT-2's Conv1D weights are [in, out], heads are split out of the width, and our
-vocabulary is padded to a multiple of 128 (padded rows are zeros in, dropped out). `load_params`
-reads and places one tensor at a time onto its sharding, so host memory holds one tensor, not the
-model; `export_tensors` yields them one at a time for disttrain/hf/tensorfiles.py to write.
+qwen2 and qwen3 families, `MistralForCausalLM` its mistral family (Llama's names),
+`GPT2LMHeadModel` its gpt family (disttrain/models/). Each of our parameters maps to one Hugging
+Face tensor (per layer for the scanned blocks, stacked on our leading 'layers' axis): torch
+Linear weights are [out, in] and are transposed, GPT-2's Conv1D weights are [in, out], heads are
+split out of the width, and our vocabulary is padded to a multiple of 128 (padded rows are zeros
+in, dropped out). `load_params` reads and places one tensor at a time onto its sharding, so host
+memory holds one tensor, not the model; `export_tensors` yields them one at a time for
+disttrain/hf/tensorfiles.py to write.
 config.json is read, checked and written by disttrain/hf/config.py.
 """
 
@@ -106,7 +108,7 @@ def _gpt2_table() -> list[Tensor]:
 
 
 TABLES = {'llama': _llama_table(), 'qwen2': _llama_table(qkv_bias=True),
-          'qwen3': _llama_table(qk_norm=True), 'gpt': _gpt2_table()}
+          'qwen3': _llama_table(qk_norm=True), 'mistral': _llama_table(), 'gpt': _gpt2_table()}
 
 
 def is_hf_dir(path: str) -> bool:

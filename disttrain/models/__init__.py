@@ -4,7 +4,7 @@ Front ends (the protocol is described in linen.py): LinenModel (Flax Linen), NNX
 NNX; flax.nnx is imported on first use), FunctionalModel (plain init/apply functions over a
 params pytree) and KerasModel (Keras 3, an optional extra: `from disttrain.models.keras import
 KerasModel`, imported on demand so that disttrain runs without keras installed). Language
-models (gpt, llama, qwen2, qwen3) are decoder.LanguageModel over one decoder; their task is
+models (gpt, llama, qwen2, qwen3, mistral) are decoder.LanguageModel over one decoder; their task is
 NextToken.
 """
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
-from disttrain.models import gpt, llama, qwen
+from disttrain.models import gpt, llama, mistral, qwen
 from disttrain.models.decoder import LanguageModel
 from disttrain.models.functional import FunctionalModel
 from disttrain.models.linen import LinenModel
@@ -92,6 +92,7 @@ MODELS = {
     'llama': Entry(llama.build, *_LM, task=_NEXT_TOKEN),  # Llama family (launch/configs/llama.py)
     'qwen2': Entry(qwen.build_family('qwen2'), *_LM, task=_NEXT_TOKEN),  # Qwen2 / 2.5 (qwen.py)
     'qwen3': Entry(qwen.build_family('qwen3'), *_LM, task=_NEXT_TOKEN),  # Qwen3 dense (qwen.py)
+    'mistral': Entry(mistral.build, *_LM, task=_NEXT_TOKEN),  # Mistral (mistral.py)
 }
 
 

@@ -3,8 +3,11 @@
   attention(q[B, T, N, K], k[B, S, G, K], v[B, S, G, K], ...) -> [B, T, N, K]
 
 Query t sits at absolute position `q_offset + t` of the key sequence (0 in training; the cache
-index when decoding) and attends to key s iff s <= q_offset + t and, with segment ids, the two
-tokens belong to the same segment (a packed document; 0 marks padding). N query heads share
+index when decoding) and attends to key s iff s <= q_offset + t, with a sliding `window` W > 0
+also s > q_offset + t - W (the last W positions, itself included: Mistral's), and, with segment
+ids, the two tokens belong to the same segment (a packed document; 0 marks padding). xla and
+blockwise take the window, also under the context split and with a KV cache; `auto` does not
+pick cudnn for a window. N query heads share
 G = N / R key/value heads (grouped-query attention; G = N is multi-head). Logits and the softmax
 are float32 whatever the inputs' dtype. Implementations:
   xla        jax.nn.dot_product_attention's XLA form: holds [B, N, T, S] float32 logits.
@@ -40,8 +43,9 @@ _NEG = -1e30  # masked logits (finite: a fully masked block must not make NaNs)
 def attention(q_BxTxNxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, *,
               q_segments_BxT: jax.Array | None = None, kv_segments_BxS: jax.Array | None = None,
               q_offset: jax.Array | int = 0, implementation: str = 'auto',
-              block_size: int = 512) -> jax.Array:
-  """softmax(q k^T / sqrt(K) masked causally and by segment) v; see the module docstring."""
+              block_size: int = 512, window: int = 0) -> jax.Array:
+  """softmax(q k^T / sqrt(K) masked causally, by window and by segment) v; see the module
+  docstring."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f'attention implementation {implementation!r} is not one of '
                      f'{IMPLEMENTATIONS}')
@@ -51,13 +55,13 @@ def attention(q_BxTxNxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, 
   split = sharding.sequence_split()
   if split is not None and isinstance(q_offset, int) and q_offset == 0 and t == s:
     return _positions_split(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, *split,
-                            implementation, block_size)
+                            implementation, block_size, window)
   return _local(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, kv_segments_BxS, q_offset,
-                implementation, block_size)
+                implementation, block_size, window)
 
 
 def _positions_split(q, k, v, segments, mesh, axis: str, implementation: str,
-                     block_size: int) -> jax.Array:
+                     block_size: int, window: int) -> jax.Array:
   """Self-attention with positions split over `axis`: each device's queries against the keys
   and values all-gathered from every device (see the module docstring)."""
   # XLA:CPU aborts compiling a bf16 all-gather's gradient (ChangeOpDataType, jax 0.12): gather
@@ -72,27 +76,27 @@ def _positions_split(q, k, v, segments, mesh, axis: str, implementation: str,
     offset = jax.lax.axis_index(axis) * q.shape[1]
     kv_segments = None if segments is None else gather(segments)
     return _local(q, gather(k), gather(v), segments, kv_segments, offset, implementation,
-                  block_size)
+                  block_size, window)
   split = P(None, axis)  # manual over `axis` only: GSPMD keeps the batch and heads split
   return jax.shard_map(local, mesh=mesh, in_specs=(split, split, split, split),
                        out_specs=split, axis_names={axis}, check_vma=False)(q, k, v, segments)
 
 
 def _local(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, kv_segments_BxS, q_offset,
-           implementation: str, block_size: int) -> jax.Array:
+           implementation: str, block_size: int, window: int = 0) -> jax.Array:
   """attention() on arrays this device holds whole along T and S."""
   t, s = q_BxTxNxK.shape[1], k_BxSxGxK.shape[1]
   if implementation == 'auto':
     implementation = 'blockwise' if t * s > _DENSE_MAX_KEYS**2 else 'xla'
-    if _cudnn_applies(q_BxTxNxK, q_offset, t, s):
+    if _cudnn_applies(q_BxTxNxK, q_offset, t, s) and not window:
       implementation = 'cudnn'
   if implementation == 'blockwise':
     return _blockwise(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, kv_segments_BxS,
-                      jnp.asarray(q_offset, jnp.int32), min(block_size, max(t, s)))
+                      jnp.asarray(q_offset, jnp.int32), min(block_size, max(t, s)), window)
   static_causal = isinstance(q_offset, int) and q_offset == 0 and t == s
   mask = None
-  if q_segments_BxT is not None or not static_causal:
-    mask = _mask(t, s, q_segments_BxT, kv_segments_BxS, q_offset)[:, None]  # [B, 1, T, S]
+  if q_segments_BxT is not None or not static_causal or window:
+    mask = _mask(t, s, q_segments_BxT, kv_segments_BxS, q_offset, window)[:, None]  # [B,1,T,S]
   return jax.nn.dot_product_attention(
       q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, mask=mask, is_causal=static_causal and mask is None,
       implementation=implementation)
@@ -105,10 +109,16 @@ def _cudnn_applies(q: jax.Array, q_offset, t: int, s: int) -> bool:
           and isinstance(q_offset, int) and q_offset == 0)
 
 
-def _mask(t: int, s: int, q_seg, kv_seg, q_offset) -> jax.Array:
-  """[B or 1, T, S] booleans: causal (query t at q_offset + t) and same segment."""
+def _visible(q_pos, k_pos, window: int) -> jax.Array:
+  """[T, S] booleans: key k_pos at or before query q_pos, and within the window if any."""
+  mask = k_pos[None, :] <= q_pos[:, None]
+  return mask & (k_pos[None, :] > q_pos[:, None] - window) if window else mask
+
+
+def _mask(t: int, s: int, q_seg, kv_seg, q_offset, window: int = 0) -> jax.Array:
+  """[B or 1, T, S] booleans: causal (query t at q_offset + t), windowed, same segment."""
   q_pos = jnp.asarray(q_offset, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
-  mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= q_pos[:, None])[None]
+  mask = _visible(q_pos, jnp.arange(s, dtype=jnp.int32), window)[None]
   if q_seg is not None:
     mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
   return mask
@@ -122,7 +132,7 @@ def _pad_to(x: jax.Array | None, length: int, axis: int = 1, value=0):
   return jnp.pad(x, pad, constant_values=value)
 
 
-def _blockwise(q, k, v, q_seg, kv_seg, q_offset, block: int):
+def _blockwise(q, k, v, q_seg, kv_seg, q_offset, block: int, window: int = 0):
   """Pads T and S to multiples of `block` (padded keys never attended), runs the flash kernel."""
   b, t, n, d = q.shape
   s, g = k.shape[1], k.shape[2]
@@ -132,14 +142,14 @@ def _blockwise(q, k, v, q_seg, kv_seg, q_offset, block: int):
   q_seg = _pad_to(q_seg.astype(jnp.int32), tp, value=-2)
   kv_seg = _pad_to(kv_seg.astype(jnp.int32), sp, value=-1)
   qg = _pad_to(q, tp).reshape(b, tp, g, n // g, d)
-  out = _flash(qg, _pad_to(k, sp), _pad_to(v, sp), q_seg, kv_seg, q_offset, block)
+  out = _flash(qg, _pad_to(k, sp), _pad_to(v, sp), q_seg, kv_seg, q_offset, block, window)
   return out.reshape(b, tp, n, d)[:, :t]
 
 
-def _block_logits(q_i, k_j, seg_i, seg_j, pos_i, pos_j, scale):
+def _block_logits(q_i, k_j, seg_i, seg_j, pos_i, pos_j, scale, window):
   """Masked float32 logits [B, G, R, bq, bk] of one (query block, key block) pair."""
   logits = jnp.einsum('btgrk,bsgk->bgrts', q_i, k_j, preferred_element_type=jnp.float32) * scale
-  mask = (pos_j[None, :] <= pos_i[:, None])[None] & (seg_i[:, :, None] == seg_j[:, None, :])
+  mask = _visible(pos_i, pos_j, window)[None] & (seg_i[:, :, None] == seg_j[:, None, :])
   return jnp.where(mask[:, None, None], logits, _NEG), mask[:, None, None]
 
 
@@ -154,7 +164,7 @@ def _unblocks(x: jax.Array) -> jax.Array:
   return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
 
 
-def _forward(q, k, v, q_seg, kv_seg, q_offset, block):
+def _forward(q, k, v, q_seg, kv_seg, q_offset, block, window):
   """(out [B, T, G, R, K] in q's dtype, logsumexp [B, G, R, T] float32)."""
   scale = 1.0 / np.sqrt(q.shape[-1])
   kb, vb, segb = _blocks(k, block), _blocks(v, block), _blocks(kv_seg, block)
@@ -170,7 +180,7 @@ def _forward(q, k, v, q_seg, kv_seg, q_offset, block):
     def key_block(carry, xs):
       m, l, o = carry
       k_j, v_j, seg_j, pos_j = xs
-      logits, mask = _block_logits(q_i, k_j, seg_i, seg_j, pos_i, pos_j, scale)
+      logits, mask = _block_logits(q_i, k_j, seg_i, seg_j, pos_i, pos_j, scale, window)
       m_new = jnp.maximum(m, logits.max(-1))
       p = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.0)
       correction = jnp.exp(m - m_new)
@@ -187,17 +197,17 @@ def _forward(q, k, v, q_seg, kv_seg, q_offset, block):
   return _unblocks(out), jnp.moveaxis(lse, 0, 3).reshape(lse.shape[1:4] + (-1,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, k, v, q_seg, kv_seg, q_offset, block):
-  return _forward(q, k, v, q_seg, kv_seg, q_offset, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _flash(q, k, v, q_seg, kv_seg, q_offset, block, window):
+  return _forward(q, k, v, q_seg, kv_seg, q_offset, block, window)[0]
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, q_offset, block):
-  out, lse = _forward(q, k, v, q_seg, kv_seg, q_offset, block)
+def _flash_fwd(q, k, v, q_seg, kv_seg, q_offset, block, window):
+  out, lse = _forward(q, k, v, q_seg, kv_seg, q_offset, block, window)
   return out, (q, k, v, q_seg, kv_seg, q_offset, out, lse)
 
 
-def _flash_bwd(block, residuals, d_out):
+def _flash_bwd(block, window, residuals, d_out):
   """FlashAttention-2's backward: per key block, probabilities recomputed from the logsumexp."""
   q, k, v, q_seg, kv_seg, q_offset, out, lse = residuals
   scale = 1.0 / np.sqrt(q.shape[-1])
@@ -217,7 +227,7 @@ def _flash_bwd(block, residuals, d_out):
 
     def key_block(dq_i, xs):
       k_j, v_j, seg_j, pos_j = xs
-      logits, mask = _block_logits(q_i, k_j, seg_i, seg_j, pos_i, pos_j, scale)
+      logits, mask = _block_logits(q_i, k_j, seg_i, seg_j, pos_i, pos_j, scale, window)
       p = jnp.where(mask, jnp.exp(logits - lse_i[..., None]), 0.0)
       dv_j = jnp.einsum('bgrts,btgrk->bsgk', p, do_i)
       dp = jnp.einsum('btgrk,bsgk->bgrts', do_i, v_j, preferred_element_type=jnp.float32)

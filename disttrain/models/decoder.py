@@ -58,6 +58,7 @@ class DecoderConfig:
   head_size: int = 0  # features per head; 0 = width / num_heads
   qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen2)
   qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+  sliding_window: int = 0  # attend to the last N positions only; 0 = all (Mistral)
 
   @property
   def head_dim(self) -> int:
@@ -82,7 +83,7 @@ class Block(nn.Module):
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.use_bias, cfg.fused_qkv, cfg.dtype,
         rope=cfg.rope, implementation=cfg.attention, block_size=cfg.attention_block,
         qkv_bias=cfg.use_bias or cfg.qkv_bias, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else 0.0,
-        name='attention')(h, positions_BxT, segments_BxT, decode, cache)
+        window=cfg.sliding_window, name='attention')(h, positions_BxT, segments_BxT, decode, cache)
     x_BxTxD = constrain(x_BxTxD + dropout(attended), ('batch', 'sequence', None))
     h = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'mlp_norm')(x_BxTxD)
     if cfg.num_experts:
@@ -173,7 +174,7 @@ class LanguageModel(LinenModel):
   experts, those of the E - k experts a token does not run.
   """
   input_key: Any = 'tokens'
-  family: str = ''  # 'gpt', 'llama', 'qwen2', 'qwen3': the Hugging Face layout of its weights
+  family: str = ''  # 'gpt', 'llama', 'qwen2', 'qwen3', 'mistral': its Hugging Face layout
   splits_sequence = True  # mesh.context may split its positions (attention gathers K/V)
   pipelines = True  # mesh.stage may split its layers (disttrain/models/pipeline.py)
 

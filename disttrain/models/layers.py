@@ -102,6 +102,7 @@ class Attention(nn.Module):
   block_size: int = 512
   qkv_bias: bool | None = None  # biases on query, key and value; None = use_bias (Qwen2: True)
   qk_norm_eps: float = 0.0  # > 0: RMSNorm over each head's queries and keys, before RoPE (Qwen3)
+  window: int = 0  # sliding-window attention over the last `window` positions; 0 = all
 
   def _dense(self, features: tuple, axes: tuple, name: str):
     bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
@@ -131,7 +132,8 @@ class Attention(nn.Module):
     if self.rope is not None:
       inv_freq = np.asarray(self.rope, np.float32)
       q, key = apply_rope(q, positions_BxT, inv_freq), apply_rope(key, positions_BxT, inv_freq)
-    options = dict(implementation=self.implementation, block_size=self.block_size)
+    options = dict(implementation=self.implementation, block_size=self.block_size,
+                   window=self.window)
     if cache is None:
       out = attention(q, key, value, q_segments_BxT=segments_BxT, kv_segments_BxS=segments_BxT,
                       **options)

@@ -46,7 +46,7 @@ def decoder_config(cfg: ModelConfig, dtype, context: int) -> DecoderConfig:
       use_bias=False, fused_qkv=False, learned_positions=0, rope=tuple(float(f) for f in inv_freq),
       tied_embeddings=cfg.tied_embeddings, dropout=cfg.dropout, remat=cfg.remat,
       attention=cfg.attention, attention_block=cfg.attention_block, dtype=dtype,
-      head_size=cfg.head_dim, **gpt.decoder_moe(cfg))
+      head_size=cfg.head_dim, sliding_window=cfg.sliding_window, **gpt.decoder_moe(cfg))
 
 
 def build(cfg: ModelConfig, dtype, context: int) -> LanguageModel:

@@ -1,0 +1,40 @@
+"""Mistral decoders (disttrain/models/mistral.py): Llama's decoder with sliding-window attention.
+
+  python launch/train.py --config=launch/configs/mistral.py --workdir=runs/mistral --fake_devices=8
+  python launch/train.py --config=launch/configs/mistral.py:mistral_7b \\
+      --config.restore_from=PATH/TO/Mistral-7B-v0.1 ...          # fine-tune the published weights
+
+The default size trains on 2 CPU cores (byte-level text of the standard library's source) with a
+window of 32 positions in rows of 128, so the window matters. mistral_7b carries the published
+config.json values of mistralai/Mistral-7B-v0.1 (a 4,096-position window), so `restore_from` a
+downloaded copy loads. Everything else, logical rules included, is launch/configs/llama.py's.
+"""
+
+import importlib.util
+import os
+
+# name -> model fields, then (context, global batch, learning rate)
+SIZES = {
+    'tiny': (dict(num_layers=4, hidden=128, num_heads=4, num_kv_heads=2, mlp_dim=384,
+                  vocab_size=256, rope_theta=10_000.0, tied_embeddings=False, sliding_window=32),
+             (128, 32, 3e-3)),
+    'mistral_7b': (dict(num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, mlp_dim=14_336,
+                        vocab_size=32_000, rope_theta=10_000.0, tied_embeddings=False,
+                        sliding_window=4096, max_seq_len=32_768), (4096, 32, 1e-5)),
+}
+
+
+def get_config(size: str = 'tiny'):
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llama.py')
+  spec = importlib.util.spec_from_file_location('llama_config', path)
+  llama = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(llama)
+  model, (context, batch, lr) = SIZES[size]
+  cfg = llama.get_config()
+  cfg.model.name = 'mistral'
+  for field, value in model.items():
+    cfg.model[field] = value
+  cfg.data.seq_len = context
+  cfg.global_batch_size = batch
+  cfg.learning_rate = lr
+  return cfg
