@@ -256,7 +256,10 @@ def _tokenized(cfg: Config, docs, field: str):
   (memory-mapped by its workers, so the ids are never copied into each of them)."""
   if not _TOKEN_CACHE:
     _TOKEN_CACHE.append(tempfile.TemporaryDirectory(prefix='disttrain_tokens_'))
-  path = os.path.join(_TOKEN_CACHE[0].name, f'{field.replace(".", "_")}.bin')
+  # A new name per build: a second build in this process (say sft, then plain documents) must
+  # not meet the first one's files (a stale .mask.bin made plain documents look like sft).
+  count = len(os.listdir(_TOKEN_CACHE[0].name))
+  path = os.path.join(_TOKEN_CACHE[0].name, f'{count}_{field.replace(".", "_")}.bin')
   return packing.tokenize(docs, tokenizer_lib.load(cfg.data.tokenizer), field,
                           cfg.model.vocab_size, path, verbose=jax.process_index() == 0)
 
