@@ -18,6 +18,9 @@
 5. Pipeline stages: GPT-2 small (12 layers, batch 16 x 1,024, 4 micro-batches) on S = 1, 2, 4
    devices with mesh.stage=S: state and temporaries per device (S = 1 accumulates the 4
    micro-batches one after another; GPipe holds every micro-batch's activations).
+6. Large vocabularies: the tiny Llama with Gemma's 262,144 ids on one row of T = 2,048 tokens, the
+   cross-entropy whole (model.loss_chunk=-1) and chunked (0, auto: 32 chunks of 64 tokens): the
+   logits, not the model, fill the temporaries (disttrain/models/chunked_loss.py).
 
   python benchmarks/memory.py --accelerator [--json=out.json]
 
@@ -93,7 +96,24 @@ def rows() -> list[dict]:
     out.append({'model': 'gpt2_small, 8 devices', 'setting': name, **info.to_json(),
                 'state_total_bytes': total, 'split_ways': ways,
                 'state_vs_even_split': round(info.state_bytes / (total / ways), 3)})
-  return out + _long_context_rows() + _moe_rows() + _pipeline_rows()
+  return out + _long_context_rows() + _moe_rows() + _pipeline_rows() + _vocab_rows()
+
+
+def _vocab_rows() -> list[dict]:
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from disttrain.training import setup as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.data.records import ID  # pylint: disable=g-import-not-at-top
+  window = jax.ShapeDtypeStruct((1, 2048), np.int32)
+  spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
+  out = []
+  for name, chunk in (('loss_chunk=-1 (whole)', -1), ('loss_chunk=0 (auto)', 0)):
+    cfg = _config('tiny', {'global_batch_size': 1, 'data.seq_len': 2048, 'mesh.data': 1,
+                           'model.vocab_size': 262_144, 'model.loss_chunk': chunk}, _LLAMA)
+    plan = run_lib.plan(cfg, spec, jax.devices()[:1])
+    out.append({'model': 'llama tiny, V = 262,144, 1 x 2,048', 'setting': name,
+                **plan.compile().to_json()})
+  return out
 
 
 def _pipeline_rows() -> list[dict]:

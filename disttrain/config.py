@@ -106,6 +106,10 @@ class SftConfig:
   prompt_field: str = 'prompt'  # the prompt: read, never trained
   completion_field: str = 'completion'  # trained: the loss counts these tokens only
   messages_field: str = 'messages'  # [{"role", "content"}, ...]; assistant turns are trained
+  # How chat turns become text: auto (the tokenizer directory's own template, chat_template.jinja
+  # or tokenizer_config.json's, else plain), plain ('<|role|>' lines) or a .jinja file
+  # (disttrain/data/chat.py).
+  chat_template: str = 'auto'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +249,9 @@ class ModelConfig:
     _positive('model.max_seq_len', self.max_seq_len, allow_zero=True)
     _positive('model.head_dim', self.head_dim, allow_zero=True)
     _positive('model.sliding_window', self.sliding_window, allow_zero=True)
+    if self.loss_chunk < -1:
+      raise ConfigError(f'model.loss_chunk={self.loss_chunk}: set tokens per chunk (> 0), 0 for '
+                        'auto or -1 for the whole sequence at once')
     _one_of('model.attention', self.attention, ATTENTION)
     _positive('model.attention_block', self.attention_block)
     _positive('model.num_experts', self.num_experts, allow_zero=True)

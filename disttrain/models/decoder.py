@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from disttrain.models import layers, moe, pipeline
+from disttrain.models import chunked_loss, layers, moe, pipeline
 from disttrain.models.layers import Decode, constrain, weights
 from disttrain.models.linen import LOSSES, LinenModel, model_inputs
 from disttrain.parallel import sharding
@@ -59,6 +59,7 @@ class DecoderConfig:
   qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen2)
   qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
   sliding_window: int = 0  # attend to the last N positions only; 0 = all (Mistral)
+  loss_chunk: int = 0  # cross-entropy chunk in tokens: 0 auto, -1 never (chunked_loss.py)
 
   @property
   def head_dim(self) -> int:
@@ -95,6 +96,16 @@ class Block(nn.Module):
     return constrain(x_BxTxD + dropout(h), ('batch', 'sequence', None)), cache
 
 
+class Unembed(nn.Module):
+  """The untied unembedding kernel [D, V] (the params path of the nn.Dense it replaces)."""
+  width: int
+  vocab: int
+
+  @nn.compact
+  def __call__(self) -> jax.Array:
+    return self.param('kernel', weights(('embed', 'vocab')), (self.width, self.vocab))
+
+
 def _remat_policy(remat: str):
   return None if remat == 'full' else getattr(jax.checkpoint_policies, remat)
 
@@ -102,13 +113,14 @@ def _remat_policy(remat: str):
 class Decoder(nn.Module):
   """Token ids [B, T] -> next-token logits [B, T, padded vocab] (float32, padding at -1e9).
 
-  With `cache` (init_cache's layout) and `decode`, returns (logits, new cache) instead.
+  With `cache` (init_cache's layout) and `decode`, returns (logits, new cache) instead; with
+  `features` and a chunked loss (model.loss_chunk), chunked_loss.Features instead of logits.
   """
   cfg: DecoderConfig
 
   @nn.compact
   def __call__(self, tokens_BxT: jax.Array, train: bool = False, *, positions=None,
-               segment_ids=None, decode: Decode | None = None, cache=None):
+               segment_ids=None, decode: Decode | None = None, cache=None, features=False):
     cfg = self.cfg
     b, t = tokens_BxT.shape
     if positions is None:
@@ -142,14 +154,14 @@ class Decoder(nn.Module):
       x_BxTxD, cache = blocks(cfg, train, name='blocks')(x_BxTxD, positions, segment_ids, decode,
                                                         cache)
     x_BxTxD = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'final_norm')(x_BxTxD)
-    if cfg.tied_embeddings:
-      logits_BxTxV = jnp.einsum('btd,vd->btv', x_BxTxD, embedding_VxD.astype(cfg.dtype))
-    else:
-      logits_BxTxV = nn.Dense(cfg.padded_vocab, use_bias=False, dtype=cfg.dtype, name='unembed',
-                              kernel_init=weights(('embed', 'vocab')))(x_BxTxD)
-    logits_BxTxV = constrain(logits_BxTxV, ('batch', 'sequence', 'vocab'))
-    real_V = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
-    logits_BxTxV = jnp.where(real_V, logits_BxTxV.astype(jnp.float32), -1e9)
+    unembed = embedding_VxD if cfg.tied_embeddings else Unembed(cfg.width, cfg.padded_vocab,
+                                                                name='unembed')()
+    chunk = chunked_loss.chunk_tokens(cfg.loss_chunk, t, cfg.padded_vocab)
+    if features and chunk and decode is None:
+      return chunked_loss.Features(x_BxTxD, unembed, cfg.vocab_size, cfg.tied_embeddings, chunk,
+                                   cfg.dtype)
+    logits_BxTxV = chunked_loss.logits(x_BxTxD, unembed, cfg.tied_embeddings, cfg.vocab_size,
+                                       cfg.dtype)
     return logits_BxTxV if decode is None else (logits_BxTxV, cache)
 
   def init_cache(self, batch: int, length: int) -> dict:
@@ -211,7 +223,13 @@ class LanguageModel(LinenModel):
             new_mutable, model_loss)
 
   def inputs(self, batch: dict) -> tuple[tuple, dict]:
-    return model_inputs(batch, self.input_key), {k: batch[k] for k in PACKED_FIELDS if k in batch}
+    packed = {k: batch[k] for k in PACKED_FIELDS if k in batch}
+    return model_inputs(batch, self.input_key), {**packed, 'features': True}
+
+  def loss_info(self, spec: dict) -> dict:
+    """run.json's `loss`: whether the cross-entropy is chunked (chunked_loss.describe)."""
+    cfg = self.cfg
+    return chunked_loss.describe(cfg.loss_chunk, self.tokens_per_example(spec), cfg.padded_vocab)
 
   def tokens_per_example(self, spec: dict) -> int:
     (tokens,) = model_inputs(spec, self.input_key)

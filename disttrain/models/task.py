@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from disttrain.data.records import MASK
+from disttrain.models import chunked_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,7 @@ class NextToken:
   `per_example` the sums over them, so the step's loss is sum over counted tokens / their global
   count. A counted target >= V makes the loss NaN (a gather would silently clamp it), so the run's
   NaN guard stops at that step. Eval records add `num_tokens` and `perplexity` (per_token).
+  A decoder with a chunked loss passes chunked_loss.Features, never the whole logits.
   """
   target_key: str = 'targets'
   mask_key: str = 'loss_mask'
@@ -77,13 +79,11 @@ class NextToken:
       logits_BxTxV = logits_BxTxV['logits']
     targets_BxT = batch[self.target_key]
     weights_BxT = self.token_weights(batch)
-    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
-    safe_BxT = jnp.clip(targets_BxT, 0, logits_BxTxV.shape[-1] - 1)
-    loss_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, safe_BxT)
-    loss_BxT = jnp.where(weights_BxT > 0, loss_BxT, 0.0)
-    loss_BxT = jnp.where((weights_BxT > 0) & (targets_BxT >= logits_BxTxV.shape[-1]), jnp.nan,
-                         loss_BxT)
-    correct_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT) * weights_BxT
+    if isinstance(logits_BxTxV, chunked_loss.Features):  # the logits, a chunk at a time
+      loss_B, correct_B = chunked_loss.sums(logits_BxTxV, targets_BxT, weights_BxT)
+      return {'loss': loss_B, 'accuracy': correct_B, **extra}
+    loss_BxT, correct_BxT = chunked_loss.token_values(logits_BxTxV.astype(jnp.float32),
+                                                      targets_BxT, weights_BxT)
     return {'loss': loss_BxT.sum(-1), 'accuracy': correct_BxT.sum(-1), **extra}
 
 

@@ -254,6 +254,8 @@ def run_info(run: Setup) -> dict:
       'platform': mesh.devices.flat[0].platform,
       'device_kind': mesh.devices.flat[0].device_kind,
       **({'pipeline': _pipeline_info(run)} if run.parallel.stages > 1 else {}),
+      **({'loss': run.model.loss_info(element_spec(run.train_data))}
+         if hasattr(run.model, 'loss_info') else {}),
   }
 
 

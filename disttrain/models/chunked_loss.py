@@ -1,0 +1,120 @@
+"""Next-token cross-entropy that never holds the [B, T, V] logits.
+
+A decoder's last matmul (hidden [B, T, D] x unembedding -> logits [B, T, V]) makes the largest
+tensor of a language-model step once the vocabulary is large: Gemma's 262,144 ids at 2,048
+tokens are 2 GiB of float32 logits per row, and the backward pass holds their gradient too.
+With a chunked loss the decoder returns `Features` (its final hidden states and the unembedding
+weight) instead, and `sums` walks the sequence in chunks: each chunk's logits are made, reduced
+to per-token losses and dropped, and `jax.checkpoint` remakes them in the backward pass (one
+more unembedding matmul) rather than saving them. The values equal the full computation's to
+float32 rounding (tests/test_chunked_loss.py), gradients included.
+
+`model.loss_chunk` picks the chunk: a number of tokens, -1 never, 0 (default) auto: chunks of at
+most ROW_BYTES of float32 logits per row, when a row's logits exceed two of them (so small
+vocabularies keep the single matmul). run.json's `loss` records the choice.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from disttrain.models.layers import constrain
+
+ROW_BYTES = 64 * 2**20  # auto: float32 logit bytes per row in one chunk
+
+
+def chunk_tokens(setting: int, seq_len: int, padded_vocab: int) -> int:
+  """Tokens per chunk for `model.loss_chunk=setting`; 0 = the whole sequence at once."""
+  if setting < 0:
+    return 0
+  if setting == 0:
+    row_bytes = 4 * padded_vocab * seq_len
+    if row_bytes <= 2 * ROW_BYTES:
+      return 0
+    setting = -(-seq_len // -(-row_bytes // ROW_BYTES))  # even chunks of <= ROW_BYTES
+  return 0 if setting >= seq_len else setting
+
+
+def describe(setting: int, seq_len: int, padded_vocab: int) -> dict:
+  """run.json's `loss`: how the cross-entropy is computed for rows of `seq_len` tokens."""
+  chunk = chunk_tokens(setting, seq_len, padded_vocab)
+  return {'chunked': bool(chunk), 'chunk_tokens': chunk or seq_len,
+          'chunks': -(-seq_len // chunk) if chunk else 1,
+          'logit_bytes_per_row': 4 * padded_vocab * (chunk or seq_len),
+          'setting': setting}
+
+
+def logits(hidden_BxTxD: jax.Array, unembed: jax.Array, tied: bool, vocab_size: int,
+           dtype) -> jax.Array:
+  """Float32 logits [B, T, padded V], the padded ids at -1e9 (no probability).
+
+  `unembed` is the token embedding [V, D] when tied, the unembedding kernel [D, V] otherwise.
+  """
+  spec = 'btd,vd->btv' if tied else 'btd,dv->btv'
+  logits_BxTxV = jnp.einsum(spec, hidden_BxTxD.astype(dtype), unembed.astype(dtype))
+  logits_BxTxV = constrain(logits_BxTxV, ('batch', 'sequence', 'vocab'))
+  real_V = jnp.arange(logits_BxTxV.shape[-1]) < vocab_size
+  return jnp.where(real_V, logits_BxTxV.astype(jnp.float32), -1e9)
+
+
+@struct.dataclass
+class Features:
+  """A decoder's output under a chunked loss: what the logits would be made from."""
+  hidden_BxTxD: jax.Array
+  unembed: jax.Array  # [V, D] tied, [D, V] otherwise
+  vocab_size: int = struct.field(pytree_node=False)
+  tied: bool = struct.field(pytree_node=False)
+  chunk: int = struct.field(pytree_node=False)
+  dtype: Any = struct.field(pytree_node=False)  # the matmul's compute dtype
+
+  def logits(self) -> jax.Array:
+    """The full logits (for callers that want them; the loss never asks)."""
+    return logits(self.hidden_BxTxD, self.unembed, self.tied, self.vocab_size, self.dtype)
+
+
+def token_values(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
+                 weights_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-token (loss, correct) [B, T], 0 where the weight is 0; a counted target >= V is NaN."""
+  v = logits_BxTxV.shape[-1]
+  safe_BxT = jnp.clip(targets_BxT, 0, v - 1)
+  lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+  target_BxT = jnp.take_along_axis(logits_BxTxV, safe_BxT[..., None], axis=-1)[..., 0]
+  counted = weights_BxT > 0
+  loss_BxT = jnp.where(counted, lse_BxT - target_BxT, 0.0)
+  loss_BxT = jnp.where(counted & (targets_BxT >= v), jnp.nan, loss_BxT)
+  correct_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT) * weights_BxT
+  return loss_BxT, correct_BxT
+
+
+def sums(features: Features, targets_BxT: jax.Array,
+         weights_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-row sums [B] of token_values over the sequence, one chunk of logits at a time."""
+  h, w = features.hidden_BxTxD, features.unembed
+  b, t, d = h.shape
+  n = -(-t // features.chunk)  # chunks
+  pad = n * features.chunk - t
+  if pad:  # padded tokens weigh 0
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+    weights_BxT = jnp.pad(weights_BxT, ((0, 0), (0, pad)))
+  # Chunk i holds tokens i, i + n, i + 2n, ...: a sequence split over `context` in contiguous
+  # blocks stays split the same way within every chunk (a sum does not mind the order).
+  h_NxBxCxD = jnp.moveaxis(h.reshape(b, features.chunk, n, d), 2, 0)
+  targets_NxBxC = jnp.moveaxis(targets_BxT.reshape(b, features.chunk, n), 2, 0)
+  weights_NxBxC = jnp.moveaxis(weights_BxT.reshape(b, features.chunk, n), 2, 0)
+  if w.dtype != jnp.float32:  # its gradient sums over chunks: keep that sum in float32
+    w = w.astype(jnp.float32)
+
+  @jax.checkpoint  # the backward pass remakes a chunk's logits instead of keeping them
+  def chunk(carry, xs):
+    h_BxCxD, targets_BxC, weights_BxC = xs
+    logits_BxCxV = logits(h_BxCxD, w, features.tied, features.vocab_size, features.dtype)
+    loss_BxC, correct_BxC = token_values(logits_BxCxV, targets_BxC, weights_BxC)
+    return (carry[0] + loss_BxC.sum(-1), carry[1] + correct_BxC.sum(-1)), None
+
+  zeros = jnp.zeros((b,), jnp.float32)
+  (loss_B, correct_B), _ = jax.lax.scan(chunk, (zeros, zeros),
+                                        (h_NxBxCxD, targets_NxBxC, weights_NxBxC))
+  return loss_B, correct_B

@@ -1,0 +1,101 @@
+"""The chunked cross-entropy (disttrain/models/chunked_loss.py) equals the full one.
+
+Values and gradients agree to float32 reassociation (the per-row sums run chunk by chunk):
+rtol 1e-6, and an absolute floor of 1e-6 of the largest gradient for elements near zero. On
+data x tensor x context it equals the full loss on 1 device within the layout tolerances of
+tests/test_llama.py. Its point is memory: at V = 262,144 and T = 2,048 the compiled step's
+temporaries are at most a quarter of the full loss's (measured 0.095; benchmarks/memory.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from disttrain.data.records import ID, MASK
+from disttrain.models import chunked_loss
+from disttrain.models.decoder import Decoder, LanguageModel
+from disttrain.models.task import NextToken
+from disttrain.training import setup as run_lib
+from tests import test_llama
+from tests.helpers import assert_trees_close, to_numpy
+
+V, T, B = 1000, 40, 3
+
+
+def _model(chunk: int, tied: bool) -> LanguageModel:
+  cfg = test_llama._config(**{'model.vocab_size': V, 'model.tied_embeddings': tied,
+                              'model.loss_chunk': chunk, 'data.seq_len': T})
+  from disttrain.models import llama  # pylint: disable=g-import-not-at-top
+  return LanguageModel(Decoder(llama.decoder_config(cfg.model, jnp.float32, T)), family='llama')
+
+
+def _batch() -> dict:
+  rng = np.random.default_rng(0)
+  targets = rng.integers(0, V, (B, T)).astype(np.int32)
+  targets[0, :7] = -100  # ignored ids, as Hugging Face's
+  loss_mask = (rng.random((B, T)) < 0.7).astype(np.int32)
+  return {'tokens': rng.integers(0, V, (B, T)).astype(np.int32), 'targets': targets,
+          'loss_mask': loss_mask, MASK: np.ones(B, np.float32), ID: np.arange(B, dtype=np.int32)}
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_chunked_loss_equals_full_loss_and_gradients(tied):
+  batch = _batch()
+  full, chunked = _model(-1, tied), _model(16, tied)  # 16 does not divide 40: a padded chunk
+  variables = full.init(jax.random.key(0), batch)
+
+  def values(model, params):
+    outputs, _, _ = model.apply({'params': params}, batch, train=False, rng=None)
+    return NextToken().per_example(outputs, batch)
+
+  out = chunked.apply(variables, batch, train=False, rng=None)[0]
+  assert isinstance(out, chunked_loss.Features) and out.chunk == 16
+  want, got = values(full, variables['params']), values(chunked, variables['params'])
+  np.testing.assert_allclose(got['loss'], want['loss'], rtol=1e-6)
+  np.testing.assert_array_equal(got['accuracy'], want['accuracy'])
+  grad = lambda m: jax.grad(lambda p: values(m, p)['loss'].sum())(variables['params'])
+  want_g, got_g = to_numpy(grad(full)), to_numpy(grad(chunked))
+  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_g))
+  assert_trees_close(got_g, want_g, 1e-6, 1e-6 * scale, 'chunked loss gradients')
+
+
+def test_auto_chunks_only_large_logits():
+  assert chunked_loss.chunk_tokens(0, 128, 256) == 0  # the tiny test models: one matmul
+  assert chunked_loss.chunk_tokens(0, 2048, 262_144) == 64  # 64 MiB of logits per row
+  assert chunked_loss.chunk_tokens(0, 1024, 32_768) == 0  # 128 MiB a row: at the line, whole
+  assert chunked_loss.chunk_tokens(0, 1024, 50_304) == 256  # GPT-2: 4 chunks of 50 MiB
+  assert chunked_loss.chunk_tokens(0, 4096, 128_256) == 128  # Llama 3: 32 chunks
+  assert chunked_loss.chunk_tokens(-1, 4096, 262_144) == 0
+  assert chunked_loss.chunk_tokens(512, 256, 262_144) == 0  # longer than the row: whole
+  assert chunked_loss.describe(0, 2048, 262_144)['chunks'] == 32
+
+
+@pytest.mark.slow
+def test_chunked_loss_on_data_tensor_context_equals_full_on_one_device():
+  """The strided chunks keep a context-split sequence split; the vocabulary stays on tensor."""
+  chunked = {'model.loss_chunk': 8}
+  ref_loss, ref_grads = test_llama._one_step(test_llama._config(
+      **test_llama.ONE, **{'model.loss_chunk': -1}), 1)
+  layout = {'mesh.data': 2, 'mesh.tensor': 2, 'mesh.context': 2}
+  loss, grads = test_llama._one_step(test_llama._config(**layout, **chunked), 8)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(grads, ref_grads, 1e-5, 1e-6, 'chunked loss on data x tensor x context')
+
+
+@pytest.mark.slow
+def test_chunked_step_holds_a_quarter_of_the_temporaries_and_says_so():
+  """Gemma's vocabulary at T = 2,048, B = 1 (compiled, not run); run.json's `loss` names it."""
+  t = 2048
+  window = jax.ShapeDtypeStruct((1, t), np.int32)
+  spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
+  temp = {}
+  for chunk in (-1, 0):
+    cfg = test_llama._config(**test_llama.ONE, **{
+        'global_batch_size': 1, 'data.seq_len': t, 'model.vocab_size': 262_144,
+        'model.loss_chunk': chunk})
+    plan = run_lib.plan(cfg, spec, jax.devices()[:1])
+    temp[chunk] = plan.compile().temp_bytes
+  assert temp[0] <= 0.25 * temp[-1], temp
+  info = chunked_loss.describe(0, t, 262_144)
+  assert info['chunked'] and info['chunk_tokens'] == 64, info
