@@ -130,6 +130,7 @@ def test_generate_command_from_the_run_and_from_its_hugging_face_export(run_dir,
     ('generate', ['--prompt=' + 'x' * 80, '--max_new_tokens=8'],
      'a prompt of 80 tokens + max_new_tokens=8 is longer than the model context of 64 tokens'),
     ('generate', ['--prompt=a', '--workdir={empty}'], 'has no checkpoints directory'),
+    ('generate', ['--prompt=a', '--chat'], "the tokenizer '(bytes)' has no chat template"),
     ('export', ['--out={empty}/hf', '--workdir={empty}'], 'has no checkpoints directory'),
 ])
 def test_bad_sampling_and_export_inputs_are_one_line_and_exit_2(run_dir, tmp_path, command, args,

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from disttrain.config import Config
-from disttrain.data import formats, packing, records, text, tokenizer as tokenizer_lib
+from disttrain.data import chat, formats, packing, records, text, tokenizer as tokenizer_lib
 from disttrain.errors import DataError
 
 _DIGITS_EVAL = 297  # 1797 digits -> 1500 train
@@ -273,9 +273,10 @@ def _documents(cfg: Config) -> dict:
 def _sft(cfg: Config) -> dict:
   """Prompt/completion (or chat) JSON lines with loss masks on the completions, then packed."""
   fields = cfg.data.sft
+  template = chat.load(tokenizer_lib.load(cfg.data.tokenizer).file, fields.chat_template)
   return _packed(cfg, lambda patterns, field: _tokenized(cfg, text.Conversations(
       formats.resolve_files(patterns, field), fields.prompt_field, fields.completion_field,
-      fields.messages_field), field))
+      fields.messages_field, template), field))
 
 
 def _packed(cfg: Config, open_docs) -> dict:

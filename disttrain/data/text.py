@@ -8,8 +8,9 @@
 Files are indexed once (line offsets, row groups) and read per document, so a corpus is never
 loaded whole; objects pickle as their paths and indexes, for worker processes. A line that is
 not JSON or lacks the field is a DataError naming the file and line. Chat turns are rendered
-with a plain template ('<|role|>\\n' + content + '\\n'): the assistant's content and its end are
-trained, every other piece is prompt.
+with the tokenizer's chat template (disttrain/data/chat.py) when it has one, else with a plain
+one ('<|role|>\\n' + content + '\\n'): the assistant's content and its end are trained, every
+other piece is prompt.
 """
 
 import json
@@ -168,12 +169,15 @@ class Conversations:
   """Example i of SFT JSONL files as pieces [(text, trained), ...] in order."""
 
   def __init__(self, paths: list[str], prompt_field: str = 'prompt',
-               completion_field: str = 'completion', messages_field: str = 'messages'):
+               completion_field: str = 'completion', messages_field: str = 'messages',
+               template=None):
     bad = [p for p in paths if not p.endswith(('.jsonl', '.json'))]
     if bad:
       raise DataError(f'{bad[0]}: supervised fine-tuning reads JSON lines (.jsonl) of '
                       f'{prompt_field}/{completion_field} pairs or {messages_field} turns')
     self.fields = (prompt_field, completion_field, messages_field)
+    self.template = template  # a chat.ChatTemplate: turns rendered by it, its text encoded whole
+    self.whole_text = template is not None
     self._files = _Files([_Lines(p) for p in paths])
     if not len(self):
       raise DataError(f'the SFT files {paths[:3]} hold no examples; pass non-empty files')
@@ -191,6 +195,8 @@ class Conversations:
       if not (isinstance(turns, list) and turns and all(
           isinstance(t, dict) and isinstance(t.get('content'), str) for t in turns)):
         raise DataError(f'{where}: {messages!r} must be a list of {{"role", "content"}} turns')
+      if self.template is not None:
+        return self.template.pieces(turns, where)
       pieces = []
       for turn in turns:
         pieces.append((f'<|{turn.get("role", "user")}|>\n', False))

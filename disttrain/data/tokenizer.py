@@ -100,6 +100,22 @@ class Tokenizer:
       return [[self.bos_id] + x for x in ids]
     return ids
 
+  def encode_whole(self, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of the pieces' joined text encoded at once with no added specials (as
+    `apply_chat_template` encodes a rendered chat): a token is trained when any of its
+    characters is in a trained piece."""
+    if self.kind != 'hf':
+      raise DataError(f'data.tokenizer={self.path!r}: chat templates need a Hugging Face '
+                      'tokenizer.json (character offsets); pass the directory that holds one, or '
+                      'set data.sft.chat_template=plain')
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    text = ''.join(t for t, _ in pieces)
+    trained = np.concatenate([np.full(len(t), bool(k), np.int64) for t, k in pieces] + [[0]])
+    counts = np.concatenate([[0], np.cumsum(trained)])
+    encoding = self._impl.encode(text, add_special_tokens=False)
+    mask = [int(counts[end] > counts[start]) for start, end in encoding.offsets]
+    return list(encoding.ids), mask
+
   def decode(self, ids: list[int]) -> str:
     ids = [int(i) for i in ids]
     if self.kind == 'bytes':

@@ -3,6 +3,7 @@
   disttrain generate --workdir=RUN_DIR --prompt='def main' [--prompt=...]
       [--max_new_tokens=64 --temperature=0 --top_k=0 --top_p=1 --seed=0 --step=N --json=F]
   disttrain generate --hf_dir=HF_DIR --prompt=...           # a Hugging Face model
+  disttrain generate --hf_dir=HF_DIR --chat --prompt=...    # a user turn in its chat template
 
 `disttrain.generate(model, params, prompts, ...)` is the Python form. Prompts of different
 lengths are left-padded to one length (padding is segment 0, which no token attends to, and
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from disttrain.data import chat
 from disttrain.errors import ConfigError, one_line_errors
 from disttrain.models.layers import Decode
 
@@ -210,6 +212,15 @@ def main(argv) -> None:
                     mesh={k: int(v) for k, v in mesh.items()} if mesh else None,
                     tokenizer=f.tokenizer, ema=f.ema)
   prompts = [lm.tokenizer.encode(text) for text in f.prompt]
+  if f.chat:  # each prompt a user turn in the tokenizer's own chat template
+    template = chat.load(lm.tokenizer.file, 'auto')
+    if template is None:
+      raise ConfigError(f'--chat: the tokenizer {lm.tokenizer.path or "(bytes)"!r} has no chat '
+                        'template (no chat_template.jinja, none in tokenizer_config.json); leave '
+                        '--chat out, or pass --tokenizer=DIR of one that has')
+    prompts = [lm.tokenizer.encode_whole([(template.render(
+        [{'role': 'user', 'content': text}], True, example=f'--prompt={text!r}'), False)])[0]
+               for text in f.prompt]
   eos = lm.tokenizer.eos_id if lm.tokenizer.eos_id is not None and \
       lm.tokenizer.eos_id < lm.model.cfg.vocab_size else None
   result = generate(lm.model, lm.params, prompts, max_new_tokens=f.max_new_tokens,
@@ -265,6 +276,8 @@ if __name__ == '__main__':
   flags.DEFINE_string('mesh', '', "Mesh axis sizes instead of the run's, e.g. data=-1 or "
                       'fsdp=8,data=1.')
   flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
+  flags.DEFINE_bool('chat', False, "Each prompt is a user turn, rendered by the tokenizer's own "
+                    'chat template with its generation prompt.')
   flags.DEFINE_string('json', '', 'Also write the samples as JSON (token ids, text, '
                       'log-probabilities, stop reason) to this file; - = stdout, instead of text.')
   flags.mark_flag_as_required('prompt')

@@ -1,0 +1,173 @@
+"""Chat templates: a tokenizer directory's own jinja template, rendered as `transformers` does.
+
+Instruct models ship the format they were tuned on: `chat_template.jinja`, or `chat_template` in
+tokenizer_config.json (a string, or a list of named templates: 'default' is used). `load(path)`
+finds it beside the tokenizer file and renders with transformers' environment (jinja2's
+immutable sandbox, trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
+a `tojson` that keeps non-ASCII, the tokenizer's special tokens as variables), so the text, and
+the tokens of it encoded whole without added specials, equal `apply_chat_template`'s.
+
+What is trained: the assistant turns, each with its end-of-turn token. A template that marks
+them with `{% generation %}` blocks (transformers' assistant-mask extension) is read as marked;
+otherwise each assistant turn is what rendering the conversation through it adds to rendering the
+turns before it with the generation prompt, less trailing whitespace (ChatML's and Gemma's
+newline after the end token). A template that renders an earlier turn differently once later
+turns follow (some drop earlier reasoning) cannot be split this way and is refused, naming the
+example: mark its assistant turns with generation blocks.
+"""
+
+import datetime
+import json
+import os
+import re
+
+from disttrain.errors import DataError
+
+_OPEN, _CLOSE = '\ue000', '\ue001'  # private-use marks around {% generation %} output
+
+
+def find(tokenizer_file: str) -> tuple[str, str] | None:
+  """(template, where it came from) beside a tokenizer file, or None."""
+  folder = os.path.dirname(tokenizer_file)
+  jinja_file = os.path.join(folder, 'chat_template.jinja')
+  if os.path.isfile(jinja_file):
+    with open(jinja_file, encoding='utf-8') as f:
+      return f.read(), jinja_file
+  config = os.path.join(folder, 'tokenizer_config.json')
+  if not os.path.isfile(config):
+    return None
+  with open(config, encoding='utf-8') as f:
+    template = json.load(f).get('chat_template')
+  if isinstance(template, list):  # named templates
+    template = next((t.get('template') for t in template if t.get('name') == 'default'), None)
+  return (template, config) if isinstance(template, str) else None
+
+
+def special_tokens(tokenizer_file: str) -> dict:
+  """The special tokens' text by name (bos_token, eos_token, ...) from tokenizer_config.json."""
+  config = os.path.join(os.path.dirname(tokenizer_file), 'tokenizer_config.json')
+  if not os.path.isfile(config):
+    return {}
+  with open(config, encoding='utf-8') as f:
+    values = json.load(f)
+  out = {}
+  for key in ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token',
+              'mask_token'):
+    value = values.get(key)
+    value = value.get('content') if isinstance(value, dict) else value
+    if isinstance(value, str):
+      out[key] = value
+  return out
+
+
+def _environment():
+  import jinja2  # pylint: disable=g-import-not-at-top
+  from jinja2 import ext, nodes  # pylint: disable=g-import-not-at-top
+  from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=g-import-not-at-top
+
+  class Generation(ext.Extension):
+    """{% generation %}...{% endgeneration %}: output between marks, found after rendering."""
+    tags = {'generation'}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(('name:endgeneration',), drop_needle=True)
+      return nodes.CallBlock(self.call_method('_mark'), [], [], body).set_lineno(lineno)
+
+    def _mark(self, caller):
+      return _OPEN + caller() + _CLOSE
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[Generation, ext.loopcontrols])
+  env.filters['tojson'] = tojson
+  env.globals['raise_exception'] = raise_exception
+  env.globals['strftime_now'] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  return env
+
+
+class ChatTemplate:
+  """One tokenizer's template: render(messages) -> text; pieces(messages) -> [(text, trained)]."""
+
+  def __init__(self, source: str, where: str, special: dict):
+    import jinja2  # pylint: disable=g-import-not-at-top
+    self.source, self.where, self.special = source, where, special
+    try:
+      self._template = _environment().from_string(source)
+    except jinja2.TemplateError as e:
+      raise DataError(f'the chat template in {where} does not parse ({e}, line '
+                      f'{getattr(e, "lineno", "?")}); fix it or set data.sft.chat_template=plain'
+                      ) from e
+    self.marked = re.search(r'\{%-?\s*generation\s*-?%\}', source) is not None
+
+  def __getstate__(self) -> dict:
+    return {'source': self.source, 'where': self.where, 'special': self.special}
+
+  def __setstate__(self, state: dict) -> None:
+    self.__init__(state['source'], state['where'], state['special'])
+
+  def render(self, messages: list, add_generation_prompt: bool = False, *, raw: bool = False,
+             example: str = '') -> str:
+    """The template's text for `messages` (marks of generation blocks removed unless raw)."""
+    import jinja2  # pylint: disable=g-import-not-at-top
+    try:
+      text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   tools=None, documents=None, **self.special)
+    except jinja2.TemplateError as e:
+      raise DataError(f'{example or "the conversation"}: the chat template in {self.where} fails '
+                      f'to render it: {e}') from e
+    return text if raw else text.replace(_OPEN, '').replace(_CLOSE, '')
+
+  def pieces(self, messages: list, example: str) -> list[tuple[str, bool]]:
+    """The conversation's text in order, as (text, trained) pieces: assistant turns trained."""
+    if self.marked:
+      raw, spans, at = self.render(messages, raw=True, example=example), [], 0
+      for part in re.split(f'([{_OPEN}{_CLOSE}])', raw):
+        if part == _OPEN:
+          start = at
+        elif part == _CLOSE:
+          spans.append((start, at))
+        else:
+          at += len(part)
+      text = raw.replace(_OPEN, '').replace(_CLOSE, '')
+    else:
+      text, spans = self.render(messages, example=example), []
+      for i, turn in enumerate(messages):
+        if turn.get('role') != 'assistant':
+          continue
+        before = self.render(messages[:i], True, example=example)
+        through = self.render(messages[:i + 1], example=example)
+        if not (text.startswith(through) and through.startswith(before)):
+          raise DataError(f'{example}: the chat template in {self.where} renders turn {i + 1} '
+                          'differently once later turns follow, so its assistant text cannot be '
+                          'told apart; mark assistant turns with {% generation %} blocks or set '
+                          'data.sft.chat_template=plain')
+        spans.append((len(before), len(through.rstrip())))
+    out, at = [], 0
+    for start, end in spans:
+      out += [(text[at:start], False), (text[start:end], True)]
+      at = end
+    out.append((text[at:], False))
+    return [(t, trained) for t, trained in out if t]
+
+
+def load(tokenizer_file: str, setting: str = 'auto') -> ChatTemplate | None:
+  """The template data.sft.chat_template names: auto (the tokenizer's own, None without one),
+  plain (None: disttrain's '<|role|>' format) or a .jinja file."""
+  if setting == 'plain' or not tokenizer_file and setting == 'auto':
+    return None
+  if setting == 'auto':
+    found = find(tokenizer_file)
+    return ChatTemplate(*found, special_tokens(tokenizer_file)) if found else None
+  if not os.path.isfile(setting):
+    raise DataError(f'data.sft.chat_template={setting!r} is not a file; pass a .jinja file, auto '
+                    'or plain')
+  with open(setting, encoding='utf-8') as f:
+    return ChatTemplate(f.read(), setting, special_tokens(tokenizer_file) if tokenizer_file
+                        else {})

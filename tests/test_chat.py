@@ -1,0 +1,173 @@
+"""Chat templates (disttrain/data/chat.py) against `transformers`' apply_chat_template.
+
+Three template styles as the models ship them (ChatML as Qwen's, Llama 3's headers, Gemma's
+turns), each written twice: plain, as published, and with `{% generation %}` blocks around the
+assistant text and its end token, which transformers reads as the assistant mask. The reference
+is transformers on the marked template (tokens and `assistant_masks`); disttrain renders the plain
+one and must find the same tokens and the same trained tokens by itself, through the SFT data
+pipeline (data.name=sft, the template in the tokenizer directory's tokenizer_config.json).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import disttrain
+from disttrain.data import chat, sources, tokenizer as tokenizer_lib
+from tests import helpers
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+
+# [[ ]] mark the assistant text and its end token: removed (plain) or generation blocks (marked).
+CHATML = ("{% for m in messages %}{% if m['role'] == 'assistant' %}"
+          "{{ '<|im_start|>assistant\\n' }}[[{{ m['content'] + '<|im_end|>' }}]]{{ '\\n' }}"
+          "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}"
+          "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+          "{% if m['role'] == 'assistant' %}[[{{ m['content'] | trim + '<|eot_id|>' }}]]"
+          "{% else %}{{ m['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+GEMMA = ("{{ bos_token }}{% for m in messages %}"
+         "{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+         "{% endif %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+         "{{ '<start_of_turn>' + role + '\\n' }}{% if role == 'model' %}"
+         "[[{{ m['content'] | trim + '<end_of_turn>' }}]]{{ '\\n' }}"
+         "{% else %}{{ m['content'] | trim + '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+STYLES = {'chatml': CHATML, 'llama3': LLAMA3, 'gemma': GEMMA}
+SPECIAL = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|begin_of_text|>',
+           '<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>', '<bos>', '<eos>',
+           '<start_of_turn>', '<end_of_turn>']
+CONVERSATIONS = [
+    [{'role': 'user', 'content': 'What is 2 + 2?'}, {'role': 'assistant', 'content': 'It is 4.'}],
+    [{'role': 'user', 'content': ' Tell me  a story '},
+     {'role': 'assistant', 'content': 'Once upon a time, théré was a dragon.\n'},
+     {'role': 'user', 'content': 'And then?'},
+     {'role': 'assistant', 'content': 'It slept. 🐉 The end.'}],
+]
+
+
+def plain(style: str) -> str:
+  return STYLES[style].replace('[[', '').replace(']]', '')
+
+
+def marked(style: str) -> str:
+  return STYLES[style].replace('[[', '{% generation %}').replace(']]', '{% endgeneration %}')
+
+
+@pytest.fixture(scope='module')
+def tokenizer_dirs(tmp_path_factory):
+  """A byte-level BPE trained here with every style's special tokens; one directory per style
+  whose tokenizer_config.json carries the plain template, as a model's directory does."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  texts = [m['content'] for c in CONVERSATIONS for m in c] * 20 + ['user assistant model system']
+  tok.train_from_iterator(texts, trainers.BpeTrainer(
+      vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  out = {}
+  for style in STYLES:
+    folder = tmp_path_factory.mktemp(style)
+    tok.save(str(folder / 'tokenizer.json'))
+    bos, eos = {'chatml': (None, '<|im_end|>'), 'llama3': ('<|begin_of_text|>', '<|eot_id|>'),
+                'gemma': ('<bos>', '<eos>')}[style]
+    (folder / 'tokenizer_config.json').write_text(json.dumps({
+        'bos_token': bos, 'eos_token': eos, 'chat_template': plain(style),
+        'tokenizer_class': 'PreTrainedTokenizerFast'}))
+    out[style] = folder
+  return out
+
+
+def _reference(folder, style: str, conversation: list) -> tuple[list[int], list[int]]:
+  from transformers import PreTrainedTokenizerFast  # pylint: disable=g-import-not-at-top
+  config = json.loads((folder / 'tokenizer_config.json').read_text())
+  hf = PreTrainedTokenizerFast(tokenizer_file=str(folder / 'tokenizer.json'),
+                               bos_token=config['bos_token'], eos_token=config['eos_token'])
+  out = hf.apply_chat_template(conversation, chat_template=marked(style), tokenize=True,
+                               return_dict=True, return_assistant_tokens_mask=True)
+  plain_ids = hf.apply_chat_template(conversation, chat_template=plain(style), tokenize=True,
+                                     return_dict=True)['input_ids']
+  assert plain_ids == out['input_ids']  # the marks change nothing but the mask
+  assert 0 < sum(out['assistant_masks']) < len(out['input_ids'])
+  return list(out['input_ids']), list(out['assistant_masks'])
+
+
+@pytest.mark.parametrize('style', list(STYLES))
+def test_sft_rows_equal_apply_chat_template_and_train_the_assistant_tokens(
+    tokenizer_dirs, style, tmp_path):
+  folder = tokenizer_dirs[style]
+  train = tmp_path / 'train.jsonl'
+  train.write_text(''.join(json.dumps({'messages': c}) + '\n' for c in CONVERSATIONS * 3))
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'llama.py')
+  cfg = disttrain.from_config_dict(helpers.override(cd, {
+      'data.name': 'sft', 'data.train_files': str(train), 'data.eval_examples': 2,
+      'data.tokenizer': str(folder), 'model.vocab_size': 512, 'data.seq_len': 64}))
+  docs = sources.build(cfg)['train_data'].docs
+  tokenizer = tokenizer_lib.load(str(folder))
+  for i, conversation in enumerate(CONVERSATIONS):
+    want_ids, want_mask = _reference(folder, style, conversation)
+    ids, mask = docs.tokens(i)
+    assert ids.tolist() == want_ids, (style, tokenizer.decode(ids), tokenizer.decode(want_ids))
+    trained = lambda m: tokenizer.decode([t for t, k in zip(want_ids, m) if k])
+    assert mask.tolist() == want_mask, (style, trained(mask), trained(want_mask))
+    # The template's own generation blocks, when it has them, give the same.
+    template = chat.ChatTemplate(marked(style), 'marked', chat.special_tokens(
+        str(folder / 'tokenizer.json')))
+    assert tokenizer.encode_whole(template.pieces(conversation, 'x')) == (want_ids, want_mask)
+
+
+def test_a_template_that_fails_is_one_line_naming_the_example(tokenizer_dirs, tmp_path):
+  """Gemma's template refuses a system turn: the run stops in one line, exit 2."""
+  train = tmp_path / 'train.jsonl'
+  bad = [{'role': 'system', 'content': 'be brief'}, *CONVERSATIONS[0]]
+  train.write_text(''.join(json.dumps({'messages': c}) + '\n' for c in [CONVERSATIONS[0], bad]))
+  env = {'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': SUBPROCESS_XLA_FLAGS, 'PATH': '/usr/bin:/bin'}
+  proc = subprocess.run(
+      [sys.executable, '-m', 'disttrain', 'train', '--config=launch/configs/llama.py',
+       f'--workdir={tmp_path / "run"}', '--config.data.name=sft',
+       f'--config.data.train_files={train}', '--config.data.eval_examples=1',
+       f'--config.data.tokenizer={tokenizer_dirs["gemma"]}', '--config.model.vocab_size=512'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
+  errors = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+  assert f'{train} line 2: the chat template in' in errors[0], errors[0]
+  assert 'System role not supported' in errors[0], errors[0]
+
+
+def test_generate_chat_prompts_are_the_templates_generation_prompt(tokenizer_dirs, tmp_path):
+  """`disttrain generate --chat`: each prompt a user turn with the generation prompt, tokens as
+  apply_chat_template(add_generation_prompt=True) makes them; greedy continuations as
+  transformers' own from those tokens."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  folder = tmp_path / 'model'
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+  model.save_pretrained(folder)
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    (folder / name).write_bytes((tokenizer_dirs['chatml'] / name).read_bytes())
+  prompts = ['What is 2 + 2?', 'Tell me a story']
+  env = {'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': SUBPROCESS_XLA_FLAGS, 'PATH': '/usr/bin:/bin'}
+  proc = subprocess.run(
+      [sys.executable, '-m', 'disttrain', 'generate', f'--hf_dir={folder}', '--chat',
+       *[f'--prompt={p}' for p in prompts], '--max_new_tokens=6', '--json=-'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  samples = json.loads(proc.stdout)['samples']
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / 'tokenizer.json'))
+  for prompt, sample in zip(prompts, samples):
+    ids = hf.apply_chat_template([{'role': 'user', 'content': prompt}], chat_template=plain(
+        'chatml'), add_generation_prompt=True, tokenize=True, return_dict=True)['input_ids']
+    assert sample['prompt_tokens'] == list(ids)
+    end = hf.convert_tokens_to_ids('<|im_end|>')  # tokenizer_config.json's eos_token
+    with torch.no_grad():
+      new = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                           eos_token_id=end)[0, len(ids):].tolist()
+    assert sample['tokens'] == (new[:-1] if new[-1] == end else new), (sample, new)
