@@ -376,6 +376,11 @@ class Config:
   eval_every_steps: int = 0  # eval over every eval source every N steps; 0 = only at the end
   checkpoint_every_steps: int = 0  # async save into DIR/checkpoints every N steps; 0 = at the end
   max_to_keep: int = 3  # newest checkpoints kept (plus the best one if best_metric is set)
+  # Language models: a Hugging Face directory (config.json, safetensors, tokenizer, chat
+  # template) in DIR/hf/<step> every N steps and at the last step; 0 = none (disttrain export
+  # writes one from any checkpoint). disttrain/hf/saves.py.
+  hf_save_every_steps: int = 0
+  hf_save_dtype: str = 'float32'  # float32 or bfloat16: the weights' dtype in those saves
   # An eval metric whose best checkpoint is also kept ('accuracy', or 'val/accuracy' for a named
   # eval source); checkpoint_every_steps must be a positive multiple of eval_every_steps.
   best_metric: str = ''
@@ -429,6 +434,8 @@ class Config:
     _positive('log_every_steps', self.log_every_steps)
     _positive('eval_every_steps', self.eval_every_steps, allow_zero=True)
     _positive('checkpoint_every_steps', self.checkpoint_every_steps, allow_zero=True)
+    _positive('hf_save_every_steps', self.hf_save_every_steps, allow_zero=True)
+    _one_of('hf_save_dtype', self.hf_save_dtype, ('float32', 'bfloat16'))
     _positive('max_to_keep', self.max_to_keep)
     _one_of('best_mode', self.best_mode, ('max', 'min'))
     if self.best_metric and not (self.eval_every_steps and self.checkpoint_every_steps and
@@ -488,7 +495,7 @@ class Config:
       raise ConfigError(f'steps_per_dispatch={k} needs step_mode=jit or shard_map, not pmap; '
                         'use one of them or steps_per_dispatch=1')
     for name in ('num_train_steps', 'log_every_steps', 'eval_every_steps',
-                 'checkpoint_every_steps'):
+                 'checkpoint_every_steps', 'hf_save_every_steps'):
       if getattr(self, name) % k:
         raise ConfigError(f'{name}={getattr(self, name)} is not a multiple of '
                           f'steps_per_dispatch={k}; use a multiple of {k}')

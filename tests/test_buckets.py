@@ -150,3 +150,37 @@ def test_bad_bucket_workdirs_are_one_line_and_exit_2(servers, monkeypatch):
   with pytest.raises(ConfigError, match=r"needs s3fs, which is not installed; pip install "
                                          r"'disttrain\[s3\]'"):
     urls.resolve('s3://bucket/run')
+
+
+@pytest.mark.slow
+def test_a_hugging_face_save_streams_into_a_bucket_and_loads_in_transformers(servers, tmp_path):
+  """saves.write (hf_save_every_steps, disttrain export) to s3://, files split in two with an
+  index: downloaded as they are, transformers loads them and its logits equal ours."""
+  import flax  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from disttrain.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.hf import saves  # pylint: disable=g-import-not-at-top
+  from disttrain.models.decoder import Decoder  # pylint: disable=g-import-not-at-top
+  from disttrain.models import llama  # pylint: disable=g-import-not-at-top
+  cfg = helpers.make_config(**{'model.name': 'llama', 'model.hidden': 32, 'model.num_heads': 4,
+                               'model.num_kv_heads': 2, 'model.mlp_dim': 64,
+                               'model.vocab_size': 260})
+  model = llama.build(cfg.model, 'float32', 32)
+  params = flax.linen.unbox(model.module.init(jax.random.key(0), np.zeros((1, 8), np.int32)))
+  params = params['params']
+  url = servers.bucket('s3', 'hf-save') + '/run/hf/7'
+  files, size, _ = saves.write(url, 'llama', cfg.model, model.cfg, params,
+                               tokenizer_lib.load(''), 32, max_shard_bytes=60_000)
+  assert len(files) == 2 and size > 0
+  local = tmp_path / 'hf'
+  local.mkdir()
+  for name in _names(url):
+    (local / name).write_bytes(urls.path(f'{url}/{name}').read_bytes())
+  assert 'model.safetensors.index.json' in os.listdir(local)
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32)
+  tokens = np.arange(3, 19, dtype=np.int32)[None]
+  with torch.no_grad():
+    want = theirs(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  ours = np.asarray(Decoder(model.cfg).apply({'params': params}, tokens, False))[..., :260]
+  np.testing.assert_allclose(ours, want, atol=1e-5)

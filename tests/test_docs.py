@@ -144,9 +144,11 @@ def _checks(argv: list[str]) -> list[tuple[str, str, list[str]]]:
     return [(program, 'script', [program, *args])] + inner
   check = ['--check'] if program == 'train' and sub == 'train' else []  # parse, run nothing
   legacy_args = args + (['--check'] if sub == 'check' else check)
-  legacy = ((program, 'script', [_SCRIPTS[program], *legacy_args]) if program in _SCRIPTS
-            else (program, 'module', [program, *legacy_args]))
-  return [(program, 'disttrain', [sub, *args, *check]), legacy] + inner
+  if program in _SCRIPTS:
+    legacy = [(program, 'script', [_SCRIPTS[program], *legacy_args])]
+  else:  # subcommands born after the flat layout have no old spelling
+    legacy = [(program, 'module', [program, *legacy_args])] if program in _TOOLS else []
+  return [(program, 'disttrain', [sub, *args, *check]), *legacy] + inner
 
 
 _DRIVER = textwrap.dedent("""

@@ -4,7 +4,8 @@ A file is an 8-byte little-endian header length, a JSON header {name: {dtype, sh
 data_offsets: [begin, end]}, '__metadata__': {...}} and the raw little-endian tensor bytes. The
 `safetensors` package reads bfloat16 into numpy only through torch or jax, so this module parses
 the header itself and memory-maps the data: reading a tensor touches that tensor's pages alone,
-and writing streams each tensor as it is produced. A model split over several files has a
+and writing streams each tensor as it is produced (to a local folder or a gs:// / s3:// URL). A
+model split over several files has a
 `model.safetensors.index.json` whose weight_map names each tensor's file.
 """
 
@@ -19,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from disttrain.errors import CheckpointError
+from disttrain.storage import urls
 
 DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16,
           'I64': np.int64, 'I32': np.int32, 'I16': np.int16, 'I8': np.int8, 'U8': np.uint8,
@@ -104,12 +106,11 @@ def write(directory: str, tensors: Iterable[tuple[str, tuple, np.dtype, Callable
            [f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors' for i in range(len(shards))])
   progress = _Progress(sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d, _ in tensors))
   for name, shard in zip(names, shards):
-    _write_file(os.path.join(directory, name), shard, metadata or {}, progress)
+    _write_file(urls.join(directory, name), shard, metadata or {}, progress)
   if len(shards) > 1:
     weight_map = {t[0]: name for name, shard in zip(names, shards) for t in shard}
-    with open(os.path.join(directory, INDEX), 'w', encoding='utf-8') as f:
-      json.dump({'metadata': {'total_size': progress.total}, 'weight_map': weight_map}, f,
-                indent=2)
+    urls.write_text(urls.join(directory, INDEX), json.dumps(
+        {'metadata': {'total_size': progress.total}, 'weight_map': weight_map}, indent=2))
   return names
 
 
@@ -122,7 +123,7 @@ def _write_file(path: str, tensors: list, metadata: dict, progress: '_Progress')
     offset += nbytes
   raw = json.dumps(header, separators=(',', ':')).encode()
   raw += b' ' * (-len(raw) % 8)  # the data starts 8-byte aligned
-  with open(path, 'wb') as f:
+  with (urls.path(path).open('wb') if urls.is_bucket(path) else open(path, 'wb')) as f:
     f.write(struct.pack('<Q', len(raw)) + raw)
     for name, shape, dtype, produce in tensors:
       array = np.ascontiguousarray(produce(), dtype=dtype)

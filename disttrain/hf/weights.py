@@ -180,11 +180,12 @@ def load_params(directory: str, family: str, decoder: DecoderConfig, abstract_pa
 
 def export_tensors(family: str, decoder: DecoderConfig, params,
                    dtype) -> Iterator[tuple[str, tuple, np.dtype, object]]:
-  """(Hugging Face name, shape, dtype, produce) per tensor; each produce() fetches one layer."""
+  """(Hugging Face name, shape, dtype, produce) per tensor; each produce(fetch=np.asarray)
+  fetches one layer."""
   for entry, _, leaf in _entries(family, params):
     layered = '{i}' in entry.hf
     shape = entry.hf_shape(tuple(leaf.shape[1:] if layered else leaf.shape), decoder.vocab_size)
     for i in range(leaf.shape[0] if layered else 1):
-      produce = (lambda leaf=leaf, i=i, e=entry, layered=layered: e.to_hf(
-          np.asarray(leaf[i] if layered else leaf), decoder.vocab_size))
+      produce = (lambda fetch=np.asarray, leaf=leaf, i=i, e=entry, layered=layered: e.to_hf(
+          fetch(leaf[i] if layered else leaf), decoder.vocab_size))
       yield entry.hf.format(i=i), shape, dtype, produce

@@ -10,8 +10,9 @@ from jax.sharding import Mesh
 
 import disttrain
 from disttrain.config import Config
+from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.data.batches import TrainIterator
-from disttrain.hf import config as hf_config, weights as hf
+from disttrain.hf import config as hf_config, saves, weights as hf
 from disttrain.operating import callbacks as callbacks_lib, events, lease as lease_lib, metrics
 from disttrain.operating import timing, tracking, watchdog
 from disttrain.parallel import distributed, mesh as mesh_lib, sharding as sharding_lib
@@ -86,6 +87,8 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
     run = setup(cfg, model, task, devices, tx, train_step, eval_step, train_data, eval_data)
     throughput = run_lib.throughput(run)
   writer = metrics.Writer(workdir, enabled=jax.process_index() == 0)
+  hf_saves = saves.RunSaves(cfg, run.model, workdir, tokenizer_lib.load(cfg.data.tokenizer)
+                            if cfg.hf_save_every_steps else None, writer.print)
   log.start(jax.process_count())
   info = run_lib.run_info(run)
   writer.write_run(info)
@@ -126,7 +129,8 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
     guard = watchdog.Watchdog(watchdog.default_seconds(cfg.watchdog_seconds), phases, workdir)
     stack.callback(guard.close)
     acts = _Actions.build(run, workdir=workdir, ckpt=ckpt, batches=batches, signals=signals,
-                          hooks=hooks, writer=writer, phases=phases, throughput=throughput)
+                          hooks=hooks, writer=writer, phases=phases, throughput=throughput,
+                          hf_saves=hf_saves)
     stack.callback(acts.profiler.close)  # a trace left open by an error
     result = _loop(run, first_step, device_state, batches, acts, phases)
     info['time'] = result.time
@@ -170,10 +174,11 @@ class _Actions:
   stopper: actions.Stopper
   saver: actions.Saver
   profiler: actions.Profiler
+  hf_saves: saves.RunSaves
 
   @classmethod
   def build(cls, run: Setup, *, workdir, ckpt, batches, signals, hooks, writer, phases,
-            throughput) -> '_Actions':
+            throughput, hf_saves) -> '_Actions':
     cfg = run.cfg
     out = actions.Output(writer, [], hooks)
     saver = actions.Saver(cfg, ckpt, run.steps, batches, hooks, phases,
@@ -184,7 +189,7 @@ class _Actions:
                evaluator=actions.Evaluator(cfg, run.steps, run.eval_data, run.batch_sharding, out,
                                            phases),
                stopper=actions.Stopper(signals, hooks), saver=saver,
-               profiler=actions.Profiler(cfg, workdir, writer, phases))
+               profiler=actions.Profiler(cfg, workdir, writer, phases), hf_saves=hf_saves)
 
 
 def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
@@ -224,6 +229,9 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
         evals = acts.evaluator.maybe_eval(step_no, device_state, force=True) or evals
     acts.saver.maybe_save(step_no, device_state, force=last or stop is not None,
                           evals=acts.evaluator.checkpoint_metrics() if evals or stop else None)
+    if acts.hf_saves.due(step_no, last):
+      with phases('checkpoint'):
+        acts.hf_saves.save(step_no, steps.export(device_state).params)
     phases.finished(step_no)
     if stop is not None:
       break

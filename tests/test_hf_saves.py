@@ -1,0 +1,78 @@
+"""Hugging Face saves during a run (hf_save_every_steps) and the logit checker (disttrain compare).
+
+A 4-step Llama run on data x fsdp x tensor writes DIR/hf/2 and DIR/hf/4; `transformers` loads
+them; `disttrain compare` of the run's step-4 checkpoint against DIR/hf/4 passes (float32 on
+both sides: KL ~1e-13, logits within 1e-4) and fails, exit 1, once one tensor of the save is
+perturbed. The bucket path of the same writer is tested in tests/test_buckets.py.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import disttrain
+from tests import helpers
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.helpers import devices
+
+
+def _compare(*args: str) -> tuple[subprocess.CompletedProcess, dict]:
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+  out = args[-1].split('=', 1)[1]
+  proc = subprocess.run([sys.executable, '-m', 'disttrain', 'compare', *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+  with open(out, encoding='utf-8') as f:
+    return proc, json.load(f)
+
+
+@pytest.mark.slow  # an 8-device run and two subprocesses that load transformers
+def test_saves_during_a_run_load_in_transformers_and_compare_catches_a_perturbed_tensor(
+    tmp_path):
+  import transformers  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'llama.py')
+  helpers.override(cd, {'model.num_layers': 2, 'model.hidden': 64, 'model.num_heads': 4,
+                        'model.num_kv_heads': 2, 'model.mlp_dim': 128, 'data.seq_len': 32,
+                        'global_batch_size': 16, 'data.text.bytes': 50_000,
+                        'data.eval_examples': 16, 'eval_every_steps': 0, 'num_train_steps': 4,
+                        'checkpoint_every_steps': 2, 'hf_save_every_steps': 2,
+                        'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2})
+  workdir = tmp_path / 'run'
+  disttrain.train(disttrain.from_config_dict(cd), str(workdir), devices=devices(8))
+  assert sorted(os.listdir(workdir / 'hf')) == ['2', '4']
+  saved = {step: load_file(str(workdir / 'hf' / step / 'model.safetensors'))
+           for step in ('2', '4')}
+  assert any(not np.array_equal(saved['2'][k], saved['4'][k]) for k in saved['4'])  # trained on
+  model = transformers.AutoModelForCausalLM.from_pretrained(workdir / 'hf' / '4')
+  assert type(model).__name__ == 'LlamaForCausalLM'
+
+  proc, out = _compare(f'--workdir={workdir}', '--step=4', f'--hf_dir={workdir / "hf" / "4"}',
+                       f'--json={tmp_path / "ok.json"}')
+  assert proc.returncode == 0 and proc.stdout.startswith('ok: '), proc.stdout + proc.stderr[-2000:]
+  assert out['kl_max'] < 1e-9 and out['max_logit_diff'] < 1e-4, out
+
+  perturbed = tmp_path / 'perturbed'
+  shutil.copytree(workdir / 'hf' / '4', perturbed)
+  tensors = load_file(str(perturbed / 'model.safetensors'))
+  name = 'model.layers.1.mlp.down_proj.weight'
+  tensors[name] = tensors[name] + np.random.default_rng(0).normal(
+      0, 1.0, tensors[name].shape).astype(np.float32)
+  save_file(tensors, str(perturbed / 'model.safetensors'), metadata={'format': 'pt'})
+  proc, out = _compare(f'--workdir={workdir}', '--step=4', f'--hf_dir={perturbed}',
+                       f'--json={tmp_path / "bad.json"}')
+  assert proc.returncode == 1 and proc.stdout.startswith('FAIL: '), proc.stdout + proc.stderr
+  assert out['kl_max'] > 0.015 and out['failed'], out
+
+
+def test_saves_of_a_model_no_hugging_face_layout_holds_are_refused_before_training(tmp_path):
+  from disttrain.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError, match=r'hf_save_every_steps=2: the run: a Hugging Face '
+                                        r'directory holds a language model'):
+    disttrain.train(helpers.make_config(hf_save_every_steps=2, num_train_steps=2), str(tmp_path),
+                    devices=devices(1))
+  assert not (tmp_path / 'checkpoints').exists()
