@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import struct
 
 from disttrain.models.layers import constrain
@@ -79,10 +80,11 @@ def token_values(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
   """Per-token (loss, correct) [B, T], 0 where the weight is 0; a counted target >= V is NaN."""
   v = logits_BxTxV.shape[-1]
   safe_BxT = jnp.clip(targets_BxT, 0, v - 1)
-  lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-  target_BxT = jnp.take_along_axis(logits_BxTxV, safe_BxT[..., None], axis=-1)[..., 0]
   counted = weights_BxT > 0
-  loss_BxT = jnp.where(counted, lse_BxT - target_BxT, 0.0)
+  # optax's form, not logsumexp - take_along_axis by hand: with the latter, XLA:CPU deadlocked
+  # an expert=8 train step (two collectives waiting on each other's threads, jax 0.12).
+  loss_BxT = jnp.where(counted, optax.softmax_cross_entropy_with_integer_labels(
+      logits_BxTxV, safe_BxT), 0.0)
   loss_BxT = jnp.where(counted & (targets_BxT >= v), jnp.nan, loss_BxT)
   correct_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT) * weights_BxT
   return loss_BxT, correct_BxT
