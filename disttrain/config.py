@@ -233,6 +233,9 @@ class ModelConfig:
   expert_capacity: float = 1.25
   router_aux_weight: float = 0.01  # MoE: weight of the load-balancing loss (Switch)
   router_z_weight: float = 0.001  # MoE: weight of the router z-loss (ST-MoE)
+  # MoE: the k chosen experts' router probabilities renormalised to sum to 1 (Mixtral, Qwen3-MoE's
+  # norm_topk_prob=true); False keeps their shares of the softmax over all experts.
+  moe_norm_topk: bool = True
   # Language models: the cross-entropy's chunk in tokens, so the [B, T, V] logits are never held
   # whole (disttrain/models/chunked_loss.py); 0 = auto (chunks of <= 64 MiB of logits per row
   # once a row's logits exceed 128 MiB), -1 = never. run.json's `loss` says what was picked.

@@ -356,7 +356,9 @@ def test_bad_hugging_face_directory_through_the_launcher(tmp_path, case, flags, 
 
 PUBLISHED = {('llama', 'smollm2_135m'): 134_515_008, ('llama', 'llama3_1b'): 1_235_814_400,
              ('qwen', 'qwen2_5_0_5b'): 494_032_768, ('qwen', 'qwen3_0_6b'): 596_049_920,
-             ('mistral', 'mistral_7b'): 7_241_732_096}
+             ('mistral', 'mistral_7b'): 7_241_732_096,
+             ('mistral', 'mixtral_8x7b'): 46_702_792_704,
+             ('qwen', 'qwen3_30b_a3b'): 30_532_122_624}
 
 
 @pytest.mark.parametrize('config_file,size', list(PUBLISHED))

@@ -2,6 +2,8 @@
 
 `LlamaForCausalLM` is disttrain's llama family, `Qwen2ForCausalLM` / `Qwen3ForCausalLM` its qwen2
 and qwen3 families, `MistralForCausalLM` its mistral family (all with Llama's config.json keys),
+`MixtralForCausalLM` / `Qwen3MoeForCausalLM` its mixtral and qwen3_moe families (their experts'
+keys too; imported dropless, model.expert_capacity=0),
 `GPT2LMHeadModel` its gpt family. A field that
 differs from the run's config is one line naming both values and the flag that fixes it.
 """
@@ -18,13 +20,17 @@ from disttrain.models.decoder import DecoderConfig
 
 ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2',
                  'Qwen3ForCausalLM': 'qwen3', 'MistralForCausalLM': 'mistral',
+                 'MixtralForCausalLM': 'mixtral', 'Qwen3MoeForCausalLM': 'qwen3_moe',
                  'GPT2LMHeadModel': 'gpt'}
+MOE = ('mixtral', 'qwen3_moe')  # every feed-forward layer routed experts
 # What each rotary family's config.json must say (its transformers default when absent): the
 # parts the family builds in one way only.
 _FIXED = {'llama': {'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': False},
           'qwen2': {'hidden_act': 'silu', 'use_sliding_window': False},
           'qwen3': {'hidden_act': 'silu', 'attention_bias': False, 'use_sliding_window': False},
-          'mistral': {'hidden_act': 'silu'}}
+          'mistral': {'hidden_act': 'silu'}, 'mixtral': {'hidden_act': 'silu'},
+          'qwen3_moe': {'hidden_act': 'silu', 'attention_bias': False, 'use_sliding_window': False,
+                        'decoder_sparse_step': 1, 'mlp_only_layers': []}}
 FAMILIES = {family: arch for arch, family in ARCHITECTURES.items()}
 
 
@@ -51,17 +57,27 @@ def _hf_values(config: dict, family: str) -> dict:
     heads = config['num_attention_heads']
     head_dim = config.get('head_dim') or (128 if family == 'qwen3' else
                                           config['hidden_size'] // heads)
+    moe = {}
+    if family in MOE:
+      mlp = 'moe_intermediate_size' if family == 'qwen3_moe' else 'intermediate_size'
+      # Qwen3-MoE's published key is num_experts; transformers 5 saves num_local_experts.
+      experts = next(k for k in ('num_local_experts', 'num_experts') if k in config)
+      moe = {'mlp_dim': (mlp, config[mlp]), 'num_experts': (experts, config[experts]),
+             'experts_per_token': ('num_experts_per_tok', config['num_experts_per_tok']),
+             'moe_norm_topk': ('norm_topk_prob', config.get('norm_topk_prob', False)
+                               if family == 'qwen3_moe' else True)}
     return {'width': ('hidden_size', config['hidden_size']),
             'head_dim': ('head_dim', head_dim),
             'sliding_window': ('sliding_window', (config.get('sliding_window') or 0)
-                               if family == 'mistral' else 0),
+                               if family in ('mistral', 'mixtral') else 0),
             'num_layers': ('num_hidden_layers', config['num_hidden_layers']),
             'num_heads': ('num_attention_heads', heads),
             'num_kv_heads': ('num_key_value_heads', config.get('num_key_value_heads') or heads),
             'mlp_dim': ('intermediate_size', config['intermediate_size']),
             'vocab_size': ('vocab_size', config['vocab_size']),
             'norm_eps': ('rms_norm_eps', config.get('rms_norm_eps', 1e-6)),
-            'tied_embeddings': ('tie_word_embeddings', config.get('tie_word_embeddings', False))}
+            'tied_embeddings': ('tie_word_embeddings', config.get('tie_word_embeddings', False)),
+            **moe}
   return {'width': ('n_embd', config['n_embd']), 'num_layers': ('n_layer', config['n_layer']),
           'num_heads': ('n_head', config['n_head']),
           'mlp_dim': ('n_inner', config.get('n_inner') or 4 * config['n_embd']),
@@ -77,7 +93,8 @@ _FIELD = {'width': 'model.hidden', 'num_layers': 'model.num_layers',
           'mlp_dim': 'model.mlp_dim', 'vocab_size': 'model.vocab_size',
           'norm_eps': 'model.norm_eps', 'tied_embeddings': 'model.tied_embeddings',
           'learned_positions': 'model.max_seq_len', 'head_dim': 'model.head_dim',
-          'sliding_window': 'model.sliding_window'}
+          'sliding_window': 'model.sliding_window', 'num_experts': 'model.num_experts',
+          'experts_per_token': 'model.experts_per_token', 'moe_norm_topk': 'model.moe_norm_topk'}
 
 
 def _mismatch(where: str, hf_field: str, hf_value, ours: str, value) -> CheckpointError:
@@ -153,6 +170,12 @@ def model_fields(config: dict, family: str) -> dict:
                 sliding_window=values['sliding_window'],
                 rope_theta=rope(config)[0],
                 max_seq_len=int(config.get('max_position_embeddings', 0)))
+  if family in MOE:  # routed as transformers routes: every choice kept
+    fields.update(num_experts=values['num_experts'],
+                  experts_per_token=values['experts_per_token'],
+                  moe_norm_topk=bool(values['moe_norm_topk']), expert_capacity=0.0,
+                  router_aux_weight=float(config.get('router_aux_loss_coef', 0.0)),
+                  router_z_weight=0.0)
   scaling = rope(config)[1]
   if scaling.get('rope_type', scaling.get('type')) == 'llama3':
     fields['rope_scaling'] = {'kind': 'llama3', 'factor': float(scaling['factor']),
@@ -180,8 +203,18 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
     scaling = {'rope_type': 'llama3', 'factor': s.factor, 'low_freq_factor': s.low_freq_factor,
                'high_freq_factor': s.high_freq_factor,
                'original_max_position_embeddings': s.original_max_len}
-  extra = ({'use_sliding_window': False} if family in ('qwen2', 'qwen3') else
-           {'sliding_window': decoder.sliding_window or None} if family == 'mistral' else {})
+  extra = ({'use_sliding_window': False} if family in ('qwen2', 'qwen3', 'qwen3_moe') else
+           {'sliding_window': decoder.sliding_window or None}
+           if family in ('mistral', 'mixtral') else {})
+  if family == 'mixtral':
+    extra.update(num_local_experts=decoder.num_experts,
+                 num_experts_per_tok=decoder.experts_per_token,
+                 router_aux_loss_coef=decoder.router_aux_weight)
+  elif family == 'qwen3_moe':
+    extra.update(num_experts=decoder.num_experts, num_experts_per_tok=decoder.experts_per_token,
+                 moe_intermediate_size=decoder.mlp_dim, norm_topk_prob=decoder.moe_norm_topk,
+                 decoder_sparse_step=1, mlp_only_layers=[],
+                 router_aux_loss_coef=decoder.router_aux_weight)
   config = {**common, **extra, 'model_type': family, 'hidden_size': decoder.width,
           'num_hidden_layers': decoder.num_layers, 'num_attention_heads': decoder.num_heads,
           'num_key_value_heads': decoder.num_kv_heads, 'head_dim': decoder.head_dim,

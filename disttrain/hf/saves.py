@@ -28,12 +28,13 @@ from disttrain.storage import urls
 def check_exportable(model, where: str) -> None:
   """Refuses what no Hugging Face layout here holds (before any time is spent)."""
   if not hasattr(model, 'family'):
-    raise ConfigError(f'{where}: a Hugging Face directory holds a language model (llama, qwen2, '
-                      'qwen3, mistral, gpt), not this model')
-  if model.cfg.num_experts:
+    raise ConfigError(f'{where}: a Hugging Face directory holds a language model '
+                      f'({", ".join(sorted(hf_config.FAMILIES))}), not this model')
+  if model.cfg.num_experts and model.family not in hf_config.MOE:
     raise ConfigError(f'{where} holds a mixture-of-experts model (model.num_experts='
                       f'{model.cfg.num_experts}), which the {model.family} Hugging Face layout '
-                      'has no place for; export a dense model (model.num_experts=0)')
+                      f'has no place for; export a dense model (model.num_experts=0) or train '
+                      f'a mixture-of-experts family ({", ".join(hf_config.MOE)})')
 
 
 def _fetch(x) -> np.ndarray:

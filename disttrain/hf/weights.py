@@ -2,8 +2,10 @@
 
 `LlamaForCausalLM` is disttrain's llama family, `Qwen2ForCausalLM` and `Qwen3ForCausalLM` its
 qwen2 and qwen3 families, `MistralForCausalLM` its mistral family (Llama's names),
-`GPT2LMHeadModel` its gpt family (disttrain/models/). Each of our parameters maps to one Hugging
-Face tensor (per layer for the scanned blocks, stacked on our leading 'layers' axis): torch
+`MixtralForCausalLM` and `Qwen3MoeForCausalLM` its mixtral and qwen3_moe families (a router and
+one tensor per expert per layer), `GPT2LMHeadModel` its gpt family (disttrain/models/). Each of
+our parameters maps to one Hugging Face tensor (per layer for the scanned blocks, stacked on our
+leading 'layers' axis, and per expert on the next): torch
 Linear weights are [out, in] and are transposed, GPT-2's Conv1D weights are [in, out], heads are
 split out of the width, and our vocabulary is padded to a multiple of 128 (padded rows are zeros
 in, dropped out). `load_params` reads and places one tensor at a time onto its sharding, so host
@@ -72,9 +74,23 @@ class Tensor:
     return x.reshape(shape[::-1]).T if self.kind == 'linear' else x.reshape(shape)
 
 
-def _llama_table(qkv_bias: bool = False, qk_norm: bool = False) -> list[Tensor]:
-  """Llama's names; Qwen2 adds the query, key and value biases, Qwen3 the per-head norms."""
+# MoE families: (the block's module, its experts' names for our gate, up and down).
+_EXPERTS = {'mixtral': ('block_sparse_moe', ('w1', 'w3', 'w2')),
+            'qwen3_moe': ('mlp', ('gate_proj', 'up_proj', 'down_proj'))}
+
+
+def _llama_table(qkv_bias: bool = False, qk_norm: bool = False,
+                 experts: str = '') -> list[Tensor]:
+  """Llama's names; Qwen2 adds the query, key and value biases, Qwen3 the per-head norms; a MoE
+  family's router and experts ('{j}': the expert) replace the MLP."""
   layer = 'model.layers.{i}.'
+  mlp = [Tensor(f'blocks/mlp/{name}/kernel', f'{layer}mlp.{name}_proj.weight', 'linear')
+         for name in ('gate', 'up', 'down')]
+  if experts:
+    module, names = _EXPERTS[experts]
+    mlp = [Tensor('blocks/moe/router/kernel', f'{layer}{module}.gate.weight', 'linear'),
+           *(Tensor(f'blocks/moe/{ours}', f'{layer}{module}.experts.{{j}}.{hf}.weight', 'linear')
+             for ours, hf in zip(('gate', 'up', 'down'), names))]
   projections = (('query', 'q'), ('key', 'k'), ('value', 'v'))
   extra = [Tensor(f'blocks/attention/{ours}/bias', f'{layer}self_attn.{hf}_proj.bias')
            for ours, hf in projections if qkv_bias]
@@ -87,8 +103,7 @@ def _llama_table(qkv_bias: bool = False, qk_norm: bool = False) -> list[Tensor]:
                    'linear') for ours, hf in (('query', 'q'), ('key', 'k'), ('value', 'v'))),
           Tensor('blocks/attention/out/kernel', layer + 'self_attn.o_proj.weight', 'linear', 2),
           Tensor('blocks/mlp_norm/scale', layer + 'post_attention_layernorm.weight'),
-          *(Tensor(f'blocks/mlp/{name}/kernel', f'{layer}mlp.{name}_proj.weight', 'linear')
-            for name in ('gate', 'up', 'down')),
+          *mlp,
           Tensor('final_norm/scale', 'model.norm.weight'),
           Tensor('unembed/kernel', 'lm_head.weight', 'lm_head')]
 
@@ -108,7 +123,14 @@ def _gpt2_table() -> list[Tensor]:
 
 
 TABLES = {'llama': _llama_table(), 'qwen2': _llama_table(qkv_bias=True),
-          'qwen3': _llama_table(qk_norm=True), 'mistral': _llama_table(), 'gpt': _gpt2_table()}
+          'qwen3': _llama_table(qk_norm=True), 'mistral': _llama_table(), 'gpt': _gpt2_table(),
+          'mixtral': _llama_table(experts='mixtral'),
+          'qwen3_moe': _llama_table(qk_norm=True, experts='qwen3_moe')}
+
+
+def _lead(entry: Tensor) -> int:
+  """Our leading axes that index Hugging Face tensors: layers ('{i}'), then experts ('{j}')."""
+  return ('{i}' in entry.hf) + ('{j}' in entry.hf)
 
 
 def is_hf_dir(path: str) -> bool:
@@ -145,15 +167,13 @@ def load_params(directory: str, family: str, decoder: DecoderConfig, abstract_pa
   prefixed = family == 'gpt' and not any(n.startswith('transformer.') for n in names)
   used, leaves = set(), {}
   for entry, path, leaf in _entries(family, abstract_params):
-    layered = '{i}' in entry.hf
-    shape = leaf.shape[1:] if layered else leaf.shape
-    layer_sharding = leaf.sharding
-    if layered:
-      spec = tuple(leaf.sharding.spec) + (None,) * (len(leaf.shape) - len(leaf.sharding.spec))
-      layer_sharding = NamedSharding(leaf.sharding.mesh, P(*spec[1:]))
+    lead = _lead(entry)
+    shape = leaf.shape[lead:]
+    spec = tuple(leaf.sharding.spec) + (None,) * (len(leaf.shape) - len(leaf.sharding.spec))
+    piece_sharding = NamedSharding(leaf.sharding.mesh, P(*spec[lead:]))
     pieces = []
-    for i in range(leaf.shape[0] if layered else 1):
-      name = entry.hf.format(i=i)
+    for index in np.ndindex(leaf.shape[:lead]):
+      name = entry.hf.format(i=index[0] if lead else 0, j=index[1] if lead > 1 else 0)
       name = name.removeprefix('transformer.') if prefixed else name
       if name not in names:
         raise CheckpointError(f'{directory} has no tensor {name} (for {path} {tuple(shape)}); '
@@ -163,11 +183,11 @@ def load_params(directory: str, family: str, decoder: DecoderConfig, abstract_pa
         raise CheckpointError(f'{directory}: tensor {name} has shape {reader.shape(name)} but the '
                               f'config expects {expected}; use the config of that model')
       value = entry.to_ours(reader.read(name), tuple(shape))
-      pieces.append(jax.make_array_from_callback(value.shape, layer_sharding,
+      pieces.append(jax.make_array_from_callback(value.shape, piece_sharding,
                                                  lambda index, v=value: v[index]))
       used.add(name)
-    leaves[path] = (jax.jit(lambda *xs: jnp.stack(xs), out_shardings=leaf.sharding)(*pieces)
-                    if layered else pieces[0])
+    leaves[path] = (jax.jit(lambda *xs: jnp.stack(xs).reshape(leaf.shape),
+                            out_shardings=leaf.sharding)(*pieces) if lead else pieces[0])
   extra = sorted(n for n in names - used if not n.endswith(_BUFFERS))
   if extra:
     raise CheckpointError(f'{directory} has tensor {extra[0]} that the config has no parameter '
@@ -183,9 +203,10 @@ def export_tensors(family: str, decoder: DecoderConfig, params,
   """(Hugging Face name, shape, dtype, produce) per tensor; each produce(fetch=np.asarray)
   fetches one layer."""
   for entry, _, leaf in _entries(family, params):
-    layered = '{i}' in entry.hf
-    shape = entry.hf_shape(tuple(leaf.shape[1:] if layered else leaf.shape), decoder.vocab_size)
-    for i in range(leaf.shape[0] if layered else 1):
-      produce = (lambda fetch=np.asarray, leaf=leaf, i=i, e=entry, layered=layered: e.to_hf(
-          fetch(leaf[i] if layered else leaf), decoder.vocab_size))
-      yield entry.hf.format(i=i), shape, dtype, produce
+    lead = _lead(entry)
+    shape = entry.hf_shape(tuple(leaf.shape[lead:]), decoder.vocab_size)
+    for index in np.ndindex(leaf.shape[:lead]):
+      produce = (lambda fetch=np.asarray, leaf=leaf, index=index, e=entry: e.to_hf(
+          fetch(leaf[index] if index else leaf), decoder.vocab_size))
+      yield (entry.hf.format(i=index[0] if index else 0, j=index[1] if len(index) > 1 else 0),
+             shape, dtype, produce)

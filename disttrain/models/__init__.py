@@ -4,8 +4,8 @@ Front ends (the protocol is described in linen.py): LinenModel (Flax Linen), NNX
 NNX; flax.nnx is imported on first use), FunctionalModel (plain init/apply functions over a
 params pytree) and KerasModel (Keras 3, an optional extra: `from disttrain.models.keras import
 KerasModel`, imported on demand so that disttrain runs without keras installed). Language
-models (gpt, llama, qwen2, qwen3, mistral) are decoder.LanguageModel over one decoder; their task is
-NextToken.
+models (gpt, llama, qwen2, qwen3, mistral, mixtral, qwen3_moe) are decoder.LanguageModel over one
+decoder; their task is NextToken.
 """
 
 import dataclasses
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
-from disttrain.models import gpt, llama, mistral, qwen
+from disttrain.models import gpt, llama, mistral, mixtral, qwen
 from disttrain.models.decoder import LanguageModel
 from disttrain.models.functional import FunctionalModel
 from disttrain.models.linen import LinenModel
@@ -93,6 +93,8 @@ MODELS = {
     'qwen2': Entry(qwen.build_family('qwen2'), *_LM, task=_NEXT_TOKEN),  # Qwen2 / 2.5 (qwen.py)
     'qwen3': Entry(qwen.build_family('qwen3'), *_LM, task=_NEXT_TOKEN),  # Qwen3 dense (qwen.py)
     'mistral': Entry(mistral.build, *_LM, task=_NEXT_TOKEN),  # Mistral (mistral.py)
+    'mixtral': Entry(mixtral.build, *_LM, task=_NEXT_TOKEN),  # Mixtral MoE (mixtral.py)
+    'qwen3_moe': Entry(qwen.build_family('qwen3_moe'), *_LM, task=_NEXT_TOKEN),  # (qwen.py)
 }
 
 

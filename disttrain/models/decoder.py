@@ -55,6 +55,7 @@ class DecoderConfig:
   expert_capacity: float = 1.25
   router_aux_weight: float = 0.01
   router_z_weight: float = 0.001
+  moe_norm_topk: bool = True
   head_size: int = 0  # features per head; 0 = width / num_heads
   qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen2)
   qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
@@ -90,7 +91,7 @@ class Block(nn.Module):
     if cfg.num_experts:
       h = moe.MoeMlp(cfg.num_experts, cfg.experts_per_token, cfg.expert_capacity, cfg.mlp,
                      cfg.mlp_dim, cfg.dtype, cfg.router_aux_weight, cfg.router_z_weight,
-                     name='moe')(h)
+                     cfg.moe_norm_topk, name='moe')(h)
     else:
       h = layers.Mlp(cfg.mlp, cfg.mlp_dim, cfg.use_bias, cfg.dtype, name='mlp')(h)
     return constrain(x_BxTxD + dropout(h), ('batch', 'sequence', None)), cache
@@ -186,7 +187,7 @@ class LanguageModel(LinenModel):
   experts, those of the E - k experts a token does not run.
   """
   input_key: Any = 'tokens'
-  family: str = ''  # 'gpt', 'llama', 'qwen2', 'qwen3', 'mistral': its Hugging Face layout
+  family: str = ''  # gpt, llama, qwen2, qwen3, mistral, mixtral, qwen3_moe: its HF layout
   splits_sequence = True  # mesh.context may split its positions (attention gathers K/V)
   pipelines = True  # mesh.stage may split its layers (disttrain/models/pipeline.py)
 

@@ -1,7 +1,9 @@
 """The mixture-of-experts feed-forward layer of the language models (model.num_experts > 0).
 
   router     float32 logits [B, T, E] = x W_r; each token picks its top k experts
-             (model.experts_per_token), weighted by a softmax over the k chosen logits (Mixtral)
+             (model.experts_per_token), weighted by their softmax probabilities, renormalised
+             over the k chosen (Mixtral) unless model.moe_norm_topk is off (Qwen3-MoE's
+             norm_topk_prob=false)
   dispatch   per row, expert e takes at most C = ceil(model.expert_capacity x T k / E) token slots
              (at most T; capacity 0 = T: dropless), first choices before second choices, in
              position order (GShard, Switch); a choice beyond its expert's capacity is dropped
@@ -77,6 +79,7 @@ class MoeMlp(nn.Module):
   dtype: Any
   aux_weight: float
   z_weight: float
+  norm_topk: bool = True  # gates of the k chosen sum to 1 (Mixtral); False: their softmax shares
 
   def _experts(self, name: str, shape: tuple, axes: tuple) -> jax.Array:
     return self.param(name, weights(('experts',) + axes, INIT), (self.num_experts,) + shape)
@@ -89,8 +92,12 @@ class MoeMlp(nn.Module):
                             kernel_init=weights(('embed', None)))(x_BxTxD.astype(jnp.float32))
     # A stable sort, not lax.top_k: GSPMD gathers top_k's operand over the batch (jax 0.12).
     experts_BxTxK = jnp.argsort(-logits_BxTxE, axis=-1)[..., :k]
-    top_logits = jnp.take_along_axis(logits_BxTxE, experts_BxTxK, axis=-1)
-    gates_BxTxK = jax.nn.softmax(top_logits, axis=-1)
+    # As transformers: the softmax over all E, the k chosen taken (renormalised to sum to 1
+    # with norm_topk, which is the softmax over the k chosen logits).
+    gates_BxTxK = jnp.take_along_axis(jax.nn.softmax(logits_BxTxE, axis=-1), experts_BxTxK,
+                                      axis=-1)
+    if self.norm_topk:
+      gates_BxTxK = gates_BxTxK / gates_BxTxK.sum(-1, keepdims=True)
     balance, z = router_losses(logits_BxTxE, experts_BxTxK)
     self.sow('losses', 'router_balance', self.aux_weight * balance)
     self.sow('losses', 'router_z', self.z_weight * z)

@@ -5,6 +5,11 @@
   qwen3  Qwen3 (`Qwen3ForCausalLM`): RMSNorm over each head's queries and keys (a [head_dim]
          scale per layer, model.norm_eps), applied before the rotary embedding; `model.head_dim`
          is set apart from the width in the published sizes (128 for hidden 1,024 and 16 heads).
+  qwen3_moe  Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3 with every feed-forward layer a routed
+         MoE layer (disttrain/models/moe.py; experts of moe_intermediate_size = model.mlp_dim,
+         gates renormalised when norm_topk_prob = model.moe_norm_topk), dropless on import as
+         mixtral.py says; a config.json with dense layers among them (decoder_sparse_step > 1,
+         mlp_only_layers) is refused.
 
 Both read the Llama fields (num_kv_heads, rope_theta, norm_eps, tied_embeddings, head_dim);
 sliding-window attention (config.json use_sliding_window) is not built, and importing a model
@@ -15,15 +20,18 @@ their config.json.
 import dataclasses
 
 from disttrain.config import ModelConfig
-from disttrain.models import llama
+from disttrain.models import llama, mixtral
 from disttrain.models.decoder import Decoder, LanguageModel
 
 # family -> the DecoderConfig fields that make Llama's decoder that family's.
-CHANGES = {'qwen2': {'qkv_bias': True}, 'qwen3': {'qk_norm': True}}
+CHANGES = {'qwen2': {'qkv_bias': True}, 'qwen3': {'qk_norm': True},
+           'qwen3_moe': {'qk_norm': True}}
 
 
 def build_family(family: str):
   def build(cfg: ModelConfig, dtype, context: int) -> LanguageModel:
+    if family == 'qwen3_moe':
+      mixtral.require_experts(cfg, family, 'Qwen3-30B-A3B: 128 experts, 8 per token')
     decoder = dataclasses.replace(llama.decoder_config(cfg, dtype, context), **CHANGES[family])
     return LanguageModel(Decoder(decoder), family=family)
   return build

@@ -1,0 +1,117 @@
+"""The mixture-of-experts families from Hugging Face (Mixtral, Qwen3-MoE) against `transformers`.
+
+Random tiny models with 4 experts, 2 per token, built by transformers and saved with
+save_pretrained here (Mixtral with a sliding window of 4 in 16-token rows; Qwen3-MoE with a head
+size of 24 apart from the width and norm_topk_prob off, random norm scales). Loaded as
+`disttrain generate --hf_dir` loads them (the fields from config.json: routed dropless), their
+logits equal transformers' eager float32 forward to 1e-4; exported again, transformers' logits
+equal ours to 1e-5 and a second import is bitwise the first; greedy decoding with the KV cache
+gives transformers' greedy `generate` tokens for 16 new tokens from 2 prompts of different
+lengths. On fsdp x expert x tensor (8 devices) one step equals 1 device.
+"""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import jax
+import jax.numpy as jnp
+
+import disttrain
+from disttrain.hf import saves, trained
+from tests import test_llama
+from tests.helpers import assert_trees_close, to_numpy
+
+VOCAB = 101
+
+
+def _save(tmp_path, family: str) -> str:
+  torch.manual_seed(7)
+  common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                num_experts_per_tok=2, tie_word_embeddings=False, attn_implementation='eager')
+  if family == 'mixtral':
+    config = transformers.MixtralConfig(num_local_experts=4, sliding_window=4,
+                                        rope_theta=10_000.0, **common)
+  else:
+    config = transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=48, head_dim=24,
+                                         norm_topk_prob=False, rope_theta=1_000_000.0, **common)
+  model = transformers.AutoModelForCausalLM.from_config(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith('norm.weight'):
+        p.copy_(torch.randn_like(p) * 0.5 + 1.0)
+      if name.endswith('gate.weight'):  # routers decisive enough that float rounding keeps picks
+        p.mul_(20.0)
+  path = str(tmp_path / family)
+  model.save_pretrained(path)
+  return path
+
+
+def _reference(path: str):
+  return transformers.AutoModelForCausalLM.from_pretrained(
+      path, dtype=torch.float32, attn_implementation='eager').eval()
+
+
+def _logits(lm, tokens) -> np.ndarray:
+  out = lm.model.module.apply({'params': lm.params}, jnp.asarray(tokens), False)
+  return np.asarray(out)[..., :VOCAB]
+
+
+@pytest.mark.parametrize('family', ['mixtral', 'qwen3_moe'])
+def test_moe_family_imports_exports_and_decodes_as_transformers(tmp_path, family):
+  path = _save(tmp_path, family)
+  lm = trained.load(hf_dir=path, devices=jax.devices()[:1], mesh={'data': 1},
+                    compute_dtype='float32')
+  assert lm.model.family == family and lm.cfg.model.expert_capacity == 0  # dropless
+  assert lm.model.cfg.moe_norm_topk == (family == 'mixtral')
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+  reference = _reference(path)
+  with torch.no_grad():
+    want = reference(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(_logits(lm, tokens), want, rtol=1e-4, atol=1e-4)
+
+  out = str(tmp_path / 'exported')
+  saves.write(out, family, lm.cfg.model, lm.model.cfg, lm.params, lm.tokenizer, 64)
+  with torch.no_grad():
+    again = _reference(out)(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(again, _logits(lm, tokens), rtol=1e-5, atol=1e-5)
+  second = trained.load(hf_dir=out, devices=jax.devices()[:1], mesh={'data': 1},
+                        compute_dtype='float32')
+  for a, b in zip(jax.tree.leaves(to_numpy(lm.params)), jax.tree.leaves(to_numpy(second.params)),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+
+  prompts = [[5, 17, 3, 99, 42], [8, 1, 64, 23, 7, 90, 11, 2, 36]]
+  generated = disttrain.generate(lm.model, lm.params, prompts, max_new_tokens=16, eos_id=None,
+                                 mesh=lm.mesh, context=64)
+  for prompt, new in zip(prompts, generated.tokens):
+    with torch.no_grad():
+      hf_new = reference.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert list(new) == hf_new[0, len(prompt):].tolist(), (family, prompt)
+
+
+@pytest.mark.slow
+def test_qwen3_moe_on_fsdp_expert_tensor_equals_one_device():
+  fields = {'model.name': 'qwen3_moe', 'model.head_dim': 24, 'model.num_experts': 4,
+            'model.experts_per_token': 2, 'model.expert_capacity': 0.0,
+            'model.moe_norm_topk': False}
+  ref_loss, ref_grads = test_llama._one_step(test_llama._config(**test_llama.ONE, **fields), 1)
+  layout = {'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.expert': 2, 'mesh.tensor': 2}
+  loss, grads = test_llama._one_step(test_llama._config(**layout, **fields), 8)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(grads, ref_grads, 1e-5, 1e-6, 'qwen3_moe gradient and update')
+
+
+def test_qwen3_moe_with_dense_layers_among_the_experts_is_refused_naming_the_field(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  from disttrain.errors import CheckpointError  # pylint: disable=g-import-not-at-top
+  path = _save(tmp_path, 'qwen3_moe')
+  config = json.loads((tmp_path / 'qwen3_moe' / 'config.json').read_text())
+  (tmp_path / 'qwen3_moe' / 'config.json').write_text(json.dumps({**config,
+                                                                  'mlp_only_layers': [1]}))
+  with pytest.raises(CheckpointError, match=r"config.json mlp_only_layers=\[1\]; the qwen3_moe "
+                                            r"family has mlp_only_layers=\[\]"):
+    trained.load(hf_dir=path, devices=jax.devices()[:1], mesh={'data': 1})
