@@ -75,6 +75,7 @@ def resumed(tmp_path_factory):
   proc.send_signal(signal.SIGKILL)
   out, _ = proc.communicate(timeout=60)
   assert proc.returncode == -signal.SIGKILL, out
+  first = out
   resume_step = max(int(d) for d in os.listdir(workdir / 'checkpoints') if d.isdigit())
   client, runs = _mlflow_runs(uri)
   killed_steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, 'train/loss')]
@@ -82,6 +83,8 @@ def resumed(tmp_path_factory):
   out, _ = relaunch.communicate(timeout=300)
   assert relaunch.returncode == 0, out
   assert f'resumed from step {resume_step}' in out, out
+  # MLflow's own INFO lines (its database setup) stay quiet unless --verbosity asks for them.
+  assert not [line for line in (first + out).splitlines() if ' INFO ' in line], first + out
   return workdir, uri, resume_step, killed_steps
 
 

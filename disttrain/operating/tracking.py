@@ -22,6 +22,7 @@ when a tracker is enabled.
 
 import glob
 import json
+import logging
 import os
 import struct
 import time
@@ -31,6 +32,27 @@ import jax
 
 from disttrain.errors import ConfigError, first_line
 from disttrain.operating.callbacks import Callback
+
+
+# Libraries that log their own INFO lines on every process (MLflow's database setup, botocore's
+# credential lookup): held to the run's own level, WARNING unless --verbosity asks for more.
+_CHATTY = ('mlflow', 'alembic', 'botocore', 'urllib3', 'gcsfs', 's3fs', 'fsspec')
+
+
+def quiet_libraries() -> None:
+  level = max(logging.getLogger().getEffectiveLevel(), logging.WARNING) if not _asked() else \
+      logging.getLogger().getEffectiveLevel()
+  for name in _CHATTY:
+    logging.getLogger(name).setLevel(level)
+
+
+def _asked() -> bool:
+  """The user asked for INFO lines (absl --verbosity >= 0, or -v)."""
+  try:
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    return flags.FLAGS.is_parsed() and flags.FLAGS['verbosity'].present > 0
+  except (ImportError, KeyError):
+    return False
 
 
 def from_config(cfg, workdir: str, local: str | None = None) -> list:
@@ -165,6 +187,7 @@ class MlflowTracker(_Tracker):
   def _start(self) -> dict:
     import mlflow  # pylint: disable=g-import-not-at-top
     from mlflow.entities import Param  # pylint: disable=g-import-not-at-top
+    quiet_libraries()
     self.client = client = mlflow.MlflowClient(self.cfg.tracking.mlflow_uri)
     if self.run_id:
       try:

@@ -86,6 +86,7 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
   with phases('setup'):
     run = setup(cfg, model, task, devices, tx, train_step, eval_step, train_data, eval_data)
     throughput = run_lib.throughput(run)
+  tracking.quiet_libraries()
   writer = metrics.Writer(workdir, enabled=jax.process_index() == 0)
   hf_saves = saves.RunSaves(cfg, run.model, workdir, tokenizer_lib.load(cfg.data.tokenizer)
                             if cfg.hf_save_every_steps else None, writer.print)
