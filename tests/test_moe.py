@@ -168,3 +168,22 @@ def test_dropped_choices_are_reported_and_none_when_dropless():
 def test_bad_expert_settings_are_one_line(overrides, n, message):
   with pytest.raises(errors.ConfigError, match=re.escape(message)):
     disttrain.setup(_config(**overrides), devices=devices(n))
+
+
+def test_router_losses_are_reported_apart_from_the_language_model_loss():
+  """Eval (and train) records: `loss` is the next-token loss alone, `router_loss` the weighted
+  router losses the objective adds (one eval batch here, so both are this call's)."""
+  from disttrain.parallel import step as step_lib  # pylint: disable=g-import-not-at-top
+  cfg = _config(**{'mesh.data': 1})
+  run = disttrain.setup(cfg, devices=devices(1))
+  evals = run.eval_data['eval']
+  assert len(evals) == cfg.eval_batch
+  params = jax.device_get(run.state.params)
+  rows = step_lib.with_mask(evals.read(np.arange(len(evals))))
+  outputs, _, router = run.model.apply({'params': params}, rows, train=False, rng=None)
+  loss = float(np.sum(run.task.per_example(outputs, rows)['loss']) / np.sum(
+      run.task.weights(rows)))
+  result = disttrain.evaluate(run.steps, run.state, evals, cfg.eval_batch, run.batch_sharding)
+  np.testing.assert_allclose(result['loss'], loss, rtol=1e-5)
+  np.testing.assert_allclose(result['router_loss'], float(router), rtol=1e-5)
+  assert float(router) > 0

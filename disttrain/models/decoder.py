@@ -200,6 +200,11 @@ class LanguageModel(LinenModel):
     return self.cfg.num_experts
 
   @property
+  def model_loss_name(self) -> str | None:
+    """Router losses are reported as `router_loss`, apart from the language-model `loss`."""
+    return 'router_loss' if self.cfg.num_experts else None
+
+  @property
   def num_layers(self) -> int:
     return self.cfg.num_layers
 

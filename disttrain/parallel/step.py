@@ -113,9 +113,13 @@ def _grads(model, task, params, mutable, batch, rng, policy: Policy, share: floa
       per_example = {'loss': per_example['loss']}
     sums = {k: jnp.sum(v.astype(jnp.float32) * batch[MASK]) for k, v in per_example.items()}
     model_loss = jnp.asarray(model_loss, jnp.float32) * share
-    # Reported 'loss' includes the model loss (times count, since records divide by count).
-    sums['loss'] = sums['loss'] + model_loss * count
-    return sums['loss'] / count, (sums, new_mutable)
+    objective = (sums['loss'] + model_loss * count) / count
+    name = apart_name(model)  # records divide sums by count
+    if name is None:  # reported inside 'loss'
+      sums['loss'] = sums['loss'] + model_loss * count
+    elif all_metrics:  # apart (language models' router losses); 'loss' is the data loss
+      sums[name] = model_loss * count
+    return objective, (sums, new_mutable)
   with jax.named_scope('loss_and_grads'):
     (_, (sums, new_mutable)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   return grads, sums, _like(new_mutable, mutable)
@@ -222,9 +226,18 @@ def eval_sums(model, task, state: TrainState, batch: dict, policy: Policy) -> Me
   sums['count'] = count
   if getattr(task, 'per_token', False):
     sums.update(num_examples=jnp.sum(batch[MASK]), num_tokens=sums['count'])
-  if 'loss' in sums:
-    sums['loss'] = sums['loss'] + jnp.asarray(model_loss, jnp.float32) * sums['count']
+  model_loss = jnp.asarray(model_loss, jnp.float32) * sums['count']
+  if apart_name(model):
+    sums[apart_name(model)] = model_loss
+  elif 'loss' in sums:
+    sums['loss'] = sums['loss'] + model_loss
   return sums
+
+
+def apart_name(model) -> str | None:
+  """The record field a model's own loss is reported under instead of inside 'loss' (language
+  models with experts: 'router_loss'), or None."""
+  return getattr(model, 'model_loss_name', None)
 
 
 @jax.jit
