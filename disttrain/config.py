@@ -173,17 +173,18 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScalingConfig:
-  """llama: Llama 3's rotary frequency scaling (config.json rope_scaling, rope_type 'llama3')."""
-  kind: str = ''  # '' = none, or 'llama3'
+  """Rotary frequency scaling (config.json rope_scaling): Llama 3's ('llama3') or linear (every
+  frequency / factor: Gemma 3's global layers beyond 1B)."""
+  kind: str = ''  # '' = none, 'llama3' or 'linear'
   factor: float = 8.0  # how much longer the context is than original_max_len
   low_freq_factor: float = 1.0  # wavelengths above original_max_len / this are scaled by factor
   high_freq_factor: float = 4.0  # wavelengths below original_max_len / this are kept
   original_max_len: int = 8192  # original_max_position_embeddings
 
   def __post_init__(self):
-    _one_of('model.rope_scaling.kind', self.kind, ('', 'llama3'))
+    _one_of('model.rope_scaling.kind', self.kind, ('', 'llama3', 'linear'))
     _positive('model.rope_scaling.factor', self.factor)
-    if self.kind and not 0 < self.low_freq_factor < self.high_freq_factor:
+    if self.kind == 'llama3' and not 0 < self.low_freq_factor < self.high_freq_factor:
       raise ConfigError(f'model.rope_scaling: low_freq_factor={self.low_freq_factor} must be > 0 '
                         f'and below high_freq_factor={self.high_freq_factor}')
 
@@ -220,6 +221,13 @@ class ModelConfig:
   # (Mistral 7B v0.1: 4096).
   sliding_window: int = 0
   rope_theta: float = 10000.0  # llama: rotary embedding base
+  # gemma: every Nth layer attends globally, the others to model.sliding_window positions; 0 =
+  # every layer alike (Gemma 2: 2, Gemma 3: 6).
+  sliding_window_pattern: int = 0
+  local_rope_theta: float = 0.0  # gemma3: the local layers' rotary base; 0 = model.rope_theta
+  query_pre_attn_scalar: float = 0.0  # gemma: attention logits x this^-1/2; 0 = head size
+  attn_softcap: float = 0.0  # gemma2: attention logits capped at c tanh(x / c); 0 = none
+  final_softcap: float = 0.0  # gemma2: output logits capped at c tanh(x / c); 0 = none
   rope_scaling: RopeScalingConfig = RopeScalingConfig()
   norm_eps: float = 1e-5  # language models' LayerNorm / RMSNorm epsilon
   # gpt: rows of the learned positions table; sampling's context; 0 = data.seq_len.
@@ -256,6 +264,9 @@ class ModelConfig:
     _positive('model.max_seq_len', self.max_seq_len, allow_zero=True)
     _positive('model.head_dim', self.head_dim, allow_zero=True)
     _positive('model.sliding_window', self.sliding_window, allow_zero=True)
+    for name in ('sliding_window_pattern', 'local_rope_theta', 'query_pre_attn_scalar',
+                 'attn_softcap', 'final_softcap'):
+      _positive(f'model.{name}', getattr(self, name), allow_zero=True)
     if self.loss_chunk < -1:
       raise ConfigError(f'model.loss_chunk={self.loss_chunk}: set tokens per chunk (> 0), 0 for '
                         'auto or -1 for the whole sequence at once')

@@ -358,7 +358,8 @@ PUBLISHED = {('llama', 'smollm2_135m'): 134_515_008, ('llama', 'llama3_1b'): 1_2
              ('qwen', 'qwen2_5_0_5b'): 494_032_768, ('qwen', 'qwen3_0_6b'): 596_049_920,
              ('mistral', 'mistral_7b'): 7_241_732_096,
              ('mistral', 'mixtral_8x7b'): 46_702_792_704,
-             ('qwen', 'qwen3_30b_a3b'): 30_532_122_624}
+             ('qwen', 'qwen3_30b_a3b'): 30_532_122_624,
+             ('gemma', 'gemma3_1b'): 999_885_952, ('gemma', 'gemma2_2b'): 2_614_341_888}
 
 
 @pytest.mark.parametrize('config_file,size', list(PUBLISHED))

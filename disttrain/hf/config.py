@@ -21,7 +21,10 @@ from disttrain.models.decoder import DecoderConfig
 ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2',
                  'Qwen3ForCausalLM': 'qwen3', 'MistralForCausalLM': 'mistral',
                  'MixtralForCausalLM': 'mixtral', 'Qwen3MoeForCausalLM': 'qwen3_moe',
+                 'Gemma2ForCausalLM': 'gemma2', 'Gemma3ForCausalLM': 'gemma3',
                  'GPT2LMHeadModel': 'gpt'}
+GEMMA = ('gemma2', 'gemma3')
+_GEMMA_TYPES = {'gemma2': 'gemma2', 'gemma3': 'gemma3_text'}  # model_type in config.json
 MOE = ('mixtral', 'qwen3_moe')  # every feed-forward layer routed experts
 # What each rotary family's config.json must say (its transformers default when absent): the
 # parts the family builds in one way only.
@@ -30,7 +33,10 @@ _FIXED = {'llama': {'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': F
           'qwen3': {'hidden_act': 'silu', 'attention_bias': False, 'use_sliding_window': False},
           'mistral': {'hidden_act': 'silu'}, 'mixtral': {'hidden_act': 'silu'},
           'qwen3_moe': {'hidden_act': 'silu', 'attention_bias': False, 'use_sliding_window': False,
-                        'decoder_sparse_step': 1, 'mlp_only_layers': []}}
+                        'decoder_sparse_step': 1, 'mlp_only_layers': []},
+          'gemma2': {'hidden_activation': 'gelu_pytorch_tanh', 'attention_bias': False},
+          'gemma3': {'hidden_activation': 'gelu_pytorch_tanh', 'attention_bias': False,
+                     'use_bidirectional_attention': False}}
 FAMILIES = {family: arch for arch, family in ARCHITECTURES.items()}
 
 
@@ -55,8 +61,8 @@ def _hf_values(config: dict, family: str) -> dict:
   """Our resolved decoder fields -> (config.json key, its value, or Hugging Face's default)."""
   if family != 'gpt':
     heads = config['num_attention_heads']
-    head_dim = config.get('head_dim') or (128 if family == 'qwen3' else
-                                          config['hidden_size'] // heads)
+    head_dim = config.get('head_dim') or (128 if family == 'qwen3' else 256 if family in GEMMA
+                                          else config['hidden_size'] // heads)
     moe = {}
     if family in MOE:
       mlp = 'moe_intermediate_size' if family == 'qwen3_moe' else 'intermediate_size'
@@ -69,14 +75,15 @@ def _hf_values(config: dict, family: str) -> dict:
     return {'width': ('hidden_size', config['hidden_size']),
             'head_dim': ('head_dim', head_dim),
             'sliding_window': ('sliding_window', (config.get('sliding_window') or 0)
-                               if family in ('mistral', 'mixtral') else 0),
+                               if family in ('mistral', 'mixtral', *GEMMA) else 0),
             'num_layers': ('num_hidden_layers', config['num_hidden_layers']),
             'num_heads': ('num_attention_heads', heads),
             'num_kv_heads': ('num_key_value_heads', config.get('num_key_value_heads') or heads),
             'mlp_dim': ('intermediate_size', config['intermediate_size']),
             'vocab_size': ('vocab_size', config['vocab_size']),
             'norm_eps': ('rms_norm_eps', config.get('rms_norm_eps', 1e-6)),
-            'tied_embeddings': ('tie_word_embeddings', config.get('tie_word_embeddings', False)),
+            'tied_embeddings': ('tie_word_embeddings',
+                                config.get('tie_word_embeddings', family in GEMMA)),
             **moe}
   return {'width': ('n_embd', config['n_embd']), 'num_layers': ('n_layer', config['n_layer']),
           'num_heads': ('n_head', config['n_head']),
@@ -125,8 +132,11 @@ def check(directory: str, family: str, cfg: ModelConfig, decoder: DecoderConfig)
 
 def rope(config: dict) -> tuple[float, dict]:
   """(rope_theta, rope_scaling) of a config.json: the top-level keys published configs carry,
-  or transformers 5's `rope_parameters` (theta and type together; type 'default' = no scaling)."""
+  or transformers 5's `rope_parameters` (theta and type together; type 'default' = no scaling;
+  Gemma 3's per layer type: its global layers')."""
   params = config.get('rope_parameters')
+  if isinstance(params, dict) and 'full_attention' in params:
+    params = params['full_attention']
   if isinstance(params, dict) and 'rope_theta' in params:
     kind = params.get('rope_type', params.get('type', 'default'))
     return float(params['rope_theta']), (params if kind != 'default' else {})
@@ -142,9 +152,16 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
   if not np.isclose(theta, cfg.rope_theta, rtol=1e-6):
     raise _mismatch(directory, 'rope_theta', theta, 'model.rope_theta', cfg.rope_theta)
   kind = scaling.get('rope_type', scaling.get('type', '')) if scaling else ''
-  if kind not in ('', 'default', 'llama3'):
-    raise CheckpointError(f'{directory}: rope_scaling type {kind!r} is not supported (llama3 or '
-                          'none)')
+  if kind not in ('', 'default', 'llama3', 'linear'):
+    raise CheckpointError(f'{directory}: rope_scaling type {kind!r} is not supported (llama3, '
+                          'linear or none)')
+  if family in GEMMA:
+    for key, value in _gemma_fields(config, family).items():
+      if not np.isclose(getattr(cfg, key), value, rtol=1e-6):
+        raise _mismatch(directory, key, value, f'model.{key}', getattr(cfg, key))
+  if kind == 'linear' and not (cfg.rope_scaling.kind == 'linear' and np.isclose(
+      scaling['factor'], cfg.rope_scaling.factor)):
+    raise _mismatch(directory, 'rope_scaling', scaling, 'model.rope_scaling', vars(cfg.rope_scaling))
   if (kind == 'llama3') != (cfg.rope_scaling.kind == 'llama3'):
     raise _mismatch(directory, 'rope_scaling.rope_type', kind or None, 'model.rope_scaling.kind',
                     cfg.rope_scaling.kind)
@@ -170,6 +187,8 @@ def model_fields(config: dict, family: str) -> dict:
                 sliding_window=values['sliding_window'],
                 rope_theta=rope(config)[0],
                 max_seq_len=int(config.get('max_position_embeddings', 0)))
+  if family in GEMMA:
+    fields.update(_gemma_fields(config, family))
   if family in MOE:  # routed as transformers routes: every choice kept
     fields.update(num_experts=values['num_experts'],
                   experts_per_token=values['experts_per_token'],
@@ -177,12 +196,40 @@ def model_fields(config: dict, family: str) -> dict:
                   router_aux_weight=float(config.get('router_aux_loss_coef', 0.0)),
                   router_z_weight=0.0)
   scaling = rope(config)[1]
+  if scaling.get('rope_type', scaling.get('type')) == 'linear':
+    fields['rope_scaling'] = {'kind': 'linear', 'factor': float(scaling['factor'])}
   if scaling.get('rope_type', scaling.get('type')) == 'llama3':
     fields['rope_scaling'] = {'kind': 'llama3', 'factor': float(scaling['factor']),
                               'low_freq_factor': float(scaling['low_freq_factor']),
                               'high_freq_factor': float(scaling['high_freq_factor']),
                               'original_max_len': int(scaling['original_max_position_embeddings'])}
   return fields
+
+
+def _gemma_pattern(config: dict, family: str) -> int:
+  """Every Nth layer global: from layer_types (a list of sliding_attention / full_attention),
+  or sliding_window_pattern, or the family's published pattern."""
+  types = config.get('layer_types')
+  if not types:
+    return int(config.get('sliding_window_pattern') or (2 if family == 'gemma2' else 6))
+  for pattern in range(1, len(types) + 1):
+    if all((t == 'full_attention') == ((i + 1) % pattern == 0) for i, t in enumerate(types)):
+      return pattern
+  raise CheckpointError(f'config.json layer_types {types} is not every Nth layer global, the '
+                        'pattern disttrain builds; use a config of that form')
+
+
+def _gemma_fields(config: dict, family: str) -> dict:
+  """model.* fields of Gemma's parts: the layer pattern, local rotary base, scale and caps."""
+  params = config.get('rope_parameters') or {}
+  local = (params.get('sliding_attention') or {}).get('rope_theta') or config.get(
+      'rope_local_base_freq') or (10_000.0 if family == 'gemma3' else 0.0)
+  return {'sliding_window_pattern': _gemma_pattern(config, family) if config.get(
+              'sliding_window') else 0,
+          'local_rope_theta': float(local) if family == 'gemma3' else 0.0,
+          'query_pre_attn_scalar': float(config.get('query_pre_attn_scalar') or 256),
+          'attn_softcap': float(config.get('attn_logit_softcapping') or 0.0),
+          'final_softcap': float(config.get('final_logit_softcapping') or 0.0)}
 
 
 def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str,
@@ -224,6 +271,23 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
           'max_position_embeddings': cfg.max_seq_len or 2048}
   if family == 'qwen2':  # its query, key and value biases are not a setting
     del config['attention_bias']
+  if family in GEMMA:
+    del config['hidden_act'], config['mlp_bias'], config['rope_scaling']
+    pattern = cfg.sliding_window_pattern
+    types = ['sliding_attention' if decoder.sliding_window and pattern and (i + 1) % pattern
+             else 'full_attention' for i in range(decoder.num_layers)]
+    config.update(model_type=_GEMMA_TYPES[family], hidden_activation='gelu_pytorch_tanh',
+                  query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or decoder.head_dim),
+                  sliding_window=decoder.sliding_window or None, layer_types=types,
+                  attn_logit_softcapping=cfg.attn_softcap or None,
+                  final_logit_softcapping=cfg.final_softcap or None)
+    if family == 'gemma3':
+      del config['rope_theta']
+      full = {'rope_type': 'default', 'rope_theta': cfg.rope_theta}
+      if cfg.rope_scaling.kind == 'linear':
+        full.update(rope_type='linear', factor=cfg.rope_scaling.factor)
+      config['rope_parameters'] = {'full_attention': full, 'sliding_attention': {
+          'rope_type': 'default', 'rope_theta': cfg.local_rope_theta or cfg.rope_theta}}
   return config
 
 

@@ -108,6 +108,27 @@ def _llama_table(qkv_bias: bool = False, qk_norm: bool = False,
           Tensor('unembed/kernel', 'lm_head.weight', 'lm_head')]
 
 
+def _gemma_table(qk_norm: bool) -> list[Tensor]:
+  """Gemma 2 and 3: Llama's projections and MLP, norms before and after each sub-layer (Gemma's
+  post_attention_layernorm is after attention, its pre_feedforward_layernorm our mlp_norm)."""
+  layer = 'model.layers.{i}.'
+  projections = (('query', 'q'), ('key', 'k'), ('value', 'v'))
+  return [Tensor('embed', 'model.embed_tokens.weight', 'embedding'),
+          Tensor('blocks/attention_norm/scale', layer + 'input_layernorm.weight'),
+          *(Tensor(f'blocks/attention/{ours}/kernel', f'{layer}self_attn.{hf}_proj.weight',
+                   'linear') for ours, hf in projections),
+          *(Tensor(f'blocks/attention/{ours}_norm/scale', f'{layer}self_attn.{hf}_norm.weight')
+            for ours, hf in projections[:2] if qk_norm),
+          Tensor('blocks/attention/out/kernel', layer + 'self_attn.o_proj.weight', 'linear', 2),
+          Tensor('blocks/post_attention_norm/scale', layer + 'post_attention_layernorm.weight'),
+          Tensor('blocks/mlp_norm/scale', layer + 'pre_feedforward_layernorm.weight'),
+          Tensor('blocks/post_mlp_norm/scale', layer + 'post_feedforward_layernorm.weight'),
+          *(Tensor(f'blocks/mlp/{name}/kernel', f'{layer}mlp.{name}_proj.weight', 'linear')
+            for name in ('gate', 'up', 'down')),
+          Tensor('final_norm/scale', 'model.norm.weight'),
+          Tensor('unembed/kernel', 'lm_head.weight', 'lm_head')]
+
+
 def _gpt2_table() -> list[Tensor]:
   layer = 'transformer.h.{i}.'
   table = [Tensor('embed', 'transformer.wte.weight', 'embedding'),
@@ -125,7 +146,8 @@ def _gpt2_table() -> list[Tensor]:
 TABLES = {'llama': _llama_table(), 'qwen2': _llama_table(qkv_bias=True),
           'qwen3': _llama_table(qk_norm=True), 'mistral': _llama_table(), 'gpt': _gpt2_table(),
           'mixtral': _llama_table(experts='mixtral'),
-          'qwen3_moe': _llama_table(qk_norm=True, experts='qwen3_moe')}
+          'qwen3_moe': _llama_table(qk_norm=True, experts='qwen3_moe'),
+          'gemma2': _gemma_table(qk_norm=False), 'gemma3': _gemma_table(qk_norm=True)}
 
 
 def _lead(entry: Tensor) -> int:

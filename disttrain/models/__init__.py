@@ -4,8 +4,8 @@ Front ends (the protocol is described in linen.py): LinenModel (Flax Linen), NNX
 NNX; flax.nnx is imported on first use), FunctionalModel (plain init/apply functions over a
 params pytree) and KerasModel (Keras 3, an optional extra: `from disttrain.models.keras import
 KerasModel`, imported on demand so that disttrain runs without keras installed). Language
-models (gpt, llama, qwen2, qwen3, mistral, mixtral, qwen3_moe) are decoder.LanguageModel over one
-decoder; their task is NextToken.
+models (gpt, llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, gemma2, gemma3) are
+decoder.LanguageModel over one decoder; their task is NextToken.
 """
 
 import dataclasses
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
-from disttrain.models import gpt, llama, mistral, mixtral, qwen
+from disttrain.models import gemma, gpt, llama, mistral, mixtral, qwen
 from disttrain.models.decoder import LanguageModel
 from disttrain.models.functional import FunctionalModel
 from disttrain.models.linen import LinenModel
@@ -95,6 +95,8 @@ MODELS = {
     'mistral': Entry(mistral.build, *_LM, task=_NEXT_TOKEN),  # Mistral (mistral.py)
     'mixtral': Entry(mixtral.build, *_LM, task=_NEXT_TOKEN),  # Mixtral MoE (mixtral.py)
     'qwen3_moe': Entry(qwen.build_family('qwen3_moe'), *_LM, task=_NEXT_TOKEN),  # (qwen.py)
+    'gemma2': Entry(gemma.build_family('gemma2'), *_LM, task=_NEXT_TOKEN),  # Gemma 2 (gemma.py)
+    'gemma3': Entry(gemma.build_family('gemma3'), *_LM, task=_NEXT_TOKEN),  # Gemma 3 text
 }
 
 

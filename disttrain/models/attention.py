@@ -6,8 +6,10 @@ Query t sits at absolute position `q_offset + t` of the key sequence (0 in train
 index when decoding) and attends to key s iff s <= q_offset + t, with a sliding `window` W > 0
 also s > q_offset + t - W (the last W positions, itself included: Mistral's), and, with segment
 ids, the two tokens belong to the same segment (a packed document; 0 marks padding). xla and
-blockwise take the window, also under the context split and with a KV cache; `auto` does not
-pick cudnn for a window. N query heads share
+blockwise take the window, also under the context split and with a KV cache, and also traced
+(Gemma's per-layer local and global windows inside one scan); `auto` does not pick cudnn for a
+window. Logit soft-capping (`softcap`, Gemma 2's c tanh(x / c)) runs on xla alone (its own
+dense form, transformers' eager order); `auto` picks xla for it, blockwise and cudnn refuse it. N query heads share
 G = N / R key/value heads (grouped-query attention; G = N is multi-head). Logits and the softmax
 are float32 whatever the inputs' dtype. Implementations:
   xla        jax.nn.dot_product_attention's XLA form: holds [B, N, T, S] float32 logits.
@@ -43,32 +45,37 @@ _NEG = -1e30  # masked logits (finite: a fully masked block must not make NaNs)
 def attention(q_BxTxNxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, *,
               q_segments_BxT: jax.Array | None = None, kv_segments_BxS: jax.Array | None = None,
               q_offset: jax.Array | int = 0, implementation: str = 'auto',
-              block_size: int = 512, window: int = 0) -> jax.Array:
+              block_size: int = 512, window: int | jax.Array = 0,
+              softcap: float = 0.0) -> jax.Array:
   """softmax(q k^T / sqrt(K) masked causally, by window and by segment) v; see the module
-  docstring."""
+  docstring. `window` may be traced (a per-layer value inside a scan); `softcap` > 0 caps the
+  logits at c tanh(logits / c) (Gemma 2), on the xla path only."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f'attention implementation {implementation!r} is not one of '
                      f'{IMPLEMENTATIONS}')
+  if softcap and implementation in ('cudnn', 'blockwise'):
+    raise ValueError(f'attention softcapping runs on the xla implementation only, not '
+                     f'{implementation!r}; set model.attention=xla (or auto)')
   t, s = q_BxTxNxK.shape[1], k_BxSxGxK.shape[1]
   if (q_segments_BxT is None) != (kv_segments_BxS is None):
     raise ValueError('give both q_segments and kv_segments, or neither')
   split = sharding.sequence_split()
   if split is not None and isinstance(q_offset, int) and q_offset == 0 and t == s:
     return _positions_split(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, *split,
-                            implementation, block_size, window)
+                            implementation, block_size, window, softcap)
   return _local(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, kv_segments_BxS, q_offset,
-                implementation, block_size, window)
+                implementation, block_size, window, softcap)
 
 
 def _positions_split(q, k, v, segments, mesh, axis: str, implementation: str,
-                     block_size: int, window: int) -> jax.Array:
+                     block_size: int, window, softcap: float) -> jax.Array:
   """Self-attention with positions split over `axis`: each device's queries against the keys
   and values all-gathered from every device (see the module docstring)."""
   # XLA:CPU aborts compiling a bf16 all-gather's gradient (ChangeOpDataType, jax 0.12): gather
   # float32 there; accelerators gather the compute dtype.
   wide = jnp.float32 if mesh.devices.flat[0].platform == 'cpu' else None
 
-  def local(q, k, v, segments):
+  def local(q, k, v, segments, window):
     def gather(x):
       if wide is not None and jnp.issubdtype(x.dtype, jnp.floating):
         return jax.lax.all_gather(x.astype(wide), axis, axis=1, tiled=True).astype(x.dtype)
@@ -76,27 +83,38 @@ def _positions_split(q, k, v, segments, mesh, axis: str, implementation: str,
     offset = jax.lax.axis_index(axis) * q.shape[1]
     kv_segments = None if segments is None else gather(segments)
     return _local(q, gather(k), gather(v), segments, kv_segments, offset, implementation,
-                  block_size, window)
+                  block_size, window, softcap)
   split = P(None, axis)  # manual over `axis` only: GSPMD keeps the batch and heads split
-  return jax.shard_map(local, mesh=mesh, in_specs=(split, split, split, split),
-                       out_specs=split, axis_names={axis}, check_vma=False)(q, k, v, segments)
+  if isinstance(window, int):  # static: stays a Python int inside
+    return jax.shard_map(lambda q, k, v, s: local(q, k, v, s, window), mesh=mesh,
+                         in_specs=(split,) * 4, out_specs=split, axis_names={axis},
+                         check_vma=False)(q, k, v, segments)
+  return jax.shard_map(local, mesh=mesh, in_specs=(split,) * 4 + (P(),), out_specs=split,
+                       axis_names={axis}, check_vma=False)(q, k, v, segments, window)
+
+
+def _windowed(window) -> bool:
+  return not isinstance(window, int) or window > 0
 
 
 def _local(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, kv_segments_BxS, q_offset,
-           implementation: str, block_size: int, window: int = 0) -> jax.Array:
+           implementation: str, block_size: int, window=0, softcap: float = 0.0) -> jax.Array:
   """attention() on arrays this device holds whole along T and S."""
   t, s = q_BxTxNxK.shape[1], k_BxSxGxK.shape[1]
   if implementation == 'auto':
-    implementation = 'blockwise' if t * s > _DENSE_MAX_KEYS**2 else 'xla'
-    if _cudnn_applies(q_BxTxNxK, q_offset, t, s) and not window:
+    implementation = 'blockwise' if t * s > _DENSE_MAX_KEYS**2 and not softcap else 'xla'
+    if _cudnn_applies(q_BxTxNxK, q_offset, t, s) and not _windowed(window) and not softcap:
       implementation = 'cudnn'
   if implementation == 'blockwise':
     return _blockwise(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, q_segments_BxT, kv_segments_BxS,
-                      jnp.asarray(q_offset, jnp.int32), min(block_size, max(t, s)), window)
+                      jnp.asarray(q_offset, jnp.int32), min(block_size, max(t, s)),
+                      jnp.asarray(window, jnp.int32))
   static_causal = isinstance(q_offset, int) and q_offset == 0 and t == s
   mask = None
-  if q_segments_BxT is not None or not static_causal or window:
+  if q_segments_BxT is not None or not static_causal or _windowed(window) or softcap:
     mask = _mask(t, s, q_segments_BxT, kv_segments_BxS, q_offset, window)[:, None]  # [B,1,T,S]
+  if softcap:
+    return _capped(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, mask, softcap)
   return jax.nn.dot_product_attention(
       q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, mask=mask, is_causal=static_causal and mask is None,
       implementation=implementation)
@@ -109,13 +127,31 @@ def _cudnn_applies(q: jax.Array, q_offset, t: int, s: int) -> bool:
           and isinstance(q_offset, int) and q_offset == 0)
 
 
-def _visible(q_pos, k_pos, window: int) -> jax.Array:
-  """[T, S] booleans: key k_pos at or before query q_pos, and within the window if any."""
+def _capped(q_BxTxNxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xTxS, cap: float) -> jax.Array:
+  """The xla form with soft-capped logits, as transformers' eager Gemma 2: scaled, capped,
+  masked, softmax in float32."""
+  b, t, n, d = q_BxTxNxK.shape
+  g = k_BxSxGxK.shape[2]
+  q = q_BxTxNxK.reshape(b, t, g, n // g, d)
+  logits = jnp.einsum('btgrk,bsgk->bgrts', q, k_BxSxGxK,
+                      preferred_element_type=jnp.float32) / np.sqrt(d)
+  logits = cap * jnp.tanh(logits / cap)
+  logits = jnp.where(mask_Bx1xTxS[:, :, None], logits, _NEG)
+  probs = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum('bgrts,bsgk->btgrk', probs.astype(v_BxSxGxK.dtype), v_BxSxGxK)
+  return out.reshape(b, t, n, d)
+
+
+def _visible(q_pos, k_pos, window) -> jax.Array:
+  """[T, S] booleans: key k_pos at or before query q_pos, and within the window if any (a traced
+  window <= 0 is none)."""
   mask = k_pos[None, :] <= q_pos[:, None]
-  return mask & (k_pos[None, :] > q_pos[:, None] - window) if window else mask
+  if isinstance(window, int):
+    return mask & (k_pos[None, :] > q_pos[:, None] - window) if window else mask
+  return mask & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
 
 
-def _mask(t: int, s: int, q_seg, kv_seg, q_offset, window: int = 0) -> jax.Array:
+def _mask(t: int, s: int, q_seg, kv_seg, q_offset, window=0) -> jax.Array:
   """[B or 1, T, S] booleans: causal (query t at q_offset + t), windowed, same segment."""
   q_pos = jnp.asarray(q_offset, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
   mask = _visible(q_pos, jnp.arange(s, dtype=jnp.int32), window)[None]
@@ -132,7 +168,7 @@ def _pad_to(x: jax.Array | None, length: int, axis: int = 1, value=0):
   return jnp.pad(x, pad, constant_values=value)
 
 
-def _blockwise(q, k, v, q_seg, kv_seg, q_offset, block: int, window: int = 0):
+def _blockwise(q, k, v, q_seg, kv_seg, q_offset, block: int, window):
   """Pads T and S to multiples of `block` (padded keys never attended), runs the flash kernel."""
   b, t, n, d = q.shape
   s, g = k.shape[1], k.shape[2]
@@ -142,7 +178,7 @@ def _blockwise(q, k, v, q_seg, kv_seg, q_offset, block: int, window: int = 0):
   q_seg = _pad_to(q_seg.astype(jnp.int32), tp, value=-2)
   kv_seg = _pad_to(kv_seg.astype(jnp.int32), sp, value=-1)
   qg = _pad_to(q, tp).reshape(b, tp, g, n // g, d)
-  out = _flash(qg, _pad_to(k, sp), _pad_to(v, sp), q_seg, kv_seg, q_offset, block, window)
+  out = _flash(qg, _pad_to(k, sp), _pad_to(v, sp), q_seg, kv_seg, q_offset, window, block)
   return out.reshape(b, tp, n, d)[:, :t]
 
 
@@ -197,19 +233,19 @@ def _forward(q, k, v, q_seg, kv_seg, q_offset, block, window):
   return _unblocks(out), jnp.moveaxis(lse, 0, 3).reshape(lse.shape[1:4] + (-1,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _flash(q, k, v, q_seg, kv_seg, q_offset, block, window):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, q_seg, kv_seg, q_offset, window, block):
   return _forward(q, k, v, q_seg, kv_seg, q_offset, block, window)[0]
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, q_offset, block, window):
+def _flash_fwd(q, k, v, q_seg, kv_seg, q_offset, window, block):
   out, lse = _forward(q, k, v, q_seg, kv_seg, q_offset, block, window)
-  return out, (q, k, v, q_seg, kv_seg, q_offset, out, lse)
+  return out, (q, k, v, q_seg, kv_seg, q_offset, window, out, lse)
 
 
-def _flash_bwd(block, window, residuals, d_out):
+def _flash_bwd(block, residuals, d_out):
   """FlashAttention-2's backward: per key block, probabilities recomputed from the logsumexp."""
-  q, k, v, q_seg, kv_seg, q_offset, out, lse = residuals
+  q, k, v, q_seg, kv_seg, q_offset, window, out, lse = residuals
   scale = 1.0 / np.sqrt(q.shape[-1])
   # delta_t = sum_k dO * O: the softmax Jacobian's row term.
   delta = jnp.einsum('btgrk,btgrk->bgrt', d_out.astype(jnp.float32), out.astype(jnp.float32))
@@ -243,7 +279,7 @@ def _flash_bwd(block, window, residuals, d_out):
                               (_blocks(q, block), _blocks(d_out, block), _blocks(q_seg, block),
                                lse_b, delta_b, jnp.arange(n_q, dtype=jnp.int32)))
   return (_unblocks(dq).astype(q.dtype), _unblocks(dk).astype(k.dtype),
-          _unblocks(dv).astype(v.dtype), None, None, None)
+          _unblocks(dv).astype(v.dtype), None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

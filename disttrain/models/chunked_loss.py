@@ -48,16 +48,19 @@ def describe(setting: int, seq_len: int, padded_vocab: int) -> dict:
 
 
 def logits(hidden_BxTxD: jax.Array, unembed: jax.Array, tied: bool, vocab_size: int,
-           dtype) -> jax.Array:
-  """Float32 logits [B, T, padded V], the padded ids at -1e9 (no probability).
+           dtype, softcap: float = 0.0) -> jax.Array:
+  """Float32 logits [B, T, padded V], the padded ids at -1e9 (no probability); with `softcap`,
+  c tanh(logits / c) first (Gemma 2's final cap).
 
   `unembed` is the token embedding [V, D] when tied, the unembedding kernel [D, V] otherwise.
   """
   spec = 'btd,vd->btv' if tied else 'btd,dv->btv'
   logits_BxTxV = jnp.einsum(spec, hidden_BxTxD.astype(dtype), unembed.astype(dtype))
-  logits_BxTxV = constrain(logits_BxTxV, ('batch', 'sequence', 'vocab'))
+  logits_BxTxV = constrain(logits_BxTxV, ('batch', 'sequence', 'vocab')).astype(jnp.float32)
+  if softcap:
+    logits_BxTxV = softcap * jnp.tanh(logits_BxTxV / softcap)
   real_V = jnp.arange(logits_BxTxV.shape[-1]) < vocab_size
-  return jnp.where(real_V, logits_BxTxV.astype(jnp.float32), -1e9)
+  return jnp.where(real_V, logits_BxTxV, -1e9)
 
 
 @struct.dataclass
@@ -69,10 +72,12 @@ class Features:
   tied: bool = struct.field(pytree_node=False)
   chunk: int = struct.field(pytree_node=False)
   dtype: Any = struct.field(pytree_node=False)  # the matmul's compute dtype
+  softcap: float = struct.field(pytree_node=False, default=0.0)
 
   def logits(self) -> jax.Array:
     """The full logits (for callers that want them; the loss never asks)."""
-    return logits(self.hidden_BxTxD, self.unembed, self.tied, self.vocab_size, self.dtype)
+    return logits(self.hidden_BxTxD, self.unembed, self.tied, self.vocab_size, self.dtype,
+                  self.softcap)
 
 
 def token_values(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
@@ -112,7 +117,8 @@ def sums(features: Features, targets_BxT: jax.Array,
   @jax.checkpoint  # the backward pass remakes a chunk's logits instead of keeping them
   def chunk(carry, xs):
     h_BxCxD, targets_BxC, weights_BxC = xs
-    logits_BxCxV = logits(h_BxCxD, w, features.tied, features.vocab_size, features.dtype)
+    logits_BxCxV = logits(h_BxCxD, w, features.tied, features.vocab_size, features.dtype,
+                          features.softcap)
     loss_BxC, correct_BxC = token_values(logits_BxCxV, targets_BxC, weights_BxC)
     return (carry[0] + loss_BxC.sum(-1), carry[1] + correct_BxC.sum(-1)), None
 

@@ -19,8 +19,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
+from disttrain.errors import ConfigError
 from disttrain.models import chunked_loss, layers, moe, pipeline
 from disttrain.models.layers import Decode, constrain, weights
 from disttrain.models.linen import LOSSES, LinenModel, model_inputs
@@ -61,6 +63,16 @@ class DecoderConfig:
   qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
   sliding_window: int = 0  # attend to the last N positions only; 0 = all (Mistral)
   loss_chunk: int = 0  # cross-entropy chunk in tokens: 0 auto, -1 never (chunked_loss.py)
+  # Gemma (disttrain/models/gemma.py): embeddings x sqrt(width), norms after attention and the
+  # MLP too, the attention's scale and logit cap, the final logits' cap, and per-layer windows
+  # (0 = global) with their own rotary frequencies, still one scan.
+  embed_scale: bool = False
+  sandwich_norms: bool = False
+  query_scale: float = 0.0
+  attn_softcap: float = 0.0
+  final_softcap: float = 0.0
+  layer_windows: tuple = ()
+  local_rope: tuple | None = None
 
   @property
   def head_dim(self) -> int:
@@ -77,7 +89,7 @@ class Block(nn.Module):
   train: bool
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, segments_BxT, decode, cache):
+  def __call__(self, x_BxTxD, positions_BxT, segments_BxT, decode, cache, window=None):
     cfg = self.cfg
     dropout = nn.Dropout(cfg.dropout, deterministic=not self.train)
     h = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'attention_norm')(x_BxTxD)
@@ -85,7 +97,11 @@ class Block(nn.Module):
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.use_bias, cfg.fused_qkv, cfg.dtype,
         rope=cfg.rope, implementation=cfg.attention, block_size=cfg.attention_block,
         qkv_bias=cfg.use_bias or cfg.qkv_bias, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else 0.0,
-        window=cfg.sliding_window, name='attention')(h, positions_BxT, segments_BxT, decode, cache)
+        window=cfg.sliding_window, qk_norm_offset=cfg.norm == 'offset_rmsnorm',
+        query_scale=cfg.query_scale, softcap=cfg.attn_softcap, local_rope=cfg.local_rope,
+        name='attention')(h, positions_BxT, segments_BxT, decode, cache, window)
+    if cfg.sandwich_norms:
+      attended = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'post_attention_norm')(attended)
     x_BxTxD = constrain(x_BxTxD + dropout(attended), ('batch', 'sequence', None))
     h = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'mlp_norm')(x_BxTxD)
     if cfg.num_experts:
@@ -94,6 +110,8 @@ class Block(nn.Module):
                      cfg.moe_norm_topk, name='moe')(h)
     else:
       h = layers.Mlp(cfg.mlp, cfg.mlp_dim, cfg.use_bias, cfg.dtype, name='mlp')(h)
+    if cfg.sandwich_norms:
+      h = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'post_mlp_norm')(h)
     return constrain(x_BxTxD + dropout(h), ('batch', 'sequence', None)), cache
 
 
@@ -132,6 +150,8 @@ class Decoder(nn.Module):
       table = self.param('positions', weights((None, 'embed'), nn.initializers.normal(0.01)),
                          (cfg.learned_positions, cfg.width))
       x_BxTxD = x_BxTxD + jnp.take(table, positions, axis=0)
+    if cfg.embed_scale:
+      x_BxTxD = x_BxTxD * jnp.asarray(np.sqrt(cfg.width), x_BxTxD.dtype)
     x_BxTxD = constrain(x_BxTxD.astype(cfg.dtype), ('batch', 'sequence', None))
     x_BxTxD = nn.Dropout(cfg.dropout, deterministic=not train)(x_BxTxD)
     block = Block
@@ -140,9 +160,13 @@ class Decoder(nn.Module):
     # Sown per-layer values (router losses, dropped choices) stack over layers like the weights.
     blocks = nn.scan(block, variable_axes={'params': 0, LOSSES: 0, moe.MOE: 0},
                      split_rngs={'params': True, 'dropout': True},
-                     in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
+                     in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, 0),
                      length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
     split = sharding.pipeline_split()
+    windows = jnp.asarray(cfg.layer_windows, jnp.int32) if cfg.layer_windows else None
+    if split is not None and windows is not None:
+      raise ConfigError('a model whose layers differ (local and global attention) cannot be '
+                        'split over mesh.stage yet; set mesh.stage=1')
     if split is not None and decode is None and not self.is_initializing():
       def layer(params, h, positions, segment_ids):  # one block, unbound: its weights passed in
         return Block(cfg, train, parent=None).apply({'params': params}, h, positions,
@@ -153,16 +177,16 @@ class Decoder(nn.Module):
                              (positions, segment_ids), *split)
     else:
       x_BxTxD, cache = blocks(cfg, train, name='blocks')(x_BxTxD, positions, segment_ids, decode,
-                                                        cache)
+                                                        cache, windows)
     x_BxTxD = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'final_norm')(x_BxTxD)
     unembed = embedding_VxD if cfg.tied_embeddings else Unembed(cfg.width, cfg.padded_vocab,
                                                                 name='unembed')()
     chunk = chunked_loss.chunk_tokens(cfg.loss_chunk, t, cfg.padded_vocab)
     if features and chunk and decode is None:
       return chunked_loss.Features(x_BxTxD, unembed, cfg.vocab_size, cfg.tied_embeddings, chunk,
-                                   cfg.dtype)
+                                   cfg.dtype, cfg.final_softcap)
     logits_BxTxV = chunked_loss.logits(x_BxTxD, unembed, cfg.tied_embeddings, cfg.vocab_size,
-                                       cfg.dtype)
+                                       cfg.dtype, cfg.final_softcap)
     return logits_BxTxV if decode is None else (logits_BxTxV, cache)
 
   def init_cache(self, batch: int, length: int) -> dict:

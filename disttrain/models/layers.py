@@ -31,9 +31,27 @@ def constrain(x: jax.Array, axes: tuple) -> jax.Array:
   return sharding.constrain(x, axes)
 
 
+class OffsetRMSNorm(nn.Module):
+  """Gemma's RMSNorm: x / rms(x) x (1 + scale), scale initialised to 0, all in float32."""
+  eps: float
+  dtype: Any
+  axis: str = 'embed'
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param('scale', weights((self.axis,), nn.initializers.zeros_init()),
+                       (x.shape[-1],))
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
+
+
 def norm(kind: str, eps: float, dtype, name: str) -> nn.Module:
-  """RMSNorm (scale) or LayerNorm (scale and bias) over the width, reduced in float32."""
+  """RMSNorm (scale), Gemma's (1 + scale) RMSNorm ('offset_rmsnorm') or LayerNorm (scale and
+  bias) over the width, reduced in float32."""
   ones = weights(('embed',), nn.initializers.ones_init())
+  if kind == 'offset_rmsnorm':
+    return OffsetRMSNorm(eps, dtype, name=name)
   if kind == 'rmsnorm':
     return nn.RMSNorm(epsilon=eps, dtype=dtype, scale_init=ones, name=name)
   return nn.LayerNorm(epsilon=eps, dtype=dtype, scale_init=ones,
@@ -53,6 +71,8 @@ class RopeScaling:
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()):
   """Inverse frequencies [K / 2] as Hugging Face computes them (float32)."""
   inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+  if scaling.kind == 'linear':  # Gemma 3's global layers beyond 1B: positions / factor
+    inv_freq = inv_freq / scaling.factor
   if scaling.kind == 'llama3':
     wavelen = 2 * np.pi / inv_freq
     low = scaling.original_max_len / scaling.low_freq_factor  # longer wavelengths: scaled
@@ -103,6 +123,10 @@ class Attention(nn.Module):
   qkv_bias: bool | None = None  # biases on query, key and value; None = use_bias (Qwen2: True)
   qk_norm_eps: float = 0.0  # > 0: RMSNorm over each head's queries and keys, before RoPE (Qwen3)
   window: int = 0  # sliding-window attention over the last `window` positions; 0 = all
+  qk_norm_offset: bool = False  # the head norms are Gemma's (1 + scale) RMSNorm
+  query_scale: float = 0.0  # logits' scale; 0 = 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar)
+  softcap: float = 0.0  # attention logits capped at c tanh(x / c); 0 = none (Gemma 2: 50)
+  local_rope: Any = None  # inverse frequencies of the layers with a window (Gemma's local base)
 
   def _dense(self, features: tuple, axes: tuple, name: str):
     bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
@@ -113,11 +137,15 @@ class Attention(nn.Module):
   def _head_norm(self, x_BxTxHxK: jax.Array, name: str) -> jax.Array:
     if not self.qk_norm_eps:
       return x_BxTxHxK
+    if self.qk_norm_offset:
+      return OffsetRMSNorm(self.qk_norm_eps, self.dtype, 'head_dim', name=name)(x_BxTxHxK)
     return nn.RMSNorm(epsilon=self.qk_norm_eps, dtype=self.dtype, name=name,
                       scale_init=weights(('head_dim',), nn.initializers.ones_init()))(x_BxTxHxK)
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, segments_BxT, decode: Decode | None, cache):
+  def __call__(self, x_BxTxD, positions_BxT, segments_BxT, decode: Decode | None, cache,
+               layer_window=None):
+    """`layer_window`: this layer's window when layers differ (traced, from the scan)."""
     n, g, k = self.num_heads, self.num_kv_heads, self.head_dim
     if self.fused_qkv:
       qkv = self._dense((3, n, k), (None, 'heads', 'head_dim'), 'qkv')(x_BxTxD)
@@ -131,9 +159,14 @@ class Attention(nn.Module):
     q, key = self._head_norm(q, 'query_norm'), self._head_norm(key, 'key_norm')
     if self.rope is not None:
       inv_freq = np.asarray(self.rope, np.float32)
+      if self.local_rope is not None and layer_window is not None:
+        inv_freq = jnp.where(layer_window > 0, np.asarray(self.local_rope, np.float32), inv_freq)
       q, key = apply_rope(q, positions_BxT, inv_freq), apply_rope(key, positions_BxT, inv_freq)
+    if self.query_scale:  # attention() divides by sqrt(K)
+      q = q * jnp.asarray(self.query_scale * np.sqrt(k), q.dtype)
     options = dict(implementation=self.implementation, block_size=self.block_size,
-                   window=self.window)
+                   window=self.window if layer_window is None else layer_window,
+                   softcap=self.softcap)
     if cache is None:
       out = attention(q, key, value, q_segments_BxT=segments_BxT, kv_segments_BxS=segments_BxT,
                       **options)
@@ -154,8 +187,9 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-  """GELU (tanh form, GPT-2's gelu_new: mlp_in, mlp_out) or SwiGLU (Llama's: gate, up, down)."""
-  kind: str  # 'gelu' or 'swiglu'
+  """GELU (tanh form, GPT-2's gelu_new: mlp_in, mlp_out), SwiGLU (Llama's: gate, up, down) or
+  GeGLU (Gemma's: SwiGLU's weights with tanh-form GELU on the gate)."""
+  kind: str  # 'gelu', 'swiglu' or 'geglu'
   hidden: int
   use_bias: bool
   dtype: Any
@@ -168,8 +202,9 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
     d = x_BxTxD.shape[-1]
-    if self.kind == 'swiglu':
-      h_BxTxF = (nn.silu(self._dense(self.hidden, ('embed', 'mlp'), 'gate')(x_BxTxD))
+    if self.kind in ('swiglu', 'geglu'):
+      act = nn.silu if self.kind == 'swiglu' else nn.gelu  # flax's gelu: the tanh form
+      h_BxTxF = (act(self._dense(self.hidden, ('embed', 'mlp'), 'gate')(x_BxTxD))
                  * self._dense(self.hidden, ('embed', 'mlp'), 'up')(x_BxTxD))
       h_BxTxF = constrain(h_BxTxF, ('batch', 'sequence', 'mlp'))
       return self._dense(d, ('mlp', 'embed'), 'down')(h_BxTxF)

@@ -58,3 +58,13 @@ def get_config(size: str = 'tiny'):
   cfg.eval_every_steps = 100
   cfg.eval_batch_size = 128
   return cfg
+
+
+def derived(model: dict, shape: tuple):
+  """This file's training set-up for another family's model fields and (context, global batch,
+  learning rate): what launch/configs/{mistral,qwen,gemma}.py build on."""
+  cfg = get_config()
+  for field, value in model.items():
+    cfg.model[field] = value
+  cfg.data.seq_len, cfg.global_batch_size, cfg.learning_rate = shape
+  return cfg

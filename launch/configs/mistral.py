@@ -11,8 +11,8 @@ config.json values of mistralai/Mistral-7B-v0.1 (a 4,096-position window), mixtr
 mistralai/Mixtral-8x7B-v0.1, so `restore_from` a downloaded copy loads. Everything else, logical rules included, is launch/configs/llama.py's.
 """
 
-import importlib.util
 import os
+import runpy
 
 # name -> model fields, then (context, global batch, learning rate)
 SIZES = {
@@ -32,16 +32,6 @@ SIZES = {
 
 
 def get_config(size: str = 'tiny'):
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llama.py')
-  spec = importlib.util.spec_from_file_location('llama_config', path)
-  llama = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(llama)
-  model, (context, batch, lr) = SIZES[size]
-  cfg = llama.get_config()
-  cfg.model.name = 'mistral'
-  for field, value in model.items():
-    cfg.model[field] = value
-  cfg.data.seq_len = context
-  cfg.global_batch_size = batch
-  cfg.learning_rate = lr
-  return cfg
+  model, shape = SIZES[size]
+  llama = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llama.py'))
+  return llama['derived']({'name': 'mistral', **model}, shape)

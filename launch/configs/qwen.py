@@ -13,8 +13,8 @@ Qwen/Qwen3-0.6B and Qwen/Qwen3-30B-A3B, so `restore_from` a downloaded copy load
 checked against its config.json). Everything else, logical rules included, is launch/configs/llama.py's.
 """
 
-import importlib.util
 import os
+import runpy
 
 # name -> model fields, then (context, global batch, learning rate)
 SIZES = {
@@ -38,16 +38,6 @@ SIZES = {
 
 
 def get_config(size: str = 'tiny'):
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llama.py')
-  spec = importlib.util.spec_from_file_location('llama_config', path)
-  llama = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(llama)
-  model, (context, batch, lr) = SIZES[size]
-  cfg = llama.get_config()
-  for field, value in model.items():
-    cfg.model[field] = value
-  cfg.model.norm_eps = 1e-6
-  cfg.data.seq_len = context
-  cfg.global_batch_size = batch
-  cfg.learning_rate = lr
-  return cfg
+  model, shape = SIZES[size]
+  llama = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llama.py'))
+  return llama['derived']({'norm_eps': 1e-6, **model}, shape)
