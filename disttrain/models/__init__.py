@@ -100,6 +100,11 @@ MODELS = {
 }
 
 
+# family -> its parameters' Hugging Face names (disttrain/models/hf_names.py), from each family.
+HF_NAMES = {**gpt.HF_NAMES, **llama.HF_NAMES, **qwen.HF_NAMES, **mistral.HF_NAMES,
+            **mixtral.HF_NAMES, **gemma.HF_NAMES}
+
+
 def _entry(cfg: ModelConfig) -> Entry:
   if cfg.name not in MODELS:
     raise ConfigError(f'model.name={cfg.name!r} is not one of {tuple(MODELS)}; pick one of them')

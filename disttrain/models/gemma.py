@@ -16,7 +16,7 @@ decoder with Gemma's parts, all on disttrain/models/decoder.py's one scan.
 A layer's window and rotary frequencies are scanned values, so the local/global pattern still
 compiles as one block, whatever the depth. Attention soft-capping runs on the xla attention only
 (attention.py); the stage split (mesh.stage) does not take a layer pattern yet. Weight names are
-in disttrain/hf/weights.py, config.json in disttrain/hf/config.py, sizes in
+below (HF_NAMES), config.json in disttrain/hf/config.py, sizes in
 launch/configs/gemma.py.
 """
 
@@ -26,6 +26,7 @@ from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
 from disttrain.models import layers, llama
 from disttrain.models.decoder import Decoder, DecoderConfig, LanguageModel
+from disttrain.models.hf_names import Tensor
 
 PATTERN = {'gemma2': 2, 'gemma3': 6}  # the published configs' every-Nth-layer-global
 
@@ -53,3 +54,27 @@ def build_family(family: str):
   def build(cfg: ModelConfig, dtype, context: int) -> LanguageModel:
     return LanguageModel(Decoder(decoder_config(cfg, dtype, context, family)), family=family)
   return build
+
+
+def _hf_names(qk_norm: bool) -> list[Tensor]:
+  """Gemma 2 and 3: Llama's projections and MLP, norms before and after each sub-layer (Gemma's
+  post_attention_layernorm is after attention, its pre_feedforward_layernorm our mlp_norm)."""
+  layer = 'model.layers.{i}.'
+  projections = (('query', 'q'), ('key', 'k'), ('value', 'v'))
+  return [Tensor('embed', 'model.embed_tokens.weight', 'embedding'),
+          Tensor('blocks/attention_norm/scale', layer + 'input_layernorm.weight'),
+          *(Tensor(f'blocks/attention/{ours}/kernel', f'{layer}self_attn.{hf}_proj.weight',
+                   'linear') for ours, hf in projections),
+          *(Tensor(f'blocks/attention/{ours}_norm/scale', f'{layer}self_attn.{hf}_norm.weight')
+            for ours, hf in projections[:2] if qk_norm),
+          Tensor('blocks/attention/out/kernel', layer + 'self_attn.o_proj.weight', 'linear', 2),
+          Tensor('blocks/post_attention_norm/scale', layer + 'post_attention_layernorm.weight'),
+          Tensor('blocks/mlp_norm/scale', layer + 'pre_feedforward_layernorm.weight'),
+          Tensor('blocks/post_mlp_norm/scale', layer + 'post_feedforward_layernorm.weight'),
+          *(Tensor(f'blocks/mlp/{name}/kernel', f'{layer}mlp.{name}_proj.weight', 'linear')
+            for name in ('gate', 'up', 'down')),
+          Tensor('final_norm/scale', 'model.norm.weight'),
+          Tensor('unembed/kernel', 'lm_head.weight', 'lm_head')]
+
+
+HF_NAMES = {'gemma2': _hf_names(qk_norm=False), 'gemma3': _hf_names(qk_norm=True)}

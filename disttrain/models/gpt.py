@@ -1,6 +1,6 @@
 """The GPT-2 family: pre-LayerNorm decoder, learned positions, fused QKV with biases, GELU MLP.
 
-Hugging Face's `GPT2LMHeadModel` is this model (disttrain/hf/weights.py maps its weights); the
+Hugging Face's `GPT2LMHeadModel` is this model (HF_NAMES below names its weights); the
 example sizes are in launch/configs/gpt.py. Logical axes as in disttrain/models/layers.py; the
 positions table has `model.max_seq_len` rows (0 = data.seq_len), GPT-2's n_positions.
 """
@@ -8,6 +8,7 @@ positions table has `model.max_seq_len` rows (0 = data.seq_len), GPT-2's n_posit
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
 from disttrain.models.decoder import Decoder, DecoderConfig, LanguageModel
+from disttrain.models.hf_names import Tensor
 
 
 def check_heads(cfg: ModelConfig) -> None:
@@ -45,3 +46,21 @@ def decoder_config(cfg: ModelConfig, dtype, context: int) -> DecoderConfig:
 
 def build(cfg: ModelConfig, dtype, context: int) -> LanguageModel:
   return LanguageModel(Decoder(decoder_config(cfg, dtype, context)), family='gpt')
+
+
+def _hf_names() -> list[Tensor]:
+  """GPT2LMHeadModel's names: fused QKV and its MLP as Conv1D ([in, out]) weights with biases."""
+  layer = 'transformer.h.{i}.'
+  table = [Tensor('embed', 'transformer.wte.weight', 'embedding'),
+           Tensor('positions', 'transformer.wpe.weight')]
+  for ours, hf, n_in in (('attention/qkv', 'attn.c_attn', 1), ('attention/out', 'attn.c_proj', 2),
+                         ('mlp/mlp_in', 'mlp.c_fc', 1), ('mlp/mlp_out', 'mlp.c_proj', 1)):
+    table += [Tensor(f'blocks/{ours}/kernel', f'{layer}{hf}.weight', 'conv1d', n_in),
+              Tensor(f'blocks/{ours}/bias', f'{layer}{hf}.bias')]
+  for ours, hf in (('blocks/attention_norm', layer + 'ln_1'), ('blocks/mlp_norm', layer + 'ln_2'),
+                   ('final_norm', 'transformer.ln_f')):
+    table += [Tensor(f'{ours}/scale', f'{hf}.weight'), Tensor(f'{ours}/bias', f'{hf}.bias')]
+  return table
+
+
+HF_NAMES = {'gpt': _hf_names()}

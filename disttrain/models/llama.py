@@ -2,7 +2,7 @@
 `model.rope_theta`, Llama 3's frequency scaling), grouped-query attention (`model.num_kv_heads`
 K/V heads shared by `model.num_heads` query heads), SwiGLU MLP, no biases.
 
-Hugging Face's `LlamaForCausalLM` is this model (disttrain/hf/weights.py maps its weights); named
+Hugging Face's `LlamaForCausalLM` is this model (HF_NAMES: hf_names.llama_layout); named
 sizes, including the published shapes of SmolLM2-135M and Llama 3.2 1B, are in launch/configs/llama.py.
 K/V heads name the logical axis 'kv_heads': split over `tensor` when their count divides it,
 whole otherwise (disttrain/parallel/sharding.py).
@@ -12,6 +12,7 @@ from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
 from disttrain.models import gpt, layers
 from disttrain.models.decoder import Decoder, DecoderConfig, LanguageModel
+from disttrain.models.hf_names import llama_layout
 
 
 def default_mlp_dim(width: int) -> int:
@@ -51,3 +52,6 @@ def decoder_config(cfg: ModelConfig, dtype, context: int) -> DecoderConfig:
 
 def build(cfg: ModelConfig, dtype, context: int) -> LanguageModel:
   return LanguageModel(Decoder(decoder_config(cfg, dtype, context)), family='llama')
+
+
+HF_NAMES = {'llama': llama_layout()}

@@ -9,7 +9,11 @@ launch/configs/mistral.py's mistral_7b.
 from disttrain.config import ModelConfig
 from disttrain.models import llama
 from disttrain.models.decoder import Decoder, LanguageModel
+from disttrain.models.hf_names import llama_layout
 
 
 def build(cfg: ModelConfig, dtype, context: int) -> LanguageModel:
   return LanguageModel(Decoder(llama.decoder_config(cfg, dtype, context)), family='mistral')
+
+
+HF_NAMES = {'mistral': llama_layout()}  # Llama's names

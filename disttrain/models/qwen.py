@@ -22,6 +22,7 @@ import dataclasses
 from disttrain.config import ModelConfig
 from disttrain.models import llama, mixtral
 from disttrain.models.decoder import Decoder, LanguageModel
+from disttrain.models.hf_names import llama_layout
 
 # family -> the DecoderConfig fields that make Llama's decoder that family's.
 CHANGES = {'qwen2': {'qkv_bias': True}, 'qwen3': {'qk_norm': True},
@@ -35,3 +36,8 @@ def build_family(family: str):
     decoder = dataclasses.replace(llama.decoder_config(cfg, dtype, context), **CHANGES[family])
     return LanguageModel(Decoder(decoder), family=family)
   return build
+
+
+HF_NAMES = {'qwen2': llama_layout(qkv_bias=True), 'qwen3': llama_layout(qk_norm=True),
+            'qwen3_moe': llama_layout(qk_norm=True, experts=(
+                'mlp', ('gate_proj', 'up_proj', 'down_proj')))}
