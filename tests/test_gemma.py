@@ -9,7 +9,8 @@ transformers' eager float32 forward to 1e-4 (measured ~6e-7), and the layer patt
 (every layer global gives other logits); exported again, transformers' logits equal ours to
 1e-5, a second import is bitwise the first; greedy decoding from the KV cache gives
 transformers' `generate` tokens for 16 new tokens from 2 prompts of different lengths. On
-data x fsdp x tensor, and with the positions split over `context`, one step equals 1 device.
+data x fsdp x tensor (both), and with the positions split over `context` (Gemma 3), one step
+equals 1 device.
 """
 
 import dataclasses
@@ -103,16 +104,21 @@ def test_gemma_imports_exports_and_decodes_as_transformers(tmp_path, family):
 GEMMA3 = {'model.name': 'gemma3', 'model.head_dim': 24, 'model.sliding_window': 8,
           'model.sliding_window_pattern': 2, 'model.local_rope_theta': 10_000.0,
           'model.query_pre_attn_scalar': 20.0, 'model.tied_embeddings': True}
+GEMMA2 = {**GEMMA3, 'model.name': 'gemma2', 'model.local_rope_theta': 0.0,
+          'model.attn_softcap': 1.0, 'model.final_softcap': 0.5, 'model.attention': 'xla'}
+CUBE = {'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2}
+CONTEXT = {'mesh.data': 2, 'mesh.context': 2, 'mesh.tensor': 2}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('layout', [{'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2},
-                                    {'mesh.data': 2, 'mesh.context': 2, 'mesh.tensor': 2}],
-                         ids=['data_fsdp_tensor', 'data_context_tensor'])
-def test_gemma3_one_step_on_eight_devices_equals_one(layout):
+@pytest.mark.parametrize('fields,layout', [(GEMMA3, CUBE), (GEMMA3, CONTEXT), (GEMMA2, CUBE)],
+                         ids=['gemma3_data_fsdp_tensor', 'gemma3_data_context_tensor',
+                              'gemma2_data_fsdp_tensor'])
+def test_gemma_one_step_on_eight_devices_equals_one(fields, layout):
   """The per-layer windows and rotary bases are scanned values: they split like the rest, and
-  under the context split the window masks the all-gathered keys (32-token rows, a window of 8)."""
-  ref_loss, ref_grads = test_llama._one_step(test_llama._config(**test_llama.ONE, **GEMMA3), 1)
-  loss, grads = test_llama._one_step(test_llama._config(**layout, **GEMMA3), 8)
+  under the context split the window masks the all-gathered keys (32-token rows, a window of 8);
+  Gemma 2's capped attention (its own dense form) splits its heads over tensor."""
+  ref_loss, ref_grads = test_llama._one_step(test_llama._config(**test_llama.ONE, **fields), 1)
+  loss, grads = test_llama._one_step(test_llama._config(**layout, **fields), 8)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'gemma3 gradient and update on {layout}')
+  assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'{fields["model.name"]} on {layout}')
