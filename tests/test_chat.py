@@ -139,6 +139,7 @@ def test_a_template_that_fails_is_one_line_naming_the_example(tokenizer_dirs, tm
   assert 'System role not supported' in errors[0], errors[0]
 
 
+@pytest.mark.slow  # a generate subprocess
 def test_generate_chat_prompts_are_the_templates_generation_prompt(tokenizer_dirs, tmp_path):
   """`disttrain generate --chat`: each prompt a user turn with the generation prompt, tokens as
   apply_chat_template(add_generation_prompt=True) makes them; greedy continuations as

@@ -39,7 +39,7 @@ def _batch() -> dict:
           'loss_mask': loss_mask, MASK: np.ones(B, np.float32), ID: np.arange(B, dtype=np.int32)}
 
 
-@pytest.mark.parametrize('tied', [True, False])
+@pytest.mark.parametrize('tied', [pytest.param(True, marks=pytest.mark.slow), False])
 def test_chunked_loss_equals_full_loss_and_gradients(tied):
   batch = _batch()
   full, chunked = _model(-1, tied), _model(16, tied)  # 16 does not divide 40: a padded chunk

@@ -170,6 +170,7 @@ def test_bad_expert_settings_are_one_line(overrides, n, message):
     disttrain.setup(_config(**overrides), devices=devices(n))
 
 
+@pytest.mark.slow
 def test_router_losses_are_reported_apart_from_the_language_model_loss():
   """Eval (and train) records: `loss` is the next-token loss alone, `router_loss` the weighted
   router losses the objective adds (one eval batch here, so both are this call's)."""

@@ -112,8 +112,15 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
     stack.callback(batches.close)
     signals = distributed.StopSignals()
     stack.callback(signals.close)
+    early = {}
+
+    def preflight_fresh():  # the fresh state has the restored one's shapes and shardings
+      if cfg.step_mode != 'pmap':
+        with phases('compile'):
+          early['compiled'] = run_lib.preflight(run, run.state, run_lib.loop_variants(cfg, 0),
+                                                writer.print)
     with phases('setup'):
-      state = _restore_or_init(ckpt, run, batches, hooks, writer)
+      state = _restore_or_init(ckpt, run, batches, hooks, writer, preflight_fresh)
     run.state = None  # donated to the first step: never touch it again
     first_step = int(jax.device_get(state.step))
     # Records of steps after it, from an attempt killed before its next checkpoint, step aside.
@@ -123,7 +130,7 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
     device_state = run.steps.place(state)
     del state
     with phases('compile'):
-      info['compiled'], info['memory_limit_bytes'] = run_lib.preflight(
+      info['compiled'], info['memory_limit_bytes'] = early.get('compiled') or run_lib.preflight(
           run, device_state, run_lib.loop_variants(cfg, first_step), writer.print)
     info['compiled'] = {k: v.to_json() for k, v in info['compiled'].items()}
     writer.write_run(info)
@@ -141,9 +148,11 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
   return result
 
 
-def _restore_or_init(ckpt, run: Setup, batches, hooks, writer):
+def _restore_or_init(ckpt, run: Setup, batches, hooks, writer, before_weights=lambda: None):
   """The newest checkpoint of this workdir, else a warm start from restore_from, else the fresh
-  state; the data position and the callbacks' state come back with a checkpoint."""
+  state; the data position and the callbacks' state come back with a checkpoint.
+  `before_weights` runs before a Hugging Face directory's weights are read (the memory
+  pre-flight: a model that cannot train here is refused before a download-sized read)."""
   cfg, state = run.cfg, run.state
   abstract = checkpoint.abstract_like(run.layout.shardings, state)
   restored = ckpt.restore_latest(abstract)
@@ -154,6 +163,7 @@ def _restore_or_init(ckpt, run: Setup, batches, hooks, writer):
     writer.print(f'resumed from step {at}: {ckpt.directory}/{at}')
     return state
   if cfg.restore_from and hf.is_hf_dir(cfg.restore_from):
+    before_weights()
     params = hf.restore(cfg.restore_from, run.model, cfg.model, abstract.params)
     writer.print(f'warm start: params from the Hugging Face model in {cfg.restore_from}; '
                  'optimizer, step and data order start fresh')
