@@ -23,9 +23,11 @@ import torch
 import transformers
 
 import disttrain
-from disttrain.hf import saves, trained
+from disttrain import models
+from disttrain.hf import config as hf_config, saves, trained
 from disttrain.models.decoder import Decoder
-from tests import test_llama
+from tests import helpers, test_llama
+from tests.conftest import ROOT
 from tests.helpers import assert_trees_close, to_numpy
 
 VOCAB = 101
@@ -54,6 +56,16 @@ def _save(tmp_path, family: str) -> str:
   return path
 
 
+def _from_directory(path: str, tmp_path) -> str:
+  """The family launch/configs/hf.py resolves restore_from=path to, no model field given."""
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'hf.py')
+  cfg = disttrain.from_config_dict(helpers.override(cd, {
+      'restore_from': path, 'data.train_files': str(tmp_path / 'chat.jsonl')}))
+  resolved = hf_config.from_directory(cfg)
+  models.build(resolved.model, 'float32', 16)  # builds
+  return resolved.model.name
+
+
 def _reference(path: str):
   return transformers.AutoModelForCausalLM.from_pretrained(
       path, dtype=torch.float32, attn_implementation='eager').eval()
@@ -69,6 +81,7 @@ def test_gemma_imports_exports_and_decodes_as_transformers(tmp_path, family):
   path = _save(tmp_path, family)
   lm = trained.load(hf_dir=path, devices=jax.devices()[:1], mesh={'data': 1},
                     compute_dtype='float32')
+  assert _from_directory(path, tmp_path) == lm.cfg.model.name  # launch/configs/hf.py: no field
   assert lm.model.family == family and lm.model.cfg.layer_windows == (4, 0, 4, 0)
   tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
   reference = _reference(path)

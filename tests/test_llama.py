@@ -85,6 +85,18 @@ def test_qwen3_one_step_on_data_fsdp_tensor_equals_one_device():
   assert 'blocks/attention/query_norm/scale' in paths, paths
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('fields', [{'model.name': 'qwen2'},
+                                    {'model.name': 'mistral', 'model.sliding_window': 8}],
+                         ids=['qwen2', 'mistral'])
+def test_qwen2_and_mistral_one_step_on_data_fsdp_tensor_equal_one_device(fields):
+  """Qwen2's q/k/v biases split over tensor with their heads; Mistral's window (8 of 32)."""
+  ref_loss, ref_grads = _one_step(_config(**ONE, **fields), 1)
+  loss, grads = _one_step(_config(**CUBE, **fields), 8)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'{fields["model.name"]} gradient and update')
+
+
 def _losses(cfg, workdir, n: int) -> list[float]:
   result = disttrain.train(cfg, str(workdir), devices=devices(n))
   assert result.trace_count == 1

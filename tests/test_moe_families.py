@@ -7,7 +7,7 @@ size of 24 apart from the width and norm_topk_prob off, random norm scales). Loa
 logits equal transformers' eager float32 forward to 1e-4; exported again, transformers' logits
 equal ours to 1e-5 and a second import is bitwise the first; greedy decoding with the KV cache
 gives transformers' greedy `generate` tokens for 16 new tokens from 2 prompts of different
-lengths. On fsdp x expert x tensor (8 devices) one step equals 1 device.
+lengths. On fsdp x expert x tensor (8 devices) one step of each equals 1 device.
 """
 
 import numpy as np
@@ -19,8 +19,10 @@ import jax
 import jax.numpy as jnp
 
 import disttrain
-from disttrain.hf import saves, trained
-from tests import test_llama
+from disttrain import models
+from disttrain.hf import config as hf_config, saves, trained
+from tests import helpers, test_llama
+from tests.conftest import ROOT
 from tests.helpers import assert_trees_close, to_numpy
 
 VOCAB = 101
@@ -49,6 +51,16 @@ def _save(tmp_path, family: str) -> str:
   return path
 
 
+def _from_directory(path: str, tmp_path) -> str:
+  """The family launch/configs/hf.py resolves restore_from=path to, no model field given."""
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'hf.py')
+  cfg = disttrain.from_config_dict(helpers.override(cd, {
+      'restore_from': path, 'data.train_files': str(tmp_path / 'chat.jsonl')}))
+  resolved = hf_config.from_directory(cfg)
+  models.build(resolved.model, 'float32', 16)  # builds
+  return resolved.model.name
+
+
 def _reference(path: str):
   return transformers.AutoModelForCausalLM.from_pretrained(
       path, dtype=torch.float32, attn_implementation='eager').eval()
@@ -65,6 +77,7 @@ def test_moe_family_imports_exports_and_decodes_as_transformers(tmp_path, family
   path = _save(tmp_path, family)
   lm = trained.load(hf_dir=path, devices=jax.devices()[:1], mesh={'data': 1},
                     compute_dtype='float32')
+  assert _from_directory(path, tmp_path) == lm.cfg.model.name  # launch/configs/hf.py: no field
   assert lm.model.family == family and lm.cfg.model.expert_capacity == 0  # dropless
   assert lm.model.cfg.moe_norm_topk == (family == 'mixtral')
   tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
@@ -95,15 +108,17 @@ def test_moe_family_imports_exports_and_decodes_as_transformers(tmp_path, family
 
 
 @pytest.mark.slow
-def test_qwen3_moe_on_fsdp_expert_tensor_equals_one_device():
-  fields = {'model.name': 'qwen3_moe', 'model.head_dim': 24, 'model.num_experts': 4,
-            'model.experts_per_token': 2, 'model.expert_capacity': 0.0,
-            'model.moe_norm_topk': False}
+@pytest.mark.parametrize('family', ['qwen3_moe', 'mixtral'])
+def test_moe_family_on_fsdp_expert_tensor_equals_one_device(family):
+  fields = {'model.name': family, 'model.num_experts': 4, 'model.experts_per_token': 2,
+            'model.expert_capacity': 0.0}
+  fields.update({'model.head_dim': 24, 'model.moe_norm_topk': False} if family == 'qwen3_moe'
+                else {'model.sliding_window': 8})
   ref_loss, ref_grads = test_llama._one_step(test_llama._config(**test_llama.ONE, **fields), 1)
   layout = {'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.expert': 2, 'mesh.tensor': 2}
   loss, grads = test_llama._one_step(test_llama._config(**layout, **fields), 8)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  assert_trees_close(grads, ref_grads, 1e-5, 1e-6, 'qwen3_moe gradient and update')
+  assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'{family} gradient and update')
 
 
 def test_qwen3_moe_with_dense_layers_among_the_experts_is_refused_naming_the_field(tmp_path):

@@ -28,8 +28,13 @@ def _ours(lm, tokens: list[int]) -> np.ndarray:
 
 
 def _theirs(hf_dir: str, prompts: list[list[int]]) -> list[np.ndarray]:
-  import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    from disttrain.errors import ConfigError  # pylint: disable=g-import-not-at-top
+    raise ConfigError(f'disttrain compare runs transformers as the reference ({e}); pip install '
+                      "'disttrain[compare]'") from e
   model = transformers.AutoModelForCausalLM.from_pretrained(
       hf_dir, dtype=torch.float32, attn_implementation='eager')
   model.eval()
