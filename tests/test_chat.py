@@ -121,6 +121,7 @@ def test_sft_rows_equal_apply_chat_template_and_train_the_assistant_tokens(
     assert tokenizer.encode_whole(template.pieces(conversation, 'x')) == (want_ids, want_mask)
 
 
+@pytest.mark.slow  # a launcher subprocess
 def test_a_template_that_fails_is_one_line_naming_the_example(tokenizer_dirs, tmp_path):
   """Gemma's template refuses a system turn: the run stops in one line, exit 2."""
   train = tmp_path / 'train.jsonl'

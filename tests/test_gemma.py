@@ -76,7 +76,8 @@ def _logits(model, params, tokens) -> np.ndarray:
   return np.asarray(out)[..., :VOCAB]
 
 
-@pytest.mark.parametrize('family', [pytest.param('gemma2', marks=pytest.mark.slow), 'gemma3'])
+@pytest.mark.slow  # two transformers models, a compile each for forward and decoding
+@pytest.mark.parametrize('family', ['gemma2', 'gemma3'])
 def test_gemma_imports_exports_and_decodes_as_transformers(tmp_path, family):
   path = _save(tmp_path, family)
   lm = trained.load(hf_dir=path, devices=jax.devices()[:1], mesh={'data': 1},

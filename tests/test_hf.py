@@ -399,8 +399,8 @@ DENSE = {'llama': lambda tmp: _llama(tmp, 2, False), 'qwen2': lambda tmp: _qwen(
          'qwen3': lambda tmp: _qwen(tmp, 'qwen3', True), 'mistral': _mistral}
 
 
-@pytest.mark.parametrize('family', [f if f == 'qwen2' else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in DENSE])
+@pytest.mark.slow  # two transformers models, a compile each for forward and decoding
+@pytest.mark.parametrize('family', list(DENSE))
 def test_dense_family_round_trips_and_decodes_as_transformers(tmp_path, family):
   """From the directory alone (launch/configs/hf.py's from_directory, as `generate --hf_dir`
   loads it): exported again, transformers' logits equal ours to 1e-5 and a second import is

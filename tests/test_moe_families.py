@@ -71,8 +71,8 @@ def _logits(lm, tokens) -> np.ndarray:
   return np.asarray(out)[..., :VOCAB]
 
 
-@pytest.mark.parametrize('family', [pytest.param('mixtral', marks=pytest.mark.slow),
-                                    'qwen3_moe'])
+@pytest.mark.slow  # two transformers models, a compile each for forward and decoding
+@pytest.mark.parametrize('family', ['mixtral', 'qwen3_moe'])
 def test_moe_family_imports_exports_and_decodes_as_transformers(tmp_path, family):
   path = _save(tmp_path, family)
   lm = trained.load(hf_dir=path, devices=jax.devices()[:1], mesh={'data': 1},
