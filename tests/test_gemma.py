@@ -15,20 +15,15 @@ equals 1 device.
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 
-import disttrain
-from disttrain import models
-from disttrain.hf import config as hf_config, saves, trained
 from disttrain.models.decoder import Decoder
-from tests import helpers, test_llama
-from tests.conftest import ROOT
-from tests.helpers import assert_trees_close, to_numpy
+from tests import hf_round_trip, test_llama
+from tests.helpers import assert_trees_close
 
 VOCAB = 101
 
@@ -56,21 +51,6 @@ def _save(tmp_path, family: str) -> str:
   return path
 
 
-def _from_directory(path: str, tmp_path) -> str:
-  """The family launch/configs/hf.py resolves restore_from=path to, no model field given."""
-  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'hf.py')
-  cfg = disttrain.from_config_dict(helpers.override(cd, {
-      'restore_from': path, 'data.train_files': str(tmp_path / 'chat.jsonl')}))
-  resolved = hf_config.from_directory(cfg)
-  models.build(resolved.model, 'float32', 16)  # builds
-  return resolved.model.name
-
-
-def _reference(path: str):
-  return transformers.AutoModelForCausalLM.from_pretrained(
-      path, dtype=torch.float32, attn_implementation='eager').eval()
-
-
 def _logits(model, params, tokens) -> np.ndarray:
   out = model.module.apply({'params': params}, jnp.asarray(tokens), False)
   return np.asarray(out)[..., :VOCAB]
@@ -80,12 +60,11 @@ def _logits(model, params, tokens) -> np.ndarray:
 @pytest.mark.parametrize('family', ['gemma2', 'gemma3'])
 def test_gemma_imports_exports_and_decodes_as_transformers(tmp_path, family):
   path = _save(tmp_path, family)
-  lm = trained.load(hf_dir=path, devices=jax.devices()[:1], mesh={'data': 1},
-                    compute_dtype='float32')
-  assert _from_directory(path, tmp_path) == lm.cfg.model.name  # launch/configs/hf.py: no field
+  lm = hf_round_trip.load(path)
+  assert hf_round_trip.from_directory(path, tmp_path) == lm.cfg.model.name  # launch/configs/hf.py: no field
   assert lm.model.family == family and lm.model.cfg.layer_windows == (4, 0, 4, 0)
   tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
-  reference = _reference(path)
+  reference = hf_round_trip.reference(path)
   with torch.no_grad():
     want = reference(torch.tensor(tokens)).logits.numpy()
   ours = _logits(lm.model, lm.params, tokens)
@@ -94,25 +73,8 @@ def test_gemma_imports_exports_and_decodes_as_transformers(tmp_path, family):
       lm.model.cfg, layer_windows=(), sliding_window=0)))
   assert np.abs(_logits(every_layer_global, lm.params, tokens) - want).max() > 1e-3
 
-  out = str(tmp_path / 'exported')
-  saves.write(out, family, lm.cfg.model, lm.model.cfg, lm.params, lm.tokenizer, 64)
-  with torch.no_grad():
-    again = _reference(out)(torch.tensor(tokens)).logits.numpy()
-  np.testing.assert_allclose(again, ours, rtol=1e-5, atol=1e-5)
-  second = trained.load(hf_dir=out, devices=jax.devices()[:1], mesh={'data': 1},
-                        compute_dtype='float32')
-  for a, b in zip(jax.tree.leaves(to_numpy(lm.params)), jax.tree.leaves(to_numpy(second.params)),
-                  strict=True):
-    np.testing.assert_array_equal(a, b)
-
-  prompts = [[5, 17, 3, 99, 42], [8, 1, 64, 23, 7, 90, 11, 2, 36]]
-  generated = disttrain.generate(lm.model, lm.params, prompts, max_new_tokens=16, eos_id=None,
-                                 mesh=lm.mesh, context=64)
-  for prompt, new in zip(prompts, generated.tokens):
-    with torch.no_grad():
-      hf_new = reference.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
-                                  do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert list(new) == hf_new[0, len(prompt):].tolist(), (family, prompt)
+  hf_round_trip.assert_exports_reimports_and_decodes(
+      lm, path, tmp_path, tokens, ours, [[5, 17, 3, 99, 42], [8, 1, 64, 23, 7, 90, 11, 2, 36]])
 
 
 GEMMA3 = {'model.name': 'gemma3', 'model.head_dim': 24, 'model.sliding_window': 8,

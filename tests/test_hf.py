@@ -27,7 +27,7 @@ from disttrain.config import ModelConfig
 from disttrain.errors import CheckpointError, ConfigError
 from disttrain.hf import config as hf_config, tensorfiles, trained, weights as hf
 from disttrain.models import layers
-from tests import helpers
+from tests import helpers, hf_round_trip
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
 VOCAB = 99
@@ -121,9 +121,7 @@ def test_imported_qwen_logits_equal_transformers(tmp_path, family, tied):
                              _reference_logits(path, TOKENS), rtol=1e-4, atol=1e-4)
 
 
-def test_imported_mistral_with_a_sliding_window_equals_transformers(tmp_path):
-  """A window of 4 positions in 16-token rows (transformers masks the same: its sliding-window
-  causal mask); the cached decoding of the same model is tests/test_generate.py's."""
+def _mistral(tmp_path) -> str:
   torch.manual_seed(5)
   config = transformers.MistralConfig(
       vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -131,6 +129,13 @@ def test_imported_mistral_with_a_sliding_window_equals_transformers(tmp_path):
       rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4, tie_word_embeddings=False)
   path = str(tmp_path / 'mistral')
   transformers.MistralForCausalLM(config).eval().save_pretrained(path)
+  return path
+
+
+def test_imported_mistral_with_a_sliding_window_equals_transformers(tmp_path):
+  """A window of 4 positions in 16-token rows (transformers masks the same: its sliding-window
+  causal mask); the cached decoding of the same model is tests/test_generate.py's."""
+  path = _mistral(tmp_path)
   model, params = _load(path, _model_config('mistral', 2, False, sliding_window=4))
   reference = _reference_logits(path, TOKENS)
   np.testing.assert_allclose(_our_logits(model, params, TOKENS), reference, rtol=1e-4, atol=1e-4)
@@ -384,17 +389,6 @@ def test_named_sizes_have_the_published_parameter_count(config_file, size):
   assert ours == PUBLISHED[config_file, size]
 
 
-def _mistral(tmp_path) -> str:
-  torch.manual_seed(5)
-  config = transformers.MistralConfig(
-      vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-      rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4, tie_word_embeddings=False)
-  path = str(tmp_path / 'mistral_round_trip')
-  transformers.MistralForCausalLM(config).eval().save_pretrained(path)
-  return path
-
-
 DENSE = {'llama': lambda tmp: _llama(tmp, 2, False), 'qwen2': lambda tmp: _qwen(tmp, 'qwen2', False),
          'qwen3': lambda tmp: _qwen(tmp, 'qwen3', True), 'mistral': _mistral}
 
@@ -406,30 +400,10 @@ def test_dense_family_round_trips_and_decodes_as_transformers(tmp_path, family):
   loads it): exported again, transformers' logits equal ours to 1e-5 and a second import is
   bitwise the first; 16 greedy tokens from the KV cache equal transformers' `generate` from 2
   prompts of different lengths. (tests/test_moe_families.py and test_gemma.py: the others.)"""
-  from disttrain.hf import saves  # pylint: disable=g-import-not-at-top
   path = DENSE[family](tmp_path)
-  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'hf.py')
-  resolved = hf_config.from_directory(disttrain.from_config_dict(helpers.override(
-      cd, {'restore_from': path, 'data.train_files': str(tmp_path / 'chat.jsonl')})))
-  assert resolved.model.name == family
-  one = {'devices': jax.devices()[:1], 'mesh': {'data': 1}, 'compute_dtype': 'float32'}
-  lm = trained.load(hf_dir=path, **one)
+  assert hf_round_trip.from_directory(path, tmp_path) == family
+  lm = hf_round_trip.load(path)
   ours = _our_logits(lm.model, lm.params, TOKENS)
   np.testing.assert_allclose(ours, _reference_logits(path, TOKENS), rtol=1e-4, atol=1e-4)
-  out = str(tmp_path / 'exported')
-  saves.write(out, family, lm.cfg.model, lm.model.cfg, lm.params, lm.tokenizer, 64)
-  np.testing.assert_allclose(_reference_logits(out, TOKENS), ours, rtol=1e-5, atol=1e-5)
-  second = trained.load(hf_dir=out, **one)
-  for a, b in zip(jax.tree.leaves(helpers.to_numpy(lm.params)),
-                  jax.tree.leaves(helpers.to_numpy(second.params)), strict=True):
-    np.testing.assert_array_equal(a, b)
-  prompts = [[5, 17, 3, 98, 42], [8, 1, 64, 23, 7, 90, 11, 2, 36]]
-  generated = disttrain.generate(lm.model, lm.params, prompts, max_new_tokens=16, eos_id=None,
-                                 mesh=lm.mesh, context=64)
-  reference = transformers.AutoModelForCausalLM.from_pretrained(
-      path, dtype=torch.float32, attn_implementation='eager').eval()
-  for prompt, new in zip(prompts, generated.tokens):
-    with torch.no_grad():
-      want = reference.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert list(new) == want[0, len(prompt):].tolist(), (family, prompt)
+  hf_round_trip.assert_exports_reimports_and_decodes(
+      lm, path, tmp_path, TOKENS, ours, [[5, 17, 3, 98, 42], [8, 1, 64, 23, 7, 90, 11, 2, 36]])
