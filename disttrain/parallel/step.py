@@ -227,8 +227,9 @@ def eval_sums(model, task, state: TrainState, batch: dict, policy: Policy) -> Me
   if getattr(task, 'per_token', False):
     sums.update(num_examples=jnp.sum(batch[MASK]), num_tokens=sums['count'])
   model_loss = jnp.asarray(model_loss, jnp.float32) * sums['count']
-  if apart_name(model):
-    sums[apart_name(model)] = model_loss
+  name = apart_name(model)
+  if name is not None:
+    sums[name] = model_loss
   elif 'loss' in sums:
     sums['loss'] = sums['loss'] + model_loss
   return sums
