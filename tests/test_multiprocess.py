@@ -554,7 +554,9 @@ def servers():
     yield srv
 
 
-@pytest.mark.parametrize('scheme', ['gs', 's3'])
+# s3 alone: its commit markers are disttrain's (urls.py), gs:// commits by orbax's own rules, and
+# a gs:// run's resume is checked in tests/test_buckets.py.
+@pytest.mark.parametrize('scheme', ['s3'])
 def test_bucket_job_killed_restarts_to_the_uninterrupted_end(runs, servers, scheme):
   """Process 1 of a supervised 2 x 4 job writing to gs:// or s3:// is SIGKILLed after the
   step-10 checkpoint committed in the bucket: the gang restarts from the bucket's checkpoint and
