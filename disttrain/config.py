@@ -343,6 +343,35 @@ class TrackingConfig:
       raise ConfigError("tracking.project='' names no MLflow experiment / W&B project; pass one")
 
 
+LORA_TARGETS = r'(attention/(query|key|value|qkv|out)|mlp/(gate|up|down|mlp_in|mlp_out))/kernel$'
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters (disttrain/models/lora.py): only they train, the base weights are frozen
+  and stored once; language models."""
+  rank: int = 0  # adapter rank r; 0 = off (every weight trains)
+  alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+  dropout: float = 0.0  # dropout on the adapters' input while training (PEFT's lora_dropout)
+  # regex searched in each projection's parameter path ('blocks/attention/query/kernel'); the
+  # default: every attention and MLP projection
+  targets: str = LORA_TARGETS
+  base_dtype: str = 'float32'  # the frozen base weights' storage: float32 or bfloat16
+
+  def __post_init__(self):
+    _positive('lora.rank', self.rank, allow_zero=True)
+    if self.alpha <= 0:
+      raise ConfigError(f'lora.alpha={self.alpha} must be > 0; PEFT uses e.g. 16 or 2 x rank')
+    if not 0.0 <= self.dropout < 1.0:
+      raise ConfigError(f'lora.dropout={self.dropout} must be in [0, 1)')
+    _one_of('lora.base_dtype', self.base_dtype, ('float32', 'bfloat16'))
+    try:
+      re.compile(self.targets)
+    except re.error as e:
+      raise ConfigError(f'lora.targets={self.targets!r} is not a regex ({e}); pass e.g. '
+                        "'attention/(query|value)/kernel$'") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """A whole run. Each field's comment is its documentation (the docs' config reference is
@@ -405,6 +434,7 @@ class Config:
   # own.
   restore_from: str = ''
   precision: PrecisionConfig = PrecisionConfig()
+  lora: LoraConfig = LoraConfig()  # low-rank adapters (language models); lora.rank > 0 turns on
   grad_accum_steps: int = 1  # micro-batches per step (lax.scan in the step), one update per step
   # Per-device bytes a train step may need (XLA's memory analysis, checked before the first
   # step); 0 = the device's own limit where it reports one (accelerators), else unchecked.

@@ -86,7 +86,8 @@ class Reader:
 
 
 def write(directory: str, tensors: Iterable[tuple[str, tuple, np.dtype, Callable[[], np.ndarray]]],
-          max_shard_bytes: int = 2 * 2**30, metadata: dict | None = None) -> list[str]:
+          max_shard_bytes: int = 2 * 2**30, metadata: dict | None = None,
+          file_name: str = 'model.safetensors') -> list[str]:
   """Writes (name, shape, dtype, produce) tensors in order, each produced when written.
 
   Files hold at most `max_shard_bytes` (one tensor larger than that gets a file of its own);
@@ -102,7 +103,7 @@ def write(directory: str, tensors: Iterable[tuple[str, tuple, np.dtype, Callable
       size = 0
     shards[-1].append(entry)
     size += nbytes
-  names = (['model.safetensors'] if len(shards) == 1 else
+  names = ([file_name] if len(shards) == 1 else
            [f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors' for i in range(len(shards))])
   progress = _Progress(sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d, _ in tensors))
   for name, shard in zip(names, shards):

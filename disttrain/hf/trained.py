@@ -16,7 +16,8 @@ from disttrain import config as config_lib, models
 from disttrain.config import Config
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.errors import CheckpointError, ConfigError
-from disttrain.hf import config as hf_config, weights as hf
+from disttrain.hf import adapters, config as hf_config, weights as hf
+from disttrain.models import lora
 from disttrain.parallel import mesh as mesh_lib, optim, state as state_lib
 from disttrain.storage import checkpoint
 
@@ -31,6 +32,7 @@ class Trained:
   tokenizer: tokenizer_lib.Tokenizer
   source: str  # 'RUN_DIR step N' or the Hugging Face directory
   context: int  # the longest sequence it takes (positions table, max_seq_len or data.seq_len)
+  adapters: Any = None  # a LoRA run's adapters (params holds them merged into the base)
 
 
 def _config(tree: dict, mesh: dict | None) -> Config:
@@ -85,13 +87,20 @@ def load(*, workdir: str = '', hf_dir: str = '', step: int | None = None, device
   context = model.cfg.learned_positions or cfg.model.max_seq_len or cfg.data.seq_len
   spec = {'tokens': jax.ShapeDtypeStruct((1, cfg.data.seq_len), np.int32)}
   abstract = state_lib.abstract_params(model, spec, cfg, mesh_)
+  found_adapters = None
   if hf_dir:
     params = hf.restore(hf_dir, model, cfg.model, abstract)
+  elif cfg.lora.rank:  # the adapters merged into the base they were trained on
+    if ema:
+      raise ConfigError(f'{workdir} trained LoRA adapters; --ema reads full parameters, drop it')
+    params, found_adapters = adapters.load_run(cfg, lora.adapt(model, cfg.lora), spec, mesh_,
+                                               workdir, step)
   elif ema:
     params = _ema(workdir, step, cfg, model, spec, mesh_)
   else:
     params = checkpoint.restore_subtree(workdir, step, {'params': abstract})['params']
-  return Trained(cfg, model, params, mesh_, tokenizer_lib.load(tok_path), source, context)
+  return Trained(cfg, model, params, mesh_, tokenizer_lib.load(tok_path), source, context,
+                 found_adapters)
 
 
 def _ema(workdir: str, step: int, cfg: Config, model, spec, mesh):

@@ -73,6 +73,7 @@ class DecoderConfig:
   final_softcap: float = 0.0
   layer_windows: tuple = ()
   local_rope: tuple | None = None
+  lora: Any = None  # lora.LoraSpec: low-rank adapters on the projections it targets (lora.py)
 
   @property
   def head_dim(self) -> int:
@@ -99,7 +100,7 @@ class Block(nn.Module):
         qkv_bias=cfg.use_bias or cfg.qkv_bias, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else 0.0,
         window=cfg.sliding_window, qk_norm_offset=cfg.norm == 'offset_rmsnorm',
         query_scale=cfg.query_scale, softcap=cfg.attn_softcap, local_rope=cfg.local_rope,
-        name='attention')(h, positions_BxT, segments_BxT, decode, cache, window)
+        lora=cfg.lora, name='attention')(h, positions_BxT, segments_BxT, decode, cache, window)
     if cfg.sandwich_norms:
       attended = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'post_attention_norm')(attended)
     x_BxTxD = constrain(x_BxTxD + dropout(attended), ('batch', 'sequence', None))
@@ -109,7 +110,7 @@ class Block(nn.Module):
                      cfg.mlp_dim, cfg.dtype, cfg.router_aux_weight, cfg.router_z_weight,
                      cfg.moe_norm_topk, name='moe')(h)
     else:
-      h = layers.Mlp(cfg.mlp, cfg.mlp_dim, cfg.use_bias, cfg.dtype, name='mlp')(h)
+      h = layers.Mlp(cfg.mlp, cfg.mlp_dim, cfg.use_bias, cfg.dtype, lora=cfg.lora, name='mlp')(h)
     if cfg.sandwich_norms:
       h = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'post_mlp_norm')(h)
     return constrain(x_BxTxD + dropout(h), ('batch', 'sequence', None)), cache

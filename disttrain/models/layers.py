@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from disttrain.models import lora as lora_lib
 from disttrain.models.attention import attention
 from disttrain.parallel import sharding
 
@@ -127,12 +128,15 @@ class Attention(nn.Module):
   query_scale: float = 0.0  # logits' scale; 0 = 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar)
   softcap: float = 0.0  # attention logits capped at c tanh(x / c); 0 = none (Gemma 2: 50)
   local_rope: Any = None  # inverse frequencies of the layers with a window (Gemma's local base)
+  lora: Any = None  # lora.LoraSpec: adapters on the projections it targets
 
   def _dense(self, features: tuple, axes: tuple, name: str):
     bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
-    return nn.DenseGeneral(features, use_bias=bias, dtype=self.dtype, name=name,
-                           kernel_init=weights(('embed',) + axes),
-                           bias_init=weights(axes, nn.initializers.zeros_init()))
+    dense = nn.DenseGeneral(features, use_bias=bias, dtype=self.dtype, name=name,
+                            kernel_init=weights(('embed',) + axes),
+                            bias_init=weights(axes, nn.initializers.zeros_init()))
+    return lora_lib.adapted(dense, self.lora, f'blocks/{self.name}/{name}/kernel', features,
+                            ('embed',), axes, self.dtype)
 
   def _head_norm(self, x_BxTxHxK: jax.Array, name: str) -> jax.Array:
     if not self.qk_norm_eps:
@@ -179,10 +183,13 @@ class Attention(nn.Module):
       out = attention(q, new_cache['k'].astype(q.dtype), new_cache['v'].astype(q.dtype),
                       q_segments_BxT=segments_BxT, kv_segments_BxS=decode.segments_BxS,
                       q_offset=decode.index, **options)
-    out_BxTxD = nn.DenseGeneral(x_BxTxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias,
-                                dtype=self.dtype, name='out',
-                                kernel_init=weights(('heads', 'head_dim', 'embed')),
-                                bias_init=weights(('embed',), nn.initializers.zeros_init()))(out)
+    out_proj = nn.DenseGeneral(x_BxTxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias,
+                               dtype=self.dtype, name='out',
+                               kernel_init=weights(('heads', 'head_dim', 'embed')),
+                               bias_init=weights(('embed',), nn.initializers.zeros_init()))
+    out_BxTxD = lora_lib.adapted(out_proj, self.lora, f'blocks/{self.name}/out/kernel',
+                                 (x_BxTxD.shape[-1],), ('heads', 'head_dim'), ('embed',),
+                                 self.dtype)(out)
     return out_BxTxD, new_cache
 
 
@@ -193,11 +200,14 @@ class Mlp(nn.Module):
   hidden: int
   use_bias: bool
   dtype: Any
+  lora: Any = None  # lora.LoraSpec: adapters on the projections it targets
 
   def _dense(self, features: int, axes: tuple, name: str):
-    return nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, name=name,
-                    kernel_init=weights(axes),
-                    bias_init=weights(axes[1:], nn.initializers.zeros_init()))
+    dense = nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, name=name,
+                     kernel_init=weights(axes),
+                     bias_init=weights(axes[1:], nn.initializers.zeros_init()))
+    return lora_lib.adapted(dense, self.lora, f'blocks/{self.name}/{name}/kernel', (features,),
+                            axes[:1], axes[1:], self.dtype)
 
   @nn.compact
   def __call__(self, x_BxTxD: jax.Array) -> jax.Array:

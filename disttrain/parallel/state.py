@@ -42,10 +42,32 @@ def _zeros(spec: dict) -> dict:
   return {k: jnp.zeros(s.shape, s.dtype) for k, s in spec.items()}
 
 
+# A mutable collection of this name holds frozen inputs (LoRA's base weights): laid out like
+# parameters, never checkpointed (a run reloads them from their source; disttrain/models/lora.py).
+FROZEN = 'frozen'
+
+
+def init_variables(model, spec: dict, seed: int) -> dict:
+  """The model's variables as a fresh state initialises them (call under jit or eval_shape)."""
+  return model.init(jax.random.fold_in(jax.random.key(seed), 0), _zeros(spec))
+
+
+def saved_part(state):
+  """The state without its frozen collection: what checkpoints hold."""
+  if not isinstance(getattr(state, 'mutable', None), dict) or FROZEN not in state.mutable:
+    return state
+  return state.replace(mutable={k: v for k, v in state.mutable.items() if k != FROZEN})
+
+
+def with_frozen(state, frozen):
+  """A restored state with the frozen collection put back."""
+  return state.replace(mutable={**state.mutable, FROZEN: frozen})
+
+
 def _init_fn(model, tx: optax.GradientTransformation, spec: dict, seed: int):
   def init() -> TrainState:
     root = jax.random.key(seed)
-    variables = model.init(jax.random.fold_in(root, 0), _zeros(spec))
+    variables = init_variables(model, spec, seed)
     params = variables['params']
     mutable = {k: v for k, v in variables.items() if k != 'params'}
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
@@ -77,7 +99,11 @@ def layout(model, tx, spec: dict, cfg: Config, mesh: Mesh) -> Layout:
   """
   abstract = jax.eval_shape(_init_fn(model, tx, spec, cfg.seed))
   param_specs, replicated = params_specs(model, abstract.params, spec, cfg, mesh)
-  mutable_specs, _ = sharding_lib.specs_for(abstract.mutable, cfg, mesh)
+  logical = None
+  if FROZEN in abstract.mutable:  # the frozen base is laid out by the parameters' logical names
+    logical = model.logical_specs(spec)
+    logical = {k: logical.get(k) for k in abstract.mutable}
+  mutable_specs, _ = sharding_lib.specs_for(abstract.mutable, cfg, mesh, logical=logical)
   replicate = NamedSharding(mesh, P())
   param_shardings = sharding_lib.named(mesh, param_specs)
   opt_shardings = _follow_params(abstract.opt_state, abstract.params, param_shardings, replicate)

@@ -27,7 +27,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
 from disttrain.config import Config
 from disttrain.errors import CheckpointError, first_line
-from disttrain.parallel import sharding as sharding_lib
+from disttrain.parallel import sharding as sharding_lib, state as state_lib
 from disttrain.storage import urls
 
 ITEMS = ('state', 'data', 'meta')
@@ -114,8 +114,12 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_state: dict, meta: dict,
            metrics: dict | None = None) -> None:
     """Starts an async save; raises the error of an earlier async save if it failed."""
+    state = state_lib.saved_part(state)  # frozen inputs come from their source, not from here
     with self._named_failures():
       self._manager.check_for_errors()
+      # orbax waits for the previous save before starting this one: wait first, so the space
+      # check sees the disk after it (not while it is still writing).
+      self._manager.wait_until_finished()
       self._check_space(step, state)
       self._started.append(step)
       self._manager.save(step, args=ocp.args.Composite(
@@ -175,6 +179,7 @@ class Checkpointer:
     and is moved aside; if no step restores (out of memory, permissions, storage down, ...)
     nothing is moved and the error is raised, so a relaunch never silently starts over.
     """
+    abstract_state = state_lib.saved_part(abstract_state)  # restored without frozen inputs
     failures = []
     for step in reversed(self.steps()):
       check_fits(self._manager, step, abstract_state, self.directory)

@@ -12,7 +12,8 @@ import disttrain
 from disttrain.config import Config
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.data.batches import TrainIterator
-from disttrain.hf import config as hf_config, saves, weights as hf
+from disttrain.hf import adapters, config as hf_config, saves, weights as hf
+from disttrain.models import lora
 from disttrain.operating import callbacks as callbacks_lib, events, lease as lease_lib, metrics
 from disttrain.operating import timing, tracking, watchdog
 from disttrain.parallel import distributed, mesh as mesh_lib, sharding as sharding_lib
@@ -155,12 +156,24 @@ def _restore_or_init(ckpt, run: Setup, batches, hooks, writer, before_weights=la
   pre-flight: a model that cannot train here is refused before a download-sized read)."""
   cfg, state = run.cfg, run.state
   abstract = checkpoint.abstract_like(run.layout.shardings, state)
+  if isinstance(run.model, lora.LoraModel):  # the frozen base first: checkpoints hold none
+    if not ckpt.steps():
+      before_weights()
+    base = adapters.load_base(cfg, run.model, abstract.mutable[state_lib.FROZEN])
+    if base is not None:
+      state = state_lib.with_frozen(state, base)
+      writer.print(f'LoRA base: the Hugging Face model in {cfg.restore_from} '
+                   f'({cfg.lora.base_dtype}, frozen); adapters of rank {cfg.lora.rank} train')
   restored = ckpt.restore_latest(abstract)
   if restored is not None:
-    state, data_state, meta, at = restored
+    restored_state, data_state, meta, at = restored
+    if isinstance(run.model, lora.LoraModel):
+      restored_state = state_lib.with_frozen(restored_state, state.mutable[state_lib.FROZEN])
     batches.set_state(data_state)  # the data order continues exactly where it stopped
     hooks.restore(meta.get('callbacks', {}))
     writer.print(f'resumed from step {at}: {ckpt.directory}/{at}')
+    return restored_state
+  if isinstance(run.model, lora.LoraModel):
     return state
   if cfg.restore_from and hf.is_hf_dir(cfg.restore_from):
     before_weights()
@@ -242,7 +255,8 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
                           evals=acts.evaluator.checkpoint_metrics() if evals or stop else None)
     if acts.hf_saves.due(step_no, last):
       with phases('checkpoint'):
-        acts.hf_saves.save(step_no, steps.export(device_state).params)
+        params = adapters.plain_params(run.model, steps.export(device_state))
+        acts.hf_saves.save(step_no, params)
     phases.finished(step_no)
     if stop is not None:
       break

@@ -23,7 +23,7 @@ from disttrain.data.batches import check_workers, element_spec, stacked_sharding
 from disttrain.data.records import Records
 from disttrain.errors import ConfigError, DisttrainError
 from disttrain.hf import config as hf_config
-from disttrain.models import pipeline
+from disttrain.models import lora, pipeline
 from disttrain.operating import metrics
 from disttrain.parallel import mesh as mesh_lib, optim, sharding as sharding_lib, spmd
 from disttrain.parallel import state as state_lib, step as step_lib
@@ -84,7 +84,8 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
       raise ConfigError(f'the {records.name} data has fields {sorted(records.spec)} but the train '
                         f'data has {sorted(train.spec)}; give both the same fields')
   _check_metric_names(cfg, evals)
-  model = model or models.build(cfg.model, cfg.precision.compute_dtype, cfg.data.seq_len)
+  model = lora.adapt(model or models.build(cfg.model, cfg.precision.compute_dtype,
+                                           cfg.data.seq_len), cfg.lora)
   task = task or models.task(cfg.model)
   config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
   tx = tx or config_tx
@@ -194,7 +195,8 @@ def plan(cfg: Config, spec: dict, devices: Sequence[jax.Device] | None = None, m
   parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
   parallel.check_batch_sizes(cfg)
   mesh = parallel.mesh
-  model = model or models.build(cfg.model, cfg.precision.compute_dtype, cfg.data.seq_len)
+  model = lora.adapt(model or models.build(cfg.model, cfg.precision.compute_dtype,
+                                           cfg.data.seq_len), cfg.lora)
   task = task or models.task(cfg.model)
   tx = tx or optim.build(cfg)[0]
   parallel.check_model(model, _tokens(model, spec))
@@ -247,6 +249,7 @@ def run_info(run: Setup) -> dict:
       'state_dtypes': {name: _dtypes(getattr(run.state, name))
                        for name in ('params', 'opt_state', 'mutable')},
       'state_bytes_per_device': shard_bytes(run.state),
+      'state_bytes_per_device_by_part': _state_parts(run.state),
       'data': {'train': {'examples': len(run.train_data), 'fields': _spec_json(run.train_data)},
                **{name: {'examples': len(r)} for name, r in run.eval_data.items()}},
       'versions': {'disttrain': disttrain.__version__, 'jax': jax.__version__,
@@ -257,6 +260,15 @@ def run_info(run: Setup) -> dict:
       **({'loss': run.model.loss_info(element_spec(run.train_data))}
          if hasattr(run.model, 'loss_info') else {}),
   }
+
+
+def _state_parts(state: state_lib.TrainState) -> dict:
+  """Per-device bytes of the parameters, the optimizer state and the other collections (LoRA's
+  frozen base apart): what an adapter run saves is read here."""
+  mutable = dict(state.mutable) if isinstance(state.mutable, dict) else {'': state.mutable}
+  frozen = mutable.pop(state_lib.FROZEN, None)
+  return {'params': shard_bytes(state.params), 'opt_state': shard_bytes(state.opt_state),
+          'mutable': shard_bytes(mutable), **({'frozen': shard_bytes(frozen)} if frozen else {})}
 
 
 def _pipeline_info(run: Setup) -> dict:

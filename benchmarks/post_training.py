@@ -1,0 +1,103 @@
+"""Post-training against full fine-tuning of the same model, batch and devices, in one process.
+
+  python benchmarks/post_training.py [--fake_devices=8] [--json=out.json]
+
+LoRA (lora.rank=16 on every attention and MLP projection, base in float32 and in bfloat16)
+against training every weight, on a Llama of 8 x 512 (mlp 1,536, 25 M parameters), batch
+16 x 256 tokens, AdamW: the per-device state bytes (parameters, optimizer state, frozen base) and
+temporaries of the compiled step (XLA's memory analysis), and the step time as the median of
+paired ratios (full, LoRA, full, LoRA, ... one step each, after a warm-up), since this machine's
+speed drifts between minutes. LoRA's step skips the frozen weights' gradients (a third of the
+matmul FLOPs) and their optimizer update.
+"""
+
+import json
+import os
+import runpy
+import sys
+import time
+
+from absl import app, flags
+
+_JSON = flags.DEFINE_string('json', None, 'Write the rows here.')
+_FAKE_DEVICES = flags.DEFINE_integer('fake_devices', 1, 'CPU devices (data x fsdp when > 1).')
+_PAIRS = flags.DEFINE_integer('pairs', 7, 'Timed (full, LoRA) step pairs.')
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MODEL = {'model.num_layers': 8, 'model.hidden': 512, 'model.num_heads': 8,
+          'model.num_kv_heads': 4, 'model.mlp_dim': 1536, 'data.seq_len': 256,
+          'global_batch_size': 16, 'data.text.bytes': 400_000, 'warmup_steps': 0}
+_SETTINGS = (('full fine-tuning', {}),
+             ('LoRA r=16, float32 base', {'lora.rank': 16}),
+             ('LoRA r=16, bfloat16 base', {'lora.rank': 16, 'lora.base_dtype': 'bfloat16'}))
+
+
+def _config(overrides: dict):
+  import disttrain  # pylint: disable=g-import-not-at-top
+  cd = runpy.run_path(os.path.join(_ROOT, 'launch', 'configs', 'llama.py'))['get_config']()
+  for key, value in overrides.items():
+    node = cd
+    *parents, leaf = key.split('.')
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return disttrain.from_config_dict(cd)
+
+
+def rows(n: int, pairs: int) -> list[dict]:
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import disttrain  # pylint: disable=g-import-not-at-top
+  from disttrain import data  # pylint: disable=g-import-not-at-top
+  from disttrain.parallel.step import Variant  # pylint: disable=g-import-not-at-top
+  from disttrain.training import setup as run_lib  # pylint: disable=g-import-not-at-top
+  mesh = {'mesh.data': 1} if n == 1 else {'mesh.data': 2, 'mesh.fsdp': n // 2,
+                                           'sharding': 'fsdp'}
+  out, runs = [], []
+  for name, overrides in _SETTINGS:
+    run = disttrain.setup(_config({**_MODEL, **mesh, **overrides}), devices=jax.devices()[:n])
+    it = data.TrainIterator(run.train_data, run.cfg.global_batch_size, 0, run.batch_sharding)
+    batch = next(it)
+    it.close()
+    state = run.steps.place(run.state)
+    variant = Variant(metrics=False, full_batch=True)
+    info = run.steps.compile(variant, state, run_lib.train_batch_spec(run))
+    parts = run_lib.run_info(run)['state_bytes_per_device_by_part']
+    trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.state.params))
+    out.append({'setting': name, 'devices': n, 'trainable_params': trainable, **parts,
+                'temp_bytes': info.temp_bytes, 'peak_bytes': info.peak_bytes})
+    runs.append((run, state, batch, variant))
+
+  def step(i: int) -> float:
+    run, state, batch, variant = runs[i]
+    start = time.perf_counter()
+    state, metrics = run.steps.train(state, batch, variant)
+    jax.block_until_ready(metrics)
+    runs[i] = (run, state, batch, variant)
+    return time.perf_counter() - start
+
+  for i in range(len(runs)):  # warm-up
+    step(i)
+  times = [[step(i) for i in range(len(runs))] for _ in range(pairs)]
+  for i, row in enumerate(out):
+    row['step_seconds'] = round(float(np.median([t[i] for t in times])), 4)
+    row['step_time_vs_full'] = round(float(np.median([t[i] / t[0] for t in times])), 3)
+  return out
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
+    sys.exit(2)
+  if _FAKE_DEVICES.value > 1:
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_'
+                               f'device_count={_FAKE_DEVICES.value}')
+  result = rows(_FAKE_DEVICES.value, _PAIRS.value)
+  for row in result:
+    print(json.dumps(row), flush=True)
+  if _JSON.value:
+    with open(_JSON.value, 'w') as f:
+      json.dump(result, f, indent=2)
+
+
+if __name__ == '__main__':
+  app.run(main)
