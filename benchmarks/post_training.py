@@ -58,11 +58,11 @@ def rows(n: int, pairs: int) -> list[dict]:
     it = data.TrainIterator(run.train_data, run.cfg.global_batch_size, 0, run.batch_sharding)
     batch = next(it)
     it.close()
+    parts = run_lib.run_info(run)['state_bytes_per_device_by_part']
+    trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.state.params))
     state = run.steps.place(run.state)
     variant = Variant(metrics=False, full_batch=True)
     info = run.steps.compile(variant, state, run_lib.train_batch_spec(run))
-    parts = run_lib.run_info(run)['state_bytes_per_device_by_part']
-    trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.state.params))
     out.append({'setting': name, 'devices': n, 'trainable_params': trainable, **parts,
                 'temp_bytes': info.temp_bytes, 'peak_bytes': info.peak_bytes})
     runs.append((run, state, batch, variant))

@@ -1,7 +1,7 @@
 """The Llama family (launch/configs/llama.py at a tiny size) on every layout equals 1 device.
 
 Tolerances as in tests/test_equivalence.py: one step agrees to float reassociation of the
-cross-device sums (rtol 1e-5), 10-step losses to rtol 1e-4. Gradient accumulation (M = 2) on
+cross-device sums (rtol 1e-5). Gradient accumulation (M = 2) on
 data x fsdp x tensor equals the global-batch step on 1 device. bf16 on 8 devices follows bf16 on
 1 device within 2e-3 over 10 steps: the forward pass rounds partial sums to bf16 in another order
 (measured 4e-4).
@@ -104,7 +104,8 @@ def _losses(cfg, workdir, n: int) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('precision,rtol', [('float32', 1e-4), ('bfloat16', 2e-3)])
+# bfloat16 alone: float32's one step on the same layout agrees to 1e-5 (above, with accumulation).
+@pytest.mark.parametrize('precision,rtol', [('bfloat16', 2e-3)])
 def test_ten_steps_on_eight_devices_equal_one(tmp_path, precision, rtol):
   common = {'num_train_steps': 10, 'log_every_steps': 1,
             'precision.compute_dtype': precision}

@@ -5,7 +5,8 @@ Data x fsdp x tensor (8 devices) equals 1 device to float reassociation (losses 
 differences); a resume is bitwise; the optimizer state is the adapters' alone and the frozen base
 is never changed or saved. From a Hugging Face base: the merged export is W + (alpha / r) A B
 (checked against the product written here), `transformers` gives our logits from it and `peft`
-gives them from the adapter directory on the base, to 1e-5.
+gives them from the adapter directory on the base, to 1e-5; the run's own Hugging Face save
+(hf_save_every_steps) is the merged export.
 """
 
 import json
@@ -90,7 +91,8 @@ def _logits(model, tokens) -> np.ndarray:
 def test_lora_on_a_hugging_face_base_exports_merged_and_as_peft_with_equal_logits(tmp_path):
   base = _hf_llama(tmp_path)
   cfg = _config(**{**LORA, **ONE, 'restore_from': base, 'model.mlp_dim': 128,
-                   'model.tied_embeddings': False, 'lora.dropout': 0.1, 'learning_rate': 5e-2})
+                   'model.tied_embeddings': False, 'lora.dropout': 0.1, 'learning_rate': 5e-2,
+                   'hf_save_every_steps': 4})
   workdir = str(tmp_path / 'run')
   result = disttrain.train(cfg, workdir, devices=devices(1))
   tokens = np.random.default_rng(0).integers(0, 256, (2, 24)).astype(np.int32)
@@ -110,8 +112,12 @@ def test_lora_on_a_hugging_face_base_exports_merged_and_as_peft_with_equal_logit
   name = 'model.layers.1.self_attn.q_proj.weight'
   w = safetensors.numpy.load_file(f'{base}/model.safetensors')[name]
   want = w + (8.0 / 4) * (a @ b.reshape(4, -1)).T
-  got = safetensors.numpy.load_file(f'{merged_dir}/model.safetensors')[name]
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  got = safetensors.numpy.load_file(f'{merged_dir}/model.safetensors')
+  np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-6)
+  during = safetensors.numpy.load_file(f'{workdir}/hf/4/model.safetensors')  # the run's own save
+  assert during.keys() == got.keys()
+  for key, value in got.items():
+    np.testing.assert_array_equal(during[key], value)
 
   load = lambda path: transformers.AutoModelForCausalLM.from_pretrained(
       path, dtype=torch.float32, attn_implementation='eager').eval()
