@@ -19,7 +19,8 @@ from disttrain.errors import ConfigError
 
 SHARDINGS = ('replicate', 'fsdp')
 STEP_MODES = ('jit', 'shard_map', 'pmap')
-FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft')  # read data.train_files
+# Sources that read data.train_files.
+FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft', 'preference')
 PACKING = ('concat', 'documents')
 TOKEN_DTYPES = ('uint16', 'uint32')
 REMAT = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
@@ -117,12 +118,13 @@ class DataConfig:
   """Which data, where it lives, how it is split and read. Per-source fields sit in groups."""
   # A builder in disttrain.data.sources.SOURCES: digits (scikit-learn's 1,797 real 8x8 digits),
   # mnist (IDX files in data.dir), synthetic (benchmarks), text (byte windows), and from
-  # data.train_files: array_record, tokens, documents (raw text), sft (prompt/completion or chat).
+  # data.train_files: array_record, tokens, documents (raw text), sft (prompt/completion or chat),
+  # preference (prompt/chosen/rejected pairs for DPO).
   name: str = 'digits'
   # mnist: a folder with train-*/t10k-* IDX files (gzipped or not); text: a folder of text files
   # ('' = the standard library's *.py).
   dir: str = ''
-  # array_record / tokens / documents / sft: comma-separated local file globs.
+  # array_record / tokens / documents / sft / preference: comma-separated local file globs.
   train_files: str = ''
   # The eval split's file globs; '' = hold out data.eval_examples of the train files (documents:
   # whole documents).
@@ -373,6 +375,16 @@ class LoraConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DpoConfig:
+  """Direct preference optimization (data.name='preference'; disttrain/models/preference.py)."""
+  beta: float = 0.1  # the rewards' scale: beta x (policy - reference) summed log-probabilities
+
+  def __post_init__(self):
+    if self.beta <= 0:
+      raise ConfigError(f'dpo.beta={self.beta} must be > 0; TRL uses 0.1')
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   """A whole run. Each field's comment is its documentation (the docs' config reference is
   generated from them)."""
@@ -435,6 +447,7 @@ class Config:
   restore_from: str = ''
   precision: PrecisionConfig = PrecisionConfig()
   lora: LoraConfig = LoraConfig()  # low-rank adapters (language models); lora.rank > 0 turns on
+  dpo: DpoConfig = DpoConfig()  # preference optimization, with data.name='preference'
   grad_accum_steps: int = 1  # micro-batches per step (lax.scan in the step), one update per step
   # Per-device bytes a train step may need (XLA's memory analysis, checked before the first
   # step); 0 = the device's own limit where it reports one (accelerators), else unchecked.

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 import disttrain
+from disttrain import errors
 from disttrain.data import chat, sources, tokenizer as tokenizer_lib
 from tests import helpers
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
@@ -119,6 +120,36 @@ def test_sft_rows_equal_apply_chat_template_and_train_the_assistant_tokens(
     template = chat.ChatTemplate(marked(style), 'marked', chat.special_tokens(
         str(folder / 'tokenizer.json')))
     assert tokenizer.encode_whole(template.pieces(conversation, 'x')) == (want_ids, want_mask)
+
+
+def test_conversational_preference_pairs_are_the_templates_rows(tokenizer_dirs, tmp_path):
+  """DPO's pairs in TRL's conversational form: each row is apply_chat_template of the prompt
+  turns and the chosen (or rejected) turn, that turn trained, not the prompt's own assistant turn
+  (data.name=preference)."""
+  folder = tokenizer_dirs['llama3']
+  conversation = CONVERSATIONS[1]
+  rejected = {'role': 'assistant', 'content': 'It flew away.'}
+  train = tmp_path / 'pairs.jsonl'
+  line = {'prompt': conversation[:-1], 'chosen': conversation[-1:], 'rejected': [rejected]}
+  train.write_text(json.dumps(line) + '\n' + json.dumps({'prompt': 'x', 'chosen': 'y'}) + '\n')
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'llama.py')
+  cfg = disttrain.from_config_dict(helpers.override(cd, {
+      'data.name': 'preference', 'data.train_files': str(train), 'data.eval_examples': -1,
+      'data.tokenizer': str(folder), 'model.vocab_size': 512, 'data.seq_len': 96}))
+  with pytest.raises(errors.DataError, match=f"{train} line 2: a preference line needs 'chosen' "
+                     "and 'rejected', this one has no 'rejected'"):
+    sources.build(cfg)
+  train.write_text(json.dumps(line) + '\n')
+  rows = sources.build(cfg)['train_data']
+  for k, last in enumerate((conversation[-1], rejected)):
+    ids, mask = _reference(folder, 'llama3', conversation[:-1] + [last])
+    prompt = _reference(folder, 'llama3', conversation[:-2])[0]  # through the first answer
+    mask = [0] * len(prompt) + mask[len(prompt):]
+    assert sum(mask) > 0
+    n = len(ids) - 1
+    assert rows['tokens'][0, k, :n].tolist() == ids[:-1]
+    assert rows['targets'][0, k, :n].tolist() == ids[1:] and (rows['targets'][0, k, n:] == -1).all()
+    assert rows['loss_mask'][0, k, :n].tolist() == mask[1:]
 
 
 @pytest.mark.slow  # a launcher subprocess

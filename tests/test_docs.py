@@ -20,7 +20,8 @@ from disttrain import cli, config as config_lib, config_reference
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md'))]
-GROUPS = ('data', 'model', 'mesh', 'precision', 'early_stop', 'profile', 'tracking', 'lora')
+GROUPS = ('data', 'model', 'mesh', 'precision', 'early_stop', 'profile', 'tracking', 'lora',
+          'dpo')
 # A command line the docs show as runnable: the disttrain command or a python entry point here.
 _ENTRY = re.compile(r'^(?:disttrain [a-z]|python3? (?:-m disttrain\.|launch/|benchmarks/))')
 _TEMPLATE = re.compile(r'[\[<|]|\.\.\.')  # [optional] / <placeholder> / a|b / ...: usage

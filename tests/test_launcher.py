@@ -105,6 +105,11 @@ BAD_INPUTS = [
      ['--config=launch/configs/llama.py', '--fake_devices=8', '--config.data.text.bytes=20000',
       '--config.data.seq_len=16', '--config.lora.rank=4', '--config.lora.targets=attn/q_proj'],
      ["lora.targets='attn/q_proj'", 'matches no weight'], r'name some of'),
+    ('preference_line_without_rejected',
+     ['--config=launch/configs/llama.py', '--fake_devices=8', '--config.data.name=preference',
+      '--config.data.train_files={dir}/pairs.jsonl', '--config.data.seq_len=16'],
+     ['pairs.jsonl line 2', "needs 'chosen' and 'rejected'", "no 'rejected'"],
+     r'add it or fix the file'),
     ('stage_not_dividing_layers',
      ['--config=launch/configs/gpt.py', '--fake_devices=8', '--config.mesh.data=1',
       '--config.mesh.stage=8', '--config.grad_accum_steps=8'],
@@ -148,6 +153,8 @@ def bad_data(tmp_path):
   (half / 't10k-images-idx3-ubyte').write_bytes(b'this is not an IDX file')
   (tmp_path / 'empty').mkdir()
   (tmp_path / 'a_file').write_text('not a folder')
+  (tmp_path / 'pairs.jsonl').write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
+                                        '{"prompt": "a", "chosen": "b"}\n')
   return tmp_path
 
 

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from disttrain.config import Config
-from disttrain.data import chat, formats, packing, records, text, tokenizer as tokenizer_lib
+from disttrain.data import chat, formats, packing, preference, records, text
+from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.errors import DataError
 
 _DIGITS_EVAL = 297  # 1797 digits -> 1500 train
@@ -279,6 +280,19 @@ def _sft(cfg: Config) -> dict:
       fields.messages_field, template), field))
 
 
+def _preference(cfg: Config) -> dict:
+  """Prompt/chosen/rejected JSON lines (DPO) as pairs of rows [2, data.seq_len]."""
+  tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
+  template = chat.load(tokenizer.file, cfg.data.sft.chat_template)
+  read = lambda patterns, field: preference.read(
+      formats.resolve_files(patterns, field), tokenizer, cfg.data.seq_len, template,
+      verbose=jax.process_index() == 0)
+  train = read(cfg.data.train_files, 'data.train_files')
+  if cfg.data.eval_files:
+    return {'train_data': train, 'eval_data': read(cfg.data.eval_files, 'data.eval_files')}
+  return _split_tail(train, _eval_examples(cfg, 0), 'the preference pairs')
+
+
 def _packed(cfg: Config, open_docs) -> dict:
   """Documents of data.train_files (eval: data.eval_files, or the last data.eval_examples
   documents) in rows of data.seq_len by data.packing."""
@@ -320,6 +334,7 @@ SOURCES = {
     'tokens': _tokens,  # flat token files in data.train_files / eval_files
     'documents': _documents,  # raw text files, tokenized and packed
     'sft': _sft,  # prompt/completion or chat JSON lines with loss masks, tokenized and packed
+    'preference': _preference,  # prompt/chosen/rejected JSON lines as [2, T] pairs (DPO)
 }
 
 

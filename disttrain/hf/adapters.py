@@ -18,7 +18,7 @@ import optax
 from disttrain.config import Config
 from disttrain.errors import ConfigError
 from disttrain.hf import config as hf_config, tensorfiles, weights as hf
-from disttrain.models import lora
+from disttrain.models import lora, preference
 from disttrain.parallel import state as state_lib
 from disttrain.storage import checkpoint, urls
 
@@ -29,9 +29,10 @@ def load_base(cfg: Config, model: lora.LoraModel, abstract_frozen) -> Any | None
   if not cfg.restore_from:
     return None
   if not hf.is_hf_dir(cfg.restore_from):
-    raise ConfigError(f'lora.rank={cfg.lora.rank} takes its base from a Hugging Face directory, '
-                      f'but restore_from={cfg.restore_from!r} is not one; export that run first '
-                      '(disttrain export --workdir=RUN --out=HF_DIR) and restore_from=HF_DIR')
+    raise ConfigError(f'the frozen weights (LoRA\'s base, DPO\'s reference) come from a Hugging '
+                      f'Face directory, but restore_from={cfg.restore_from!r} is not one; export '
+                      'that run first (disttrain export --workdir=RUN --out=HF_DIR) and '
+                      'restore_from=HF_DIR')
   params = hf.restore(cfg.restore_from, model, cfg.model, abstract_frozen)
   return jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract_frozen)
 
@@ -45,6 +46,8 @@ def merged(model: lora.LoraModel, params, frozen):
 
 def plain_params(model, state) -> Any:
   """state.params, merged with the frozen base for a LoRA model."""
+  while isinstance(model, preference.PairModel):
+    model = model.model
   if not isinstance(model, lora.LoraModel):
     return state.params
   return merged(model, state.params, state.mutable[state_lib.FROZEN])

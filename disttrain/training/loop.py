@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import disttrain
@@ -13,7 +14,6 @@ from disttrain.config import Config
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.data.batches import TrainIterator
 from disttrain.hf import adapters, config as hf_config, saves, weights as hf
-from disttrain.models import lora
 from disttrain.operating import callbacks as callbacks_lib, events, lease as lease_lib, metrics
 from disttrain.operating import timing, tracking, watchdog
 from disttrain.parallel import distributed, mesh as mesh_lib, sharding as sharding_lib
@@ -156,25 +156,32 @@ def _restore_or_init(ckpt, run: Setup, batches, hooks, writer, before_weights=la
   pre-flight: a model that cannot train here is refused before a download-sized read)."""
   cfg, state = run.cfg, run.state
   abstract = checkpoint.abstract_like(run.layout.shardings, state)
-  if isinstance(run.model, lora.LoraModel):  # the frozen base first: checkpoints hold none
+  frozen = isinstance(state.mutable, dict) and state_lib.FROZEN in state.mutable
+  if frozen:  # the frozen weights first (LoRA's base, DPO's reference): checkpoints hold none
     if not ckpt.steps():
       before_weights()
+      before_weights = lambda: None
     base = adapters.load_base(cfg, run.model, abstract.mutable[state_lib.FROZEN])
     if base is not None:
       state = state_lib.with_frozen(state, base)
-      writer.print(f'LoRA base: the Hugging Face model in {cfg.restore_from} '
-                   f'({cfg.lora.base_dtype}, frozen); adapters of rank {cfg.lora.rank} train')
+      writer.print(f'frozen weights: the Hugging Face model in {cfg.restore_from}'
+                   + (f' ({cfg.lora.base_dtype}); adapters of rank {cfg.lora.rank} train'
+                      if cfg.lora.rank else ' (the reference)'))
   restored = ckpt.restore_latest(abstract)
   if restored is not None:
     restored_state, data_state, meta, at = restored
-    if isinstance(run.model, lora.LoraModel):
+    if frozen:
       restored_state = state_lib.with_frozen(restored_state, state.mutable[state_lib.FROZEN])
     batches.set_state(data_state)  # the data order continues exactly where it stopped
     hooks.restore(meta.get('callbacks', {}))
     writer.print(f'resumed from step {at}: {ckpt.directory}/{at}')
     return restored_state
-  if isinstance(run.model, lora.LoraModel):
+  if cfg.lora.rank:  # the adapters start fresh on the base
     return state
+  if frozen and cfg.restore_from:  # DPO: the policy starts as the reference it was read into
+    writer.print(f'warm start: params from the Hugging Face model in {cfg.restore_from}; '
+                 'optimizer, step and data order start fresh')
+    return state.replace(params=jax.tree.map(jnp.copy, state.mutable[state_lib.FROZEN]))
   if cfg.restore_from and hf.is_hf_dir(cfg.restore_from):
     before_weights()
     params = hf.restore(cfg.restore_from, run.model, cfg.model, abstract.params)

@@ -23,7 +23,7 @@ from disttrain.data.batches import check_workers, element_spec, stacked_sharding
 from disttrain.data.records import Records
 from disttrain.errors import ConfigError, DisttrainError
 from disttrain.hf import config as hf_config
-from disttrain.models import lora, pipeline
+from disttrain.models import lora, pipeline, preference
 from disttrain.operating import metrics
 from disttrain.parallel import mesh as mesh_lib, optim, sharding as sharding_lib, spmd
 from disttrain.parallel import state as state_lib, step as step_lib
@@ -84,9 +84,7 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
       raise ConfigError(f'the {records.name} data has fields {sorted(records.spec)} but the train '
                         f'data has {sorted(train.spec)}; give both the same fields')
   _check_metric_names(cfg, evals)
-  model = lora.adapt(model or models.build(cfg.model, cfg.precision.compute_dtype,
-                                           cfg.data.seq_len), cfg.lora)
-  task = task or models.task(cfg.model)
+  model, task = _objective(cfg, model, task)
   config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
   tx = tx or config_tx
   parallel.check_model(model, _tokens(model, element_spec(train)))
@@ -94,6 +92,15 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
   steps = spmd.build(model, task, tx, cfg, mesh, lay, batch_sharding, train_step, eval_step)
   return Setup(cfg, mesh, train, evals, model, task, tx, lr_schedule, batch_sharding, state, lay,
                steps)
+
+
+def _objective(cfg: Config, model, task):
+  """The config's model (with LoRA adapters if asked) and task (DPO over preference pairs)."""
+  model = lora.adapt(model or models.build(cfg.model, cfg.precision.compute_dtype,
+                                           cfg.data.seq_len), cfg.lora)
+  if cfg.data.name == 'preference':
+    return preference.PairModel(model), task or preference.Dpo(cfg.dpo.beta)
+  return model, task or models.task(cfg.model)
 
 
 def _tokens(model, spec: dict) -> int:
@@ -195,9 +202,7 @@ def plan(cfg: Config, spec: dict, devices: Sequence[jax.Device] | None = None, m
   parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
   parallel.check_batch_sizes(cfg)
   mesh = parallel.mesh
-  model = lora.adapt(model or models.build(cfg.model, cfg.precision.compute_dtype,
-                                           cfg.data.seq_len), cfg.lora)
-  task = task or models.task(cfg.model)
+  model, task = _objective(cfg, model, task)
   tx = tx or optim.build(cfg)[0]
   parallel.check_model(model, _tokens(model, spec))
   lay = state_lib.layout(model, tx, spec, cfg, mesh)

@@ -1,0 +1,116 @@
+"""DPO (disttrain/models/preference.py, disttrain/data/preference.py) against transformers.
+
+One SGD step at learning rate 1 from a Hugging Face Llama (policy = reference): the loss is ln 2,
+and the loss and every gradient equal what torch computes from `transformers`' log-probabilities
+and the DPO formula written here, on data 2 x fsdp 2 x tensor 2 with grad_accum_steps=2 (rtol
+1e-5; the gradient is read back as p0 - p1, see tests/test_llama.py's _one_step). With LoRA the
+reference is the base without adapters: one copy of the weights (run.json's state parts).
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+
+import disttrain
+from disttrain import models
+from disttrain.data import preference, tokenizer as tokenizer_lib
+from disttrain.hf import weights as hf
+from disttrain.training import setup as run_lib
+from tests import helpers
+from tests.helpers import devices
+from tests.test_llama import CUBE, _config
+
+BETA = 0.1
+PAIRS = 8
+
+
+def _hf_llama(tmp_path) -> str:
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(
+      vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+  path = str(tmp_path / 'base')
+  transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+  return path
+
+
+def _pairs(tmp_path) -> str:
+  rng = np.random.default_rng(0)
+  words = ['alpha', 'beta', 'gamma', 'delta', 'sum', 'of', 'two', 'is', 'four', 'five']
+  path = tmp_path / 'pairs.jsonl'
+  with open(path, 'w') as f:
+    for _ in range(PAIRS):
+      say = lambda n: ' '.join(rng.choice(words, n))
+      f.write(json.dumps({'prompt': say(3) + ': ', 'chosen': say(int(rng.integers(1, 5))),
+                          'rejected': say(int(rng.integers(1, 5)))}) + '\n')
+  return str(path)
+
+
+def _dpo_config(base: str, pairs: str, **overrides):
+  fields = {'restore_from': base, 'model.vocab_size': 260, 'model.mlp_dim': 128,
+            'model.tied_embeddings': False, 'data.name': 'preference', 'data.train_files': pairs,
+            'data.seq_len': 32, 'data.eval_examples': -1, 'global_batch_size': PAIRS,
+            'num_train_steps': 1, 'log_every_steps': 1, 'dpo.beta': BETA, **overrides}
+  return _config(**fields)
+
+
+def _torch_reference(base: str, pairs: str):
+  """(loss, {HF tensor name: gradient}) of the DPO loss over every pair, by torch."""
+  rows = preference.read([pairs], tokenizer_lib.load(''), 32)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      base, dtype=torch.float32, attn_implementation='eager')
+  tokens = torch.tensor(rows['tokens'].reshape(-1, 32), dtype=torch.long)
+  targets = torch.tensor(rows['targets'].reshape(-1, 32), dtype=torch.long)
+  weights = torch.tensor(((rows['targets'] >= 0) & (rows['loss_mask'] != 0)).reshape(-1, 32),
+                         dtype=torch.float32)
+
+  def logps(logits):
+    token = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    return (token * weights).sum(-1).reshape(-1, 2)
+  with torch.no_grad():
+    reference = logps(model(tokens).logits)
+  policy = logps(model(tokens).logits)
+  margin = BETA * ((policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1]))
+  loss = -torch.nn.functional.logsigmoid(margin).mean()
+  loss.backward()
+  return float(loss), {name: p.grad.numpy() for name, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_dpo_first_step_is_ln2_and_equals_transformers_on_eight_devices_with_accumulation(
+    tmp_path):
+  base, pairs = _hf_llama(tmp_path), _pairs(tmp_path)
+  cfg = helpers.sgd_config(_dpo_config(base, pairs, **CUBE), 1.0, grad_accum_steps=2)
+  result = disttrain.train(cfg, str(tmp_path / 'run'), devices=devices(8))
+  (record,) = [r for r in result.records if r['split'] == 'train']
+  want_loss, want_grads = _torch_reference(base, pairs)
+  assert record['loss'] == pytest.approx(math.log(2), rel=1e-6)
+  assert record['loss'] == pytest.approx(want_loss, rel=1e-5)
+  assert record['reward_margin'] == pytest.approx(0.0, abs=1e-6)
+  decoder = models.build(cfg.model, 'float32', 32).cfg
+  p0 = safetensors.numpy.load_file(f'{base}/model.safetensors')
+  p1 = {name: produce() for name, _, _, produce in
+        hf.export_tensors('llama', decoder, helpers.to_numpy(result.state.params), np.float32)}
+  ours = {name: p0[name] - p1[name] for name in p1}  # SGD at 1: the gradient
+  assert ours.keys() == want_grads.keys()
+  for name, want in want_grads.items():
+    np.testing.assert_allclose(ours[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_with_lora_the_reference_is_the_base_without_a_second_copy(tmp_path):
+  base, pairs = _hf_llama(tmp_path), _pairs(tmp_path)
+  parts = {}
+  for name, extra in (('full', {}), ('lora', {'lora.rank': 4})):
+    run = disttrain.setup(_dpo_config(base, pairs, **{'mesh.data': 1}, **extra),
+                          devices=devices(1))
+    parts[name] = run_lib.run_info(run)['state_bytes_per_device_by_part']
+  # Full DPO keeps the reference once beside the policy; LoRA's reference is its frozen base.
+  assert parts['full']['frozen'] == parts['full']['params']
+  assert parts['lora']['frozen'] == parts['full']['params']
+  assert parts['lora']['params'] < parts['full']['params'] / 10
