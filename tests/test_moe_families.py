@@ -70,9 +70,7 @@ def test_moe_family_imports_exports_and_decodes_as_transformers(tmp_path, family
 
 
 @pytest.mark.slow
-# qwen3_moe alone: Mixtral's two changes split as checked elsewhere (its window: Mistral's in
-# tests/test_llama.py; its dropless routing: qwen3_moe's here).
-@pytest.mark.parametrize('family', ['qwen3_moe'])
+@pytest.mark.parametrize('family', ['qwen3_moe', 'mixtral'])
 def test_moe_family_on_fsdp_expert_tensor_equals_one_device(family):
   fields = {'model.name': family, 'model.num_experts': 4, 'model.experts_per_token': 2,
             'model.expert_capacity': 0.0}
