@@ -31,17 +31,17 @@ remat=full: what an accelerator's bf16 dots and fused attention save, which XLA:
 
 import json
 import os
-import runpy
 import sys
 
 from absl import app, flags
+
+import recipes
 
 _JSON = flags.DEFINE_string('json', None, 'Write the rows here.')
 _ACCELERATOR = flags.DEFINE_bool('accelerator', False, 'GPT-2 small on this host\'s first '
                                   'accelerator instead of the rows above on CPU.')
 _LIMIT_MIB = flags.DEFINE_integer('limit_mib', 1024, 'Long context: the per-device limit.')
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_GPT = os.path.join(_ROOT, 'launch', 'configs', 'gpt.py')
 _SMALL = (('float32', {}), ('grad_accum_steps=4', {'grad_accum_steps': 4}),
           ('model.remat=full', {'model.remat': 'full'}),
           ('bfloat16', {'precision.compute_dtype': 'bfloat16'}),
@@ -52,7 +52,6 @@ _ON_ACCELERATOR = (('float32', {}),
                    ('bfloat16', {'precision.compute_dtype': 'bfloat16'}),
                    ('bfloat16, remat=full', {'precision.compute_dtype': 'bfloat16',
                                              'model.remat': 'full'}))
-_LLAMA = os.path.join(_ROOT, 'launch', 'configs', 'llama.py')
 _LONG = 16_384
 _CONTEXT = (('1 device', {'mesh.data': 1}, 1), ('context=8', {'mesh.data': 1, 'mesh.context': 8}, 8))
 _GPT2_MESHES = (('fsdp=8', {'mesh.data': 1, 'mesh.fsdp': 8}, 8),
@@ -60,16 +59,8 @@ _GPT2_MESHES = (('fsdp=8', {'mesh.data': 1, 'mesh.fsdp': 8}, 8),
                                                 'mesh.tensor': 2}, 4))
 
 
-def _config(size: str, overrides: dict, path: str = _GPT):
-  import disttrain  # pylint: disable=g-import-not-at-top
-  cd = runpy.run_path(path)['get_config'](size)
-  for key, value in overrides.items():
-    node = cd
-    *parents, leaf = key.split('.')
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return disttrain.from_config_dict(cd)
+def _config(size: str, overrides: dict, name: str = 'gpt'):
+  return recipes.config(name, size, overrides)
 
 
 def rows() -> list[dict]:
@@ -109,7 +100,7 @@ def _vocab_rows() -> list[dict]:
   out = []
   for name, chunk in (('loss_chunk=-1 (whole)', -1), ('loss_chunk=0 (auto)', 0)):
     cfg = _config('tiny', {'global_batch_size': 1, 'data.seq_len': 2048, 'mesh.data': 1,
-                           'model.vocab_size': 262_144, 'model.loss_chunk': chunk}, _LLAMA)
+                           'model.vocab_size': 262_144, 'model.loss_chunk': chunk}, 'llama')
     plan = run_lib.plan(cfg, spec, jax.devices()[:1])
     out.append({'model': 'llama tiny, V = 262,144, 1 x 2,048', 'setting': name,
                 **plan.compile().to_json()})
@@ -160,7 +151,7 @@ def _moe_rows() -> list[dict]:
   for name, mesh, n in (('1 device', {'mesh.data': 1}, 1),
                         ('expert=8', {'mesh.data': 1, 'mesh.expert': 8}, 8)):
     cfg = _config('tiny', {'global_batch_size': 32, 'data.seq_len': 128, 'model.num_experts': 8,
-                           'model.experts_per_token': 2, **mesh}, _LLAMA)
+                           'model.experts_per_token': 2, **mesh}, 'llama')
     plan = run_lib.plan(cfg, spec, jax.devices()[:n])
     params = plan.state.params
     experts = sum(int(np.prod(x.shape)) * x.dtype.itemsize
@@ -180,7 +171,7 @@ def _long_step(t: int, mesh: dict, n: int):
   from disttrain.data.records import ID  # pylint: disable=g-import-not-at-top
   window = jax.ShapeDtypeStruct((1, t), np.int32)
   spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
-  cfg = _config('tiny', {'global_batch_size': 1, 'data.seq_len': t, **mesh}, _LLAMA)
+  cfg = _config('tiny', {'global_batch_size': 1, 'data.seq_len': t, **mesh}, 'llama')
   return run_lib.plan(cfg, spec, jax.devices()[:n]).compile()
 
 

@@ -13,34 +13,22 @@ matmul FLOPs) and their optimizer update.
 
 import json
 import os
-import runpy
 import sys
 import time
 
 from absl import app, flags
 
+import recipes
+
 _JSON = flags.DEFINE_string('json', None, 'Write the rows here.')
 _FAKE_DEVICES = flags.DEFINE_integer('fake_devices', 1, 'CPU devices (data x fsdp when > 1).')
 _PAIRS = flags.DEFINE_integer('pairs', 7, 'Timed (full, LoRA) step pairs.')
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MODEL = {'model.num_layers': 8, 'model.hidden': 512, 'model.num_heads': 8,
           'model.num_kv_heads': 4, 'model.mlp_dim': 1536, 'data.seq_len': 256,
           'global_batch_size': 16, 'data.text.bytes': 400_000, 'warmup_steps': 0}
 _SETTINGS = (('full fine-tuning', {}),
              ('LoRA r=16, float32 base', {'lora.rank': 16}),
              ('LoRA r=16, bfloat16 base', {'lora.rank': 16, 'lora.base_dtype': 'bfloat16'}))
-
-
-def _config(overrides: dict):
-  import disttrain  # pylint: disable=g-import-not-at-top
-  cd = runpy.run_path(os.path.join(_ROOT, 'launch', 'configs', 'llama.py'))['get_config']()
-  for key, value in overrides.items():
-    node = cd
-    *parents, leaf = key.split('.')
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return disttrain.from_config_dict(cd)
 
 
 def rows(n: int, pairs: int) -> list[dict]:
@@ -54,7 +42,8 @@ def rows(n: int, pairs: int) -> list[dict]:
                                            'sharding': 'fsdp'}
   out, runs = [], []
   for name, overrides in _SETTINGS:
-    run = disttrain.setup(_config({**_MODEL, **mesh, **overrides}), devices=jax.devices()[:n])
+    cfg = recipes.config('llama', 'tiny', {**_MODEL, **mesh, **overrides})
+    run = disttrain.setup(cfg, devices=jax.devices()[:n])
     it = data.TrainIterator(run.train_data, run.cfg.global_batch_size, 0, run.batch_sharding)
     batch = next(it)
     it.close()

@@ -24,20 +24,10 @@ from disttrain.training import setup as run_lib
 from tests import helpers
 from tests.helpers import devices
 from tests.test_llama import CUBE, _config
+from tests.test_lora import hf_llama
 
 BETA = 0.1
 PAIRS = 8
-
-
-def _hf_llama(tmp_path) -> str:
-  torch.manual_seed(0)
-  config = transformers.LlamaConfig(
-      vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
-  path = str(tmp_path / 'base')
-  transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
-  return path
 
 
 def _pairs(tmp_path) -> str:
@@ -85,7 +75,7 @@ def _torch_reference(base: str, pairs: str):
 @pytest.mark.slow
 def test_dpo_first_step_is_ln2_and_equals_transformers_on_eight_devices_with_accumulation(
     tmp_path):
-  base, pairs = _hf_llama(tmp_path), _pairs(tmp_path)
+  base, pairs = hf_llama(tmp_path, 260), _pairs(tmp_path)
   cfg = helpers.sgd_config(_dpo_config(base, pairs, **CUBE), 1.0, grad_accum_steps=2)
   result = disttrain.train(cfg, str(tmp_path / 'run'), devices=devices(8))
   (record,) = [r for r in result.records if r['split'] == 'train']
@@ -104,7 +94,7 @@ def test_dpo_first_step_is_ln2_and_equals_transformers_on_eight_devices_with_acc
 
 
 def test_with_lora_the_reference_is_the_base_without_a_second_copy(tmp_path):
-  base, pairs = _hf_llama(tmp_path), _pairs(tmp_path)
+  base, pairs = hf_llama(tmp_path, 260), _pairs(tmp_path)
   parts = {}
   for name, extra in (('full', {}), ('lora', {'lora.rank': 4})):
     run = disttrain.setup(_dpo_config(base, pairs, **{'mesh.data': 1}, **extra),

@@ -71,10 +71,11 @@ def test_lora_on_data_fsdp_tensor_equals_one_device_resumes_bitwise_and_keeps_ad
   assert parts['cube']['frozen'] <= base_bytes / 3, parts  # split over fsdp and tensor
 
 
-def _hf_llama(tmp_path) -> str:
+def hf_llama(tmp_path, vocab: int = 256) -> str:
+  """A tiny untied Llama saved by transformers (the LoRA and DPO tests' base)."""
   torch.manual_seed(0)
   config = transformers.LlamaConfig(
-      vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+      vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
   path = str(tmp_path / 'base')
@@ -89,7 +90,7 @@ def _logits(model, tokens) -> np.ndarray:
 
 @pytest.mark.slow
 def test_lora_on_a_hugging_face_base_exports_merged_and_as_peft_with_equal_logits(tmp_path):
-  base = _hf_llama(tmp_path)
+  base = hf_llama(tmp_path)
   cfg = _config(**{**LORA, **ONE, 'restore_from': base, 'model.mlp_dim': 128,
                    'model.tied_embeddings': False, 'lora.dropout': 0.1, 'learning_rate': 5e-2,
                    'hf_save_every_steps': 4})

@@ -52,9 +52,14 @@ def init_variables(model, spec: dict, seed: int) -> dict:
   return model.init(jax.random.fold_in(jax.random.key(seed), 0), _zeros(spec))
 
 
+def has_frozen(state) -> bool:
+  """Whether a TrainState (or its abstract form) holds a frozen collection."""
+  return isinstance(getattr(state, 'mutable', None), dict) and FROZEN in state.mutable
+
+
 def saved_part(state):
   """The state without its frozen collection: what checkpoints hold."""
-  if not isinstance(getattr(state, 'mutable', None), dict) or FROZEN not in state.mutable:
+  if not has_frozen(state):
     return state
   return state.replace(mutable={k: v for k, v in state.mutable.items() if k != FROZEN})
 

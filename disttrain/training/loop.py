@@ -156,11 +156,10 @@ def _restore_or_init(ckpt, run: Setup, batches, hooks, writer, before_weights=la
   pre-flight: a model that cannot train here is refused before a download-sized read)."""
   cfg, state = run.cfg, run.state
   abstract = checkpoint.abstract_like(run.layout.shardings, state)
-  frozen = isinstance(state.mutable, dict) and state_lib.FROZEN in state.mutable
+  frozen = state_lib.has_frozen(state)
   if frozen:  # the frozen weights first (LoRA's base, DPO's reference): checkpoints hold none
     if not ckpt.steps():
       before_weights()
-      before_weights = lambda: None
     base = adapters.load_base(cfg, run.model, abstract.mutable[state_lib.FROZEN])
     if base is not None:
       state = state_lib.with_frozen(state, base)
