@@ -61,7 +61,7 @@ _STEP_MODE = flags.DEFINE_enum('step_mode', 'jit', ['jit', 'shard_map', 'pmap'],
 _BATCH = flags.DEFINE_integer('global_batch_size', 0, "0 = the model's seed batch size.")
 _FAKE_DEVICES = flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
 _STEPS = flags.DEFINE_integer('steps', 0, 'Steps per timed window; 0 = about 0.3 s worth.')
-_WINDOWS = flags.DEFINE_integer('windows', 25, 'Timed windows per side (at least 5).')
+_WINDOWS = flags.DEFINE_integer('windows', 25, 'Timed windows per side (at least 3).')
 _STEPS_PER_DISPATCH = flags.DEFINE_integer(
     'steps_per_dispatch', 1, 'K > 1: disttrain runs K steps per call (Step.train_many); the '
     'baseline stays one call per step.')
@@ -281,8 +281,8 @@ def _check_flags(k: int, num_devices: int) -> None:
     raise BenchError(f'--model=transformer needs the char_lm model and {_CHAR_LM_CONFIG}, which '
                      f'this checkout lacks (models: {tuple(models.MODELS)}); use --model=mlp_small'
                      ' or --model=mlp')
-  if _WINDOWS.value < 5:
-    raise BenchError(f'--windows={_WINDOWS.value}: medians need at least 5 windows; pass >= 5')
+  if _WINDOWS.value < 3:
+    raise BenchError(f'--windows={_WINDOWS.value}: medians need at least 3 windows; pass >= 3')
   if _STEPS.value < 0 or k < 1:
     raise BenchError(f'--steps={_STEPS.value} --steps_per_dispatch={k}: pass --steps >= 0 '
                      '(0 = auto) and --steps_per_dispatch >= 1')

@@ -23,7 +23,7 @@ HAS_KERAS = importlib.util.find_spec('keras') is not None
 def _run(tmp_path, *args: str) -> subprocess.CompletedProcess:
   """One benchmark process (never two at once: 8 fake devices on 2 cores)."""
   env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)  # --fake_devices decides
-  return subprocess.run([sys.executable, str(SCRIPT), '--steps=2', '--windows=5', *args],
+  return subprocess.run([sys.executable, str(SCRIPT), '--steps=2', '--windows=3', *args],
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                         check=False)
 

@@ -37,7 +37,5 @@ def test_mnist_mlp_reaches_accuracy_on_eight_devices_like_one(mnist_dir, tmp_pat
   acc1 = _mnist_accuracy(mnist_dir, 1, tmp_path / 'one')
   assert acc8 >= 0.955, acc8
   assert abs(acc8 - acc1) <= 0.005, (acc8, acc1)
-  # bf16 compute, float32 master weights: within 1 point of float32 (1 device, where it runs
-  # fastest; measured 0.9630 vs 0.9665 on 8 devices).
-  bf16 = _mnist_accuracy(mnist_dir, 1, tmp_path / 'bf16', precision__compute_dtype='bfloat16')
-  assert abs(bf16 - acc1) <= 0.01, (bf16, acc1)
+  # bf16 against float32: tests/test_big_models.py::test_bf16_trains_like_float32 (30 steps of
+  # the MLP and the GPT; a third 312-step run here cost 20 s of the suite).
