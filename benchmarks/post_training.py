@@ -1,6 +1,7 @@
 """Post-training against full fine-tuning of the same model, batch and devices, in one process.
 
   python benchmarks/post_training.py [--fake_devices=8] [--json=out.json]
+  python benchmarks/post_training.py --grpo [--fake_devices=8]     # GRPO's sampling vs learning
 
 LoRA (lora.rank=16 on every attention and MLP projection, base in float32 and in bfloat16)
 against training every weight, on a Llama of 8 x 512 (mlp 1,536, 25 M parameters), batch
@@ -9,6 +10,12 @@ temporaries of the compiled step (XLA's memory analysis), and the step time as t
 paired ratios (full, LoRA, full, LoRA, ... one step each, after a warm-up), since this machine's
 speed drifts between minutes. LoRA's step skips the frozen weights' gradients (a third of the
 matmul FLOPs) and their optimizer update.
+
+--grpo: a GRPO run of the llama recipe's tiny size (4 x 128) on launch/data/sums.jsonl's
+prompts, 8 prompts x 8 completions of up to 16 and 64 tokens a step (a constant reward: the
+model stays as initialised, so completions end only at a rare EOS), and the records' split of each step between sampling (the KV-cache decoder on the
+training mesh) and learning (the update), with tokens/s for each: medians over the steps after
+the first record (which holds the compilations).
 """
 
 import json
@@ -23,6 +30,7 @@ import recipes
 _JSON = flags.DEFINE_string('json', None, 'Write the rows here.')
 _FAKE_DEVICES = flags.DEFINE_integer('fake_devices', 1, 'CPU devices (data x fsdp when > 1).')
 _PAIRS = flags.DEFINE_integer('pairs', 7, 'Timed (full, LoRA) step pairs.')
+_GRPO = flags.DEFINE_bool('grpo', False, "GRPO's sampling and learning rows instead.")
 _MODEL = {'model.num_layers': 8, 'model.hidden': 512, 'model.num_heads': 8,
           'model.num_kv_heads': 4, 'model.mlp_dim': 1536, 'data.seq_len': 256,
           'global_batch_size': 16, 'data.text.bytes': 400_000, 'warmup_steps': 0}
@@ -73,6 +81,33 @@ def rows(n: int, pairs: int) -> list[dict]:
   return out
 
 
+def grpo_rows(n: int, steps: int = 24) -> list[dict]:
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import disttrain  # pylint: disable=g-import-not-at-top
+  sums = os.path.join(os.path.dirname(recipes.CONFIGS), 'data', 'sums.jsonl')
+  mesh = {'mesh.data': 1} if n == 1 else {'mesh.data': n}
+  out = []
+  for new in (16, 64):
+    cfg = recipes.config('llama', 'tiny', {
+        'data.name': 'prompts', 'data.train_files': sums, 'data.seq_len': 16,
+        'grpo.group_size': 8, 'grpo.max_new_tokens': new, 'global_batch_size': 64,
+        'model.vocab_size': 257, 'num_train_steps': steps, 'log_every_steps': 1,
+        'eval_every_steps': 0, 'warmup_steps': 0, **mesh})
+    never_ends = lambda prompts, completions, **_: [0.0] * len(completions)
+    with tempfile.TemporaryDirectory() as workdir:
+      result = disttrain.train(cfg, workdir, devices=jax.devices()[:n], rewards=[never_ends])
+    records = [r for r in result.records if r['split'] == 'train'][1:]
+    median = lambda k: float(np.median([r[k] for r in records if k in r]))
+    out.append({'setting': f'GRPO, 64 completions of <= {new} tokens after 16', 'devices': n,
+                'sample_tokens_per_sec': round(median('sample_tokens_per_sec')),
+                'learn_tokens_per_sec': round(median('learn_tokens_per_sec')),
+                'sample_fraction': round(median('sample_fraction'), 3),
+                'completion_length': median('completion_length')})
+  return out
+
+
 def main(argv) -> None:
   if len(argv) > 1:
     print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
@@ -80,7 +115,8 @@ def main(argv) -> None:
   if _FAKE_DEVICES.value > 1:
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_'
                                f'device_count={_FAKE_DEVICES.value}')
-  result = rows(_FAKE_DEVICES.value, _PAIRS.value)
+  result = (grpo_rows if _GRPO.value else rows)(_FAKE_DEVICES.value, *(
+      () if _GRPO.value else (_PAIRS.value,)))
   for row in result:
     print(json.dumps(row), flush=True)
   if _JSON.value:

@@ -20,7 +20,7 @@ from disttrain.errors import ConfigError
 SHARDINGS = ('replicate', 'fsdp')
 STEP_MODES = ('jit', 'shard_map', 'pmap')
 # Sources that read data.train_files.
-FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft', 'preference')
+FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft', 'preference', 'prompts')
 PACKING = ('concat', 'documents')
 TOKEN_DTYPES = ('uint16', 'uint32')
 REMAT = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
@@ -119,12 +119,14 @@ class DataConfig:
   # A builder in disttrain.data.sources.SOURCES: digits (scikit-learn's 1,797 real 8x8 digits),
   # mnist (IDX files in data.dir), synthetic (benchmarks), text (byte windows), and from
   # data.train_files: array_record, tokens, documents (raw text), sft (prompt/completion or chat),
-  # preference (prompt/chosen/rejected pairs for DPO).
+  # preference (prompt/chosen/rejected pairs for DPO), prompts (GRPO: a prompt and the fields
+  # its rewards read).
   name: str = 'digits'
   # mnist: a folder with train-*/t10k-* IDX files (gzipped or not); text: a folder of text files
   # ('' = the standard library's *.py).
   dir: str = ''
-  # array_record / tokens / documents / sft / preference: comma-separated local file globs.
+  # array_record / tokens / documents / sft / preference / prompts: comma-separated local file
+  # globs.
   train_files: str = ''
   # The eval split's file globs; '' = hold out data.eval_examples of the train files (documents:
   # whole documents).
@@ -385,6 +387,47 @@ class DpoConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GrpoConfig:
+  """Reinforcement learning with verifiable rewards (data.name='prompts'; training/rollout.py,
+  models/grpo.py). global_batch_size counts completions: global_batch_size / group_size prompts a
+  step, each sampled group_size times; data.seq_len is the prompts' length (left-padded)."""
+  # Reward functions f(prompts, completions, **fields) -> list[float] (TRL's reward_funcs),
+  # comma-separated module.function dotted paths; summed. '' = the config file's get_rewards().
+  rewards: str = ''
+  group_size: int = 8  # completions sampled per prompt; advantages are normalized in the group
+  max_new_tokens: int = 64  # a completion's length at most (it ends earlier at the EOS token)
+  temperature: float = 1.0  # sampling temperature; the log-probabilities trained use it too
+  top_k: int = 0  # sample among the k most likely tokens; 0 = all
+  top_p: float = 1.0  # nucleus sampling: the smallest set of tokens reaching this mass
+  epsilon: float = 0.2  # the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+  epsilon_high: float = -1.0  # -1 = epsilon (DAPO raises it, e.g. 0.28)
+  beta: float = 0.0  # the KL penalty to the starting model (k3 estimator); 0 = no reference pass
+  # Updates per sampled batch (GRPO's mu); > 1 needs steps_per_dispatch equal to it (the updates
+  # of one batch run as one dispatch, so checkpoints fall between batches).
+  iterations: int = 1
+
+  def __post_init__(self):
+    if self.group_size < 2:
+      raise ConfigError(f'grpo.group_size={self.group_size}: an advantage is a reward against its '
+                        "group's mean, 0 in a group of one; sample >= 2 completions per prompt "
+                        '(e.g. 8)')
+    _positive('grpo.max_new_tokens', self.max_new_tokens)
+    _positive('grpo.temperature', self.temperature)
+    _positive('grpo.top_k', self.top_k, allow_zero=True)
+    if not 0.0 < self.top_p <= 1.0:
+      raise ConfigError(f'grpo.top_p={self.top_p} must be in (0, 1]')
+    _positive('grpo.epsilon', self.epsilon)
+    if self.epsilon_high != -1.0 and self.epsilon_high <= 0:
+      raise ConfigError(f'grpo.epsilon_high={self.epsilon_high} must be > 0, or -1 (= epsilon)')
+    _positive('grpo.beta', self.beta, allow_zero=True)
+    _positive('grpo.iterations', self.iterations)
+
+  @property
+  def clip_high(self) -> float:
+    return self.epsilon if self.epsilon_high == -1.0 else self.epsilon_high
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   """A whole run. Each field's comment is its documentation (the docs' config reference is
   generated from them)."""
@@ -448,6 +491,7 @@ class Config:
   precision: PrecisionConfig = PrecisionConfig()
   lora: LoraConfig = LoraConfig()  # low-rank adapters (language models); lora.rank > 0 turns on
   dpo: DpoConfig = DpoConfig()  # preference optimization, with data.name='preference'
+  grpo: GrpoConfig = GrpoConfig()  # reinforcement learning, with data.name='prompts'
   grad_accum_steps: int = 1  # micro-batches per step (lax.scan in the step), one update per step
   # Per-device bytes a train step may need (XLA's memory analysis, checked before the first
   # step); 0 = the device's own limit where it reports one (accelerators), else unchecked.
@@ -504,6 +548,7 @@ class Config:
           'checkpoint_every_steps=100')
     _check_rules(self.param_rules, self.logical_rules)
     self._check_dispatch()
+    self._check_grpo()
     _positive('grad_accum_steps', self.grad_accum_steps)
     _positive('memory_limit_bytes', self.memory_limit_bytes, allow_zero=True)
     _positive('peak_flops_per_device', self.peak_flops_per_device, allow_zero=True)
@@ -542,6 +587,23 @@ class Config:
       raise ConfigError(
           f'step_mode=shard_map splits the batch only, got mesh.tensor={self.mesh.tensor}; use '
           'step_mode=jit for tensor parallelism')
+
+  def _check_grpo(self) -> None:
+    if self.data.name != 'prompts':
+      return
+    g = self.grpo
+    if self.global_batch_size % g.group_size:
+      raise ConfigError(f'global_batch_size={self.global_batch_size} counts completions, '
+                        f'grpo.group_size={g.group_size} per prompt: use a multiple of '
+                        f'{g.group_size}')
+    if self.steps_per_dispatch != g.iterations:
+      raise ConfigError(f'grpo.iterations={g.iterations} updates per sampled batch run as one '
+                        f'dispatch: set steps_per_dispatch={g.iterations} (got '
+                        f'{self.steps_per_dispatch})')
+    if self.step_mode == 'pmap' or self.mesh.stage != 1 or self.mesh.context != 1:
+      raise ConfigError('data.name=prompts samples with the KV-cache decoder on data, fsdp, '
+                        'tensor and expert layouts; set mesh.stage=1, mesh.context=1 and '
+                        'step_mode=jit or shard_map')
 
   def _check_dispatch(self) -> None:
     k = self.steps_per_dispatch

@@ -51,7 +51,7 @@ def _replicas(sharding: NamedSharding) -> int:
   return sharding.num_devices // split
 
 
-class _Assembler:
+class Assembler:
   """Turns this process's rows of a batch (numpy) into global jax.Arrays with one sharding."""
 
   def __init__(self, sharding: NamedSharding, global_batch_size: int):
@@ -212,7 +212,7 @@ class TrainIterator:
       raise DataError(f'the train data has {len(records)} examples, fewer than global_batch_size='
                       f'{global_batch_size}; pass --config.global_batch_size=N with N <= '
                       f'{len(records)} or use more data')
-    self._assemble = _Assembler(sharding, global_batch_size)
+    self._assemble = Assembler(sharding, global_batch_size)
     self._read = _ReadTrainBatches(records, global_batch_size, seed, self._assemble.rows,
                                    batches_per_element)
     self.batches_per_epoch = self._read.batches_per_epoch
@@ -343,7 +343,7 @@ def stacked_sharding(sharding: NamedSharding, k: int) -> NamedSharding:
 def eval_batches(records: Records, batch_size: int, sharding: NamedSharding) -> Iterator[Batch]:
   """Every example exactly once in source order; the last batch is padded with mask 0 (also when
   the whole set is smaller than one device's rows: devices then hold padding only)."""
-  assemble = _Assembler(sharding, batch_size)
+  assemble = Assembler(sharding, batch_size)
   count = -(-len(records) // batch_size)
   read = _ReadEvalBatch(records, batch_size, assemble.rows)
   # Read ahead in grain's thread, as for training; eval sets are usually small, so no workers.

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from disttrain.config import Config
-from disttrain.data import chat, formats, packing, preference, records, text
+from disttrain.data import chat, formats, packing, preference, prompts, records, text
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.errors import DataError
 
@@ -293,6 +293,14 @@ def _preference(cfg: Config) -> dict:
   return _split_tail(train, _eval_examples(cfg, 0), 'the preference pairs')
 
 
+def _prompts(cfg: Config) -> dict:
+  """Prompt JSON lines (GRPO) as left-padded rows of data.seq_len tokens and their line index;
+  no eval split (the rollout's rewards are the measure)."""
+  data = prompts.load(cfg.data.train_files, 'data.train_files', cfg.data.tokenizer,
+                      cfg.data.seq_len, cfg.data.sft.chat_template, jax.process_index() == 0)
+  return {'train_data': data.arrays, 'eval_data': None}
+
+
 def _packed(cfg: Config, open_docs) -> dict:
   """Documents of data.train_files (eval: data.eval_files, or the last data.eval_examples
   documents) in rows of data.seq_len by data.packing."""
@@ -335,6 +343,7 @@ SOURCES = {
     'documents': _documents,  # raw text files, tokenized and packed
     'sft': _sft,  # prompt/completion or chat JSON lines with loss masks, tokenized and packed
     'preference': _preference,  # prompt/chosen/rejected JSON lines as [2, T] pairs (DPO)
+    'prompts': _prompts,  # prompt JSON lines, left-padded, with the fields rewards read (GRPO)
 }
 
 

@@ -46,7 +46,7 @@ def merged(model: lora.LoraModel, params, frozen):
 
 def plain_params(model, state) -> Any:
   """state.params, merged with the frozen base for a LoRA model."""
-  while isinstance(model, preference.PairModel):
+  while isinstance(model, preference.WithReference):
     model = model.model
   if not isinstance(model, lora.LoraModel):
     return state.params

@@ -70,7 +70,7 @@ def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k: int
 _TRACES = [0]
 
 
-def _loop(module, max_new: int, eos: int, temperature: float, top_k: int, top_p: float):
+def decode_loop(module, max_new: int, eos: int, temperature: float, top_k: int, top_p: float):
   """(params, prompt tokens, segments, positions [B, P], key) -> (new tokens, their log-probs)
   [B, N]."""
   def run(params, tokens_BxP, segments_BxP, positions_BxP, key):
@@ -113,7 +113,7 @@ def _loop(module, max_new: int, eos: int, temperature: float, top_k: int, top_p:
 @functools.lru_cache(maxsize=16)
 def _compiled_loop(module, max_new: int, eos: int, temperature: float, top_k: int, top_p: float):
   """The jitted loop of these settings (one per setting: each traces once per shape)."""
-  loop = _loop(module, max_new, eos, temperature, top_k, top_p)
+  loop = decode_loop(module, max_new, eos, temperature, top_k, top_p)
   return jax.jit(lambda params, t, s, q, key: loop(params, t, s, q, jax.random.wrap_key_data(key)))
 
 

@@ -126,3 +126,33 @@ def sums(features: Features, targets_BxT: jax.Array,
   (loss_B, correct_B), _ = jax.lax.scan(chunk, (zeros, zeros),
                                         (h_NxBxCxD, targets_NxBxC, weights_NxBxC))
   return loss_B, correct_B
+
+
+def token_losses(outputs: Any, targets_BxT: jax.Array, weights_BxT: jax.Array,
+                 temperature: float = 1.0) -> jax.Array:
+  """Per-token cross-entropy [B, T] of logits / temperature (full logits or Features, a chunk at
+  a time): the negative log-probabilities a policy gradient needs token by token."""
+  if not isinstance(outputs, Features):
+    logits_BxTxV = outputs.astype(jnp.float32) / temperature
+    return token_values(logits_BxTxV, targets_BxT, weights_BxT)[0]
+  h, w = outputs.hidden_BxTxD, outputs.unembed
+  b, t, d = h.shape
+  n = -(-t // outputs.chunk)
+  pad = n * outputs.chunk - t
+  if pad:
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+    weights_BxT = jnp.pad(weights_BxT, ((0, 0), (0, pad)))
+  split = lambda x: jnp.moveaxis(x.reshape(b, outputs.chunk, n, *x.shape[2:]), 2, 0)
+  if w.dtype != jnp.float32:
+    w = w.astype(jnp.float32)
+
+  @jax.checkpoint
+  def chunk(_, xs):
+    h_BxCxD, targets_BxC, weights_BxC = xs
+    logits_BxCxV = logits(h_BxCxD, w, outputs.tied, outputs.vocab_size, outputs.dtype,
+                          outputs.softcap) / temperature
+    return None, token_values(logits_BxCxV, targets_BxC, weights_BxC)[0]
+
+  _, loss_NxBxC = jax.lax.scan(chunk, None, (split(h), split(targets_BxT), split(weights_BxT)))
+  return jnp.moveaxis(loss_NxBxC, 0, 2).reshape(b, n * outputs.chunk)[:, :t]

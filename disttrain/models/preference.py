@@ -1,7 +1,7 @@
 """Direct preference optimization (DPO): a task over the same model, mesh and step.
 
-A batch row is a pair [2, T] (chosen, rejected; data/preference.py). `PairModel` runs the policy
-on the 2B sequences and the frozen reference on them too, under stop_gradient: the reference is
+A batch row is a pair [2, T] (chosen, rejected; data/preference.py). `WithReference` runs the
+policy on the 2B sequences and the frozen reference on them too, under stop_gradient: the reference is
 parameters, never a second model definition. With LoRA it is the base without the adapters (the
 LoRA frozen collection, no second copy); otherwise it is the starting weights, kept once in the
 frozen collection (loaded from restore_from, never checkpointed; parallel/state.py FROZEN).
@@ -37,9 +37,14 @@ def flat_pairs(batch: dict) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class PairModel:
-  """A language model (or its LoRA form) run on pairs, with the reference's outputs beside."""
+class WithReference:
+  """A language model (or its LoRA form) with the frozen reference's outputs beside its own, on
+  pairs [B, 2, T] (DPO) or on plain rows (pairs=False: GRPO's KL penalty)."""
   model: Any
+  pairs: bool = True
+
+  def _rows(self, batch: dict) -> dict:
+    return flat_pairs(batch) if self.pairs else batch
 
   def __getattr__(self, name: str):
     if name.startswith('__'):
@@ -51,13 +56,13 @@ class PairModel:
     return isinstance(self.model, lora.LoraModel)
 
   def init(self, rng: jax.Array, batch: dict) -> dict:
-    variables = dict(self.model.init(rng, flat_pairs(batch)))
+    variables = dict(self.model.init(rng, self._rows(batch)))
     if not self.adapters:  # the reference: the starting weights, kept once
       variables[FROZEN] = variables['params']
     return variables
 
   def apply(self, variables: dict, batch: dict, *, train: bool, rng):
-    flat = flat_pairs(batch)
+    flat = self._rows(batch)
     variables = dict(variables)
     if self.adapters:
       policy_vars = variables
@@ -73,21 +78,23 @@ class PairModel:
     return {'policy': outputs, 'reference': reference_out}, new_mutable, model_loss
 
   def logical_specs(self, batch: dict) -> Any:
-    specs = self.model.logical_specs(flat_pairs(batch))
+    specs = self.model.logical_specs(self._rows(batch))
     if specs and not self.adapters:
       specs = {**specs, FROZEN: specs['params']}
     return specs
 
-  def with_batch_axes(self, axes) -> 'PairModel':
+  def with_batch_axes(self, axes) -> 'WithReference':
     return dataclasses.replace(self, model=self.model.with_batch_axes(axes))
 
   def check_batch_axes(self, variables: dict) -> None:
     self.model.check_batch_axes({k: v for k, v in variables.items() if k != FROZEN})
 
   def tokens_per_example(self, spec: dict) -> int:
-    return 2 * int(spec['tokens'].shape[-1])
+    return (2 if self.pairs else 1) * int(spec['tokens'].shape[-1])
 
   def flops_per_example(self, spec: dict, num_params: int) -> float:
+    if not self.pairs:  # the reference's forward pass: a third of a trained one
+      return self.model.flops_per_example(spec, num_params) * 4 / 3
     one = {k: jax.ShapeDtypeStruct((v.shape[0],) + tuple(v.shape[2:]), v.dtype)
            for k, v in spec.items() if k in PAIR_FIELDS}
     # Two sequences trained, and the reference's forward pass (a third of a trained one) on both.

@@ -78,7 +78,8 @@ def report(workdir: str) -> dict:
     seconds['lost_steps'] += lost
     if a.time:
       t = {k: v['seconds'] for k, v in a.time.items() if isinstance(v, dict)}
-      seconds['productive'] += t['step'] + t.get('records', 0.0) - lost
+      # GRPO's sampling makes the batches it learns from: productive, like the step.
+      seconds['productive'] += t['step'] + t.get('sample', 0.0) + t.get('records', 0.0) - lost
       seconds['startup_and_compile'] += t['setup'] + t['compile']
       for name in ('checkpoint', 'data', 'eval'):
         seconds[name] += t[name]

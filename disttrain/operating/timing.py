@@ -8,7 +8,8 @@ last step it finished are what the hang watchdog reports.
 import time
 
 # Phases in the order they are reported; 'other' is the wall time none of them covers.
-PHASES = ('setup', 'compile', 'data', 'step', 'records', 'eval', 'checkpoint', 'profile')
+PHASES = ('setup', 'compile', 'data', 'sample', 'step', 'records', 'eval', 'checkpoint',
+          'profile')
 _NOT_TRAINING = ('setup', 'compile', 'eval', 'checkpoint', 'profile')
 
 

@@ -27,6 +27,7 @@ from disttrain.storage import urls
 HANG_EXIT_CODE = Exit.HANG
 _GRACE = 15.0  # seconds a process waits for the others' reports before it exits
 _WAITING = {'step': 'the step (a collective: waiting for another process)', 'data': 'data',
+            'sample': 'sampling (GRPO: the decoder or the reward functions)',
             'eval': 'eval', 'checkpoint': 'a checkpoint', 'records': 'metrics of a step',
             'profile': 'the profiler', 'compile': 'compilation', 'setup': 'set-up'}
 

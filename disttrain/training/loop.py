@@ -46,14 +46,16 @@ def _must_bound_in_flight(mesh: Mesh) -> bool:
 def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
           devices: Sequence[jax.Device] | None = None, tx: Any = None,
           train_step: Callable | None = None, *, eval_step: Callable | None = None,
-          train_data: Any = None, eval_data: Any = None, callbacks: Sequence[Any] = ()) -> Result:
+          train_data: Any = None, eval_data: Any = None, callbacks: Sequence[Any] = (),
+          rewards: Sequence[Any] | None = None) -> Result:
   """Trains `model` (default: the one cfg.model names) per `cfg`, writing outputs to `workdir`.
 
   Levels of disclosure: the config alone; your own data (`train_data`, `eval_data`: any source of
   feature dicts, see disttrain.data.records), `model` (any front end in disttrain.models) and `task`
   (per-example loss and metrics); your own optax `tx`, `train_step(ctx, state, batch) -> (state,
   metrics)` and `eval_step(ctx, state, batch) -> masked sums` (see step.StepContext); callbacks
-  (see disttrain.operating.callbacks). Sharding, data, checkpoints and logging stay the same.
+  (see disttrain.operating.callbacks); `rewards`: GRPO's reward functions (data.name='prompts',
+  when grpo.rewards names none). Sharding, data, checkpoints and logging stay the same.
   Resumes from the newest complete checkpoint in `workdir` if there is one. `devices` defaults to every device
   of every process. Raises NonFiniteError on a NaN/Inf loss or gradient norm, Preempted after
   saving on SIGTERM and Interrupted after saving on Ctrl-C. `workdir` is a local directory or a
@@ -70,7 +72,7 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
   lease.acquire()
   try:
     result = _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step,
-                    train_data, eval_data, callbacks)
+                    train_data, eval_data, callbacks, rewards)
   except BaseException as e:
     if log.started:  # not for bad input found before the workdir was opened
       log.emit('end', error=type(e).__name__, **({'step': e.step} if hasattr(e, 'step') else {}))
@@ -82,10 +84,11 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
 
 
 def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, train_data,
-           eval_data, callbacks) -> Result:
+           eval_data, callbacks, rewards) -> Result:
   phases = timing.Phases()
   with phases('setup'):
-    run = setup(cfg, model, task, devices, tx, train_step, eval_step, train_data, eval_data)
+    run = setup(cfg, model, task, devices, tx, train_step, eval_step, train_data, eval_data,
+                rewards)
     throughput = run_lib.throughput(run)
   tracking.quiet_libraries()
   writer = metrics.Writer(workdir, enabled=jax.process_index() == 0)
@@ -106,10 +109,13 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
     stack.callback(writer.close)
     ckpt = checkpoint.Checkpointer(workdir, cfg)
     stack.callback(ckpt.close)  # waits for async saves to commit (and raises their errors)
-    batches = TrainIterator(run.train_data, cfg.global_batch_size, cfg.seed,
-                                 run.batch_sharding, prefetch=cfg.data.prefetch,
-                                 batches_per_element=cfg.steps_per_dispatch,
-                                 workers=cfg.data.workers)
+    sampler = run.rollout  # GRPO reads prompts, one batch a dispatch, whole on every device
+    batches = TrainIterator(run.train_data,
+                            sampler.prompts_per_step if sampler else cfg.global_batch_size,
+                            cfg.seed, sampler.prompt_sharding if sampler else run.batch_sharding,
+                            prefetch=cfg.data.prefetch,
+                            batches_per_element=1 if sampler else cfg.steps_per_dispatch,
+                            workers=cfg.data.workers)
     stack.callback(batches.close)
     signals = distributed.StopSignals()
     stack.callback(signals.close)
@@ -238,11 +244,16 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
     acts.profiler.maybe_start(step_no)
     with phases('data'):
       batch = next(batches)
+    sampled = {}
+    if run.rollout is not None:  # GRPO: completions of the prompts, scored, become the batch
+      with phases('sample'):
+        batch, sampled = run.rollout(device_state, batch, step_no)
     with phases('step'):
       device_state, step_metrics = steps.train(device_state, batch, acts.records.variant(step_no))
       if bound_in_flight and previous is not None:
         jax.block_until_ready(previous)  # at most two multi-device steps in flight (see above)
     previous = step_metrics
+    step_metrics = {**step_metrics, **sampled}
     emitted = len(acts.out.records)
     acts.records.maybe_write(step_no, step_metrics)  # the previous step's record, fetched now
     acts.profiler.maybe_stop(step_no, device_state)

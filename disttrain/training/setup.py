@@ -23,12 +23,13 @@ from disttrain.data.batches import check_workers, element_spec, stacked_sharding
 from disttrain.data.records import Records
 from disttrain.errors import ConfigError, DisttrainError
 from disttrain.hf import config as hf_config
-from disttrain.models import lora, pipeline, preference
+from disttrain.models import grpo, lora, pipeline, preference
 from disttrain.operating import metrics
 from disttrain.parallel import mesh as mesh_lib, optim, sharding as sharding_lib, spmd
 from disttrain.parallel import state as state_lib, step as step_lib
 from disttrain.parallel.compiled import CompileInfo, Steps, shard_bytes
 from disttrain.parallel.step import Variant
+from disttrain.training import rollout
 
 
 class MemoryLimitError(DisttrainError):
@@ -50,6 +51,8 @@ class Setup:
   state: state_lib.TrainState  # fresh, created sharded
   layout: state_lib.Layout
   steps: Steps
+  step_spec: dict = None  # one train-step row ({field: ShapeDtypeStruct((1, ...))})
+  rollout: Any = None  # GRPO (data.name='prompts'): prompts + state -> the step's batch
 
   @property
   def parallel(self) -> mesh_lib.Parallelism:
@@ -59,12 +62,13 @@ class Setup:
 def setup(cfg: Config, model: Any = None, task: Any = None,
           devices: Sequence[jax.Device] | None = None, tx: Any = None,
           train_step: Callable | None = None, eval_step: Callable | None = None,
-          train_data: Any = None, eval_data: Any = None) -> Setup:
+          train_data: Any = None, eval_data: Any = None, rewards: Any = None) -> Setup:
   """Mesh, data, model, optimizer, sharded state and the compiled-on-first-use steps for `cfg`.
 
   Data: `train_data` (any source of feature dicts, or disttrain.Data with transforms) and
   `eval_data` (one source, or {name: source} for several); both default to cfg.data.name's
-  built-in set when train_data is None. A dict of arrays is one in-memory source.
+  built-in set when train_data is None. A dict of arrays is one in-memory source. `rewards`:
+  GRPO's reward functions when grpo.rewards names none (a config file's get_rewards()).
   """
   cfg = hf_config.from_directory(cfg)  # model.name='hf': the model restore_from's config.json
   parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
@@ -87,19 +91,32 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
   model, task = _objective(cfg, model, task)
   config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
   tx = tx or config_tx
-  parallel.check_model(model, _tokens(model, element_spec(train)))
-  state, lay = state_lib.create(model, tx, element_spec(train), cfg, mesh)
+  spec, sampler = element_spec(train), None
+  if cfg.data.name == 'prompts':  # the step trains on what the rollout makes of the prompts
+    sampler = rollout.Rollout(cfg, model, mesh, batch_sharding,
+                              rollout.load_rewards(cfg.grpo.rewards, rewards))
+    spec = sampler.step_spec
+  parallel.check_model(model, _tokens(model, spec))
+  state, lay = state_lib.create(model, tx, spec, cfg, mesh)
   steps = spmd.build(model, task, tx, cfg, mesh, lay, batch_sharding, train_step, eval_step)
   return Setup(cfg, mesh, train, evals, model, task, tx, lr_schedule, batch_sharding, state, lay,
-               steps)
+               steps, spec, sampler)
 
 
 def _objective(cfg: Config, model, task):
-  """The config's model (with LoRA adapters if asked) and task (DPO over preference pairs)."""
-  model = lora.adapt(model or models.build(cfg.model, cfg.precision.compute_dtype,
-                                           cfg.data.seq_len), cfg.lora)
+  """The config's model (with LoRA adapters if asked) and task (DPO over preference pairs, GRPO
+  over sampled completions)."""
+  grpo_run = cfg.data.name == 'prompts'
+  context = cfg.data.seq_len + (cfg.grpo.max_new_tokens if grpo_run else 0)
+  model = lora.adapt(model or models.build(cfg.model, cfg.precision.compute_dtype, context),
+                     cfg.lora)
   if cfg.data.name == 'preference':
-    return preference.PairModel(model), task or preference.Dpo(cfg.dpo.beta)
+    return preference.WithReference(model), task or preference.Dpo(cfg.dpo.beta)
+  if grpo_run:
+    g = cfg.grpo
+    if g.beta:  # the KL penalty's reference: the starting weights (LoRA: the base)
+      model = preference.WithReference(model, pairs=False)
+    return model, task or grpo.Grpo(g.epsilon, g.clip_high, g.beta, g.temperature)
   return model, task or models.task(cfg.model)
 
 
@@ -125,7 +142,7 @@ def _check_metric_names(cfg: Config, evals: dict[str, Records]) -> None:
 def train_batch_spec(run: Setup) -> dict:
   """The loop's train batch as ShapeDtypeStructs: [B, ...] (or [K, B, ...]) with shardings."""
   k = run.cfg.steps_per_dispatch
-  spec = element_spec(run.train_data)
+  spec = run.step_spec or element_spec(run.train_data)
   lead = (run.cfg.global_batch_size,) if k == 1 else (k, run.cfg.global_batch_size)
   sharding = stacked_sharding(run.batch_sharding, k)
   return {name: jax.ShapeDtypeStruct(lead + s.shape[1:], s.dtype, sharding=sharding)
@@ -262,7 +279,7 @@ def run_info(run: Setup) -> dict:
       'platform': mesh.devices.flat[0].platform,
       'device_kind': mesh.devices.flat[0].device_kind,
       **({'pipeline': _pipeline_info(run)} if run.parallel.stages > 1 else {}),
-      **({'loss': run.model.loss_info(element_spec(run.train_data))}
+      **({'loss': run.model.loss_info(run.step_spec or element_spec(run.train_data))}
          if hasattr(run.model, 'loss_info') else {}),
   }
 
@@ -299,7 +316,7 @@ def throughput(run: Setup) -> metrics.Throughput:
   """Tokens/s and MFU fields for models that count them (models.LanguageModel), else none."""
   flops = getattr(run.model, 'flops_per_example', None)
   tokens = getattr(run.model, 'tokens_per_example', None)
-  spec = element_spec(run.train_data)
+  spec = run.step_spec or element_spec(run.train_data)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.state.params))
   device = run.mesh.devices.flat[0]
   peak = run.cfg.peak_flops_per_device or metrics.peak_flops(device.device_kind)

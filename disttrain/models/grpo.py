@@ -1,0 +1,71 @@
+"""GRPO's objective: a clipped policy gradient per completion token, token-weighted.
+
+A batch row is a prompt and one sampled completion (training/rollout.py makes them): tokens,
+next-token targets, a loss mask on the completion's tokens (its EOS included), positions and
+segment ids (the prompt is left-padded), the row's group-normalized `advantages` [B] and, when
+grpo.iterations > 1, `old_logprobs` [B, T] (the sampling policy's, computed before the batch's
+first update). For each counted token t of row i, with logp the policy's log-probability of the
+token at the sampling temperature:
+
+  ratio  = exp(logp - old)       old = stop_gradient(logp) with one update per batch: ratio 1,
+                                 gradient A_i grad logp
+  loss_t = -min(ratio A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) A_i) + beta kl_t
+  kl_t   = exp(ref - logp) - (ref - logp) - 1      (k3, to the frozen reference; beta > 0)
+
+The step divides the sums by the global count of completion tokens (TRL's loss_type='dapo'), so a
+step's loss does not depend on how completions fall over devices or micro-batches. Records add
+`kl` and `clip_fraction` (tokens whose ratio left the region on the side that is clipped: below
+when the advantage is negative, above when positive), token means like the loss.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from disttrain.data.records import MASK
+from disttrain.models import chunked_loss
+
+ROLLOUT_FIELDS = ('advantages', 'old_logprobs')
+
+
+def token_logprobs(outputs: Any, batch: dict, temperature: float) -> tuple[jax.Array, jax.Array]:
+  """(log-probabilities [B, T] of the targets at `temperature`, counted-token weights [B, T])."""
+  if isinstance(outputs, dict) and 'logits' in outputs:  # a mixture of experts
+    outputs = outputs['logits']
+  targets = batch['targets']
+  weights = (targets >= 0).astype(jnp.float32) * (batch['loss_mask'] != 0)
+  return -chunked_loss.token_losses(outputs, targets, weights, temperature), weights
+
+
+@dataclasses.dataclass(frozen=True)
+class Grpo:
+  """The clipped GRPO loss with an optional KL penalty (see the module docstring)."""
+  epsilon: float = 0.2
+  epsilon_high: float = 0.2
+  beta: float = 0.0
+  temperature: float = 1.0
+
+  def weights(self, batch: dict) -> jax.Array:
+    weights = (batch['targets'] >= 0).astype(jnp.float32) * (batch['loss_mask'] != 0)
+    return weights.sum(-1) * batch[MASK]
+
+  def per_example(self, outputs: Any, batch: dict) -> dict[str, jax.Array]:
+    policy = outputs['policy'] if self.beta else outputs
+    logp, weights = token_logprobs(policy, batch, self.temperature)
+    old = batch['old_logprobs'] if 'old_logprobs' in batch else jax.lax.stop_gradient(logp)
+    advantage = batch['advantages'].astype(jnp.float32)[:, None]
+    ratio = jnp.exp(logp - old)
+    clipped = jnp.clip(ratio, 1.0 - self.epsilon, 1.0 + self.epsilon_high)
+    loss = -jnp.minimum(ratio * advantage, clipped * advantage)
+    out_of_region = (((ratio < 1.0 - self.epsilon) & (advantage < 0))
+                     | ((ratio > 1.0 + self.epsilon_high) & (advantage > 0)))
+    values = {'clip_fraction': (out_of_region * weights).sum(-1)}
+    if self.beta:
+      reference, _ = token_logprobs(outputs['reference'], batch, self.temperature)
+      log_ratio = reference - logp
+      kl = jnp.exp(log_ratio) - log_ratio - 1.0
+      loss = loss + self.beta * kl
+      values['kl'] = (kl * weights).sum(-1)
+    return {'loss': (loss * weights).sum(-1), **values}
