@@ -30,12 +30,10 @@ def _mnist_accuracy(mnist_dir, n_devices, workdir, **overrides) -> float:
 
 
 @pytest.mark.slow
-def test_mnist_mlp_reaches_accuracy_on_eight_devices_like_one(mnist_dir, tmp_path):
+def test_mnist_mlp_reaches_accuracy_on_eight_devices(mnist_dir, tmp_path):
   # Reference: a hand-written Flax loop of the same model, split and schedule reaches
-  # 0.9645-0.9665 over seeds 0-2 on this machine; the bar is 0.955.
+  # 0.9645-0.9665 over seeds 0-2 on this machine; the bar is 0.955. 8 devices against 1 step by
+  # step: tests/test_seed_configs.py (every seed config, the first 30 steps' losses); a second,
+  # 1-device run of these 312 steps here cost 22 s of the suite.
   acc8 = _mnist_accuracy(mnist_dir, 8, tmp_path / 'eight')
-  acc1 = _mnist_accuracy(mnist_dir, 1, tmp_path / 'one')
   assert acc8 >= 0.955, acc8
-  assert abs(acc8 - acc1) <= 0.005, (acc8, acc1)
-  # bf16 against float32: tests/test_big_models.py::test_bf16_trains_like_float32 (30 steps of
-  # the MLP and the GPT; a third 312-step run here cost 20 s of the suite).
