@@ -620,6 +620,12 @@ class Config:
                           f'steps_per_dispatch={k}; use a multiple of {k}')
 
   @property
+  def row_tokens(self) -> int:
+    """Tokens in a training row: data.seq_len, plus GRPO's completion after its prompt (the
+    default length of a GPT's positions table)."""
+    return self.data.seq_len + (self.grpo.max_new_tokens if self.data.name == 'prompts' else 0)
+
+  @property
   def eval_batch(self) -> int:
     return self.eval_batch_size or self.global_batch_size
 

@@ -63,8 +63,10 @@ def local_run(tmp_path_factory):
   return workdir, result
 
 
+# s3:// resumes bitwise in test_multiprocess.py::test_bucket_job_killed_restarts_to_the_
+# uninterrupted_end[s3] (keep-2, restore onto 1 x 8); here gs://.
 @pytest.mark.slow
-@pytest.mark.parametrize('scheme', ['gs', 's3'])
+@pytest.mark.parametrize('scheme', ['gs'])
 def test_bucket_run_resumes_and_equals_a_local_run(servers, local_run, scheme):
   """20 steps into a bucket, then on to 30 from its checkpoint: every output is in the bucket,
   keep-2 left exactly 2 steps there, and losses, curves and parameters equal a local run's."""

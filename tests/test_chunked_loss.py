@@ -71,16 +71,8 @@ def test_auto_chunks_only_large_logits():
   assert chunked_loss.describe(0, 2048, 262_144)['chunks'] == 32
 
 
-@pytest.mark.slow
-def test_chunked_loss_on_data_tensor_context_equals_full_on_one_device():
-  """The strided chunks keep a context-split sequence split; the vocabulary stays on tensor."""
-  chunked = {'model.loss_chunk': 8}
-  ref_loss, ref_grads = test_llama._one_step(test_llama._config(
-      **test_llama.ONE, **{'model.loss_chunk': -1}), 1)
-  layout = {'mesh.data': 2, 'mesh.tensor': 2, 'mesh.context': 2}
-  loss, grads = test_llama._one_step(test_llama._config(**layout, **chunked), 8)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  assert_trees_close(grads, ref_grads, 1e-5, 1e-6, 'chunked loss on data x tensor x context')
+# Chunked on data x tensor x context against the whole loss on 1 device: tests/test_context.py
+# (test_one_step_with_positions_split_equals_one_device, llama on the cube).
 
 
 @pytest.mark.slow

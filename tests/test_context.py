@@ -58,14 +58,15 @@ def _packed(rows: int, t: int, vocab: int, seed: int = 0) -> dict:
 
 
 def _check_one_step(name: str, cases):
-  """cases: (layout, packed rows?, micro-batches), each against 1 device on the same rows."""
+  """cases: (layout, packed rows?, micro-batches, overrides), each against 1 device (whole
+  loss) on the same rows."""
   refs = {}
-  for layout, packed, m in cases:
+  for layout, packed, m, overrides in cases:
     train_data = _packed(64, 32, 256) if packed else None
     if packed not in refs:
       refs[packed] = _one_step(_config(name, **ONE), 1, train_data=train_data)
     ref_loss, ref_grads = refs[packed]
-    loss, grads = _one_step(_config(name, **LAYOUTS[layout]), 8, m, train_data)
+    loss, grads = _one_step(_config(name, **LAYOUTS[layout], **overrides), 8, m, train_data)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(grads, ref_grads, 1e-5, 1e-6,
                        f'{name} {layout} gradient and update (M={m})')
@@ -73,11 +74,12 @@ def _check_one_step(name: str, cases):
 
 @pytest.mark.slow
 def test_one_step_with_positions_split_equals_one_device():
-  """Llama: causal rows on context=8, packed rows on data 2 x context 2 x tensor 2 with 1 and 2
-  micro-batches; GPT (learned positions): packed rows on context=8. The 10-step tests below run
-  causal rows on the cube."""
-  _check_one_step('llama', [('context=8', False, 1), ('data 2 x context 2 x tensor 2', True, 2)])
-  _check_one_step('gpt', [('context=8', True, 1)])
+  """Llama: packed rows on data 2 x context 2 x tensor 2 with 2 micro-batches and the chunked
+  loss (its strided chunks keep a context-split sequence split; the vocabulary stays on
+  tensor); GPT (learned positions): packed rows on context=8. The 10-step test below runs causal
+  rows on the cube."""
+  _check_one_step('llama', [('data 2 x context 2 x tensor 2', True, 2, {'model.loss_chunk': 8})])
+  _check_one_step('gpt', [('context=8', True, 1, {})])
 
 
 def _losses(cfg, workdir, n: int) -> list[float]:

@@ -87,9 +87,10 @@ CONTEXT = {'mesh.data': 2, 'mesh.context': 2, 'mesh.tensor': 2}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('fields,layout', [(GEMMA3, CUBE), (GEMMA3, CONTEXT), (GEMMA2, CUBE)],
-                         ids=['gemma3_data_fsdp_tensor', 'gemma3_data_context_tensor',
-                              'gemma2_data_fsdp_tensor'])
+# Gemma 3 on data x context x tensor, Gemma 2 (the same decoder, capped) on data x fsdp x tensor:
+# every split of the family's weights and sequence between them.
+@pytest.mark.parametrize('fields,layout', [(GEMMA3, CONTEXT), (GEMMA2, CUBE)],
+                         ids=['gemma3_data_context_tensor', 'gemma2_data_fsdp_tensor'])
 def test_gemma_one_step_on_eight_devices_equals_one(fields, layout):
   """The per-layer windows and rotary bases are scanned values: they split like the rest, and
   under the context split the window masks the all-gathered keys (32-token rows, a window of 8);

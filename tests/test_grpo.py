@@ -103,7 +103,7 @@ def test_rows_train_the_completion_and_its_eos_after_a_left_padded_prompt():
   np.testing.assert_array_equal(rows['advantages'], [0.5, -0.5])
 
 
-def test_a_reward_that_returns_a_non_number_names_itself_and_the_value():
+def test_rewards_load_by_path_in_order_and_each_value_is_checked():
   from tests.configs import rewards  # pylint: disable=g-import-not-at-top
   named = rollout.load_rewards('tests.configs.rewards.length,tests.configs.rewards.words')
   assert [name for name, _ in named] == ['tests.configs.rewards.length',
@@ -116,18 +116,20 @@ def test_a_reward_that_returns_a_non_number_names_itself_and_the_value():
   np.testing.assert_array_equal(values['length'], [2.0, 0.0])
 
 
-def test_a_reward_with_too_few_values_stops_the_launch_in_one_line(tmp_path):
-  """Found at the first step, after compilation: one line naming the function and the counts,
-  exit status 2, no train record."""
+@pytest.mark.parametrize('name, line', [
+    ('too_few', 'returned 15 values for 16 completions; return one number per completion'),
+    ('words', "returned 'high' (str) among its values; return a number per completion")])
+def test_a_bad_reward_stops_the_launch_in_one_line(tmp_path, name, line):
+  """Found at the first step, after compilation: one line naming the function and what it
+  returned, exit status 2, no train record."""
   env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
   proc = subprocess.run(
       [sys.executable, 'launch/train.py', f'--config={EXAMPLE}', f'--workdir={tmp_path}',
-       '--config.grpo.rewards=tests.configs.rewards.too_few', '--config.global_batch_size=16'],
+       f'--config.grpo.rewards=tests.configs.rewards.{name}', '--config.global_batch_size=16'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
   lines = [line for line in proc.stderr.splitlines() if line.strip()]
   assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
-  assert lines[0] == ('error: DataError: reward tests.configs.rewards.too_few returned 15 values '
-                      'for 16 completions; return one number per completion'), lines
+  assert lines[0] == f'error: DataError: reward tests.configs.rewards.{name} {line}', lines
   assert not helpers.metrics_records(tmp_path)
 
 

@@ -425,10 +425,11 @@ def test_distributed_without_a_cluster_says_so(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # 6. Operating a job: a callback's stop, Ctrl-C, the hang watchdog.
 
-def test_callback_stop_is_agreed_saved_and_resumes_exactly(runs, tmp_path):
+def test_callback_stop_is_agreed_and_saved(runs, tmp_path):
   """A callback asks to stop when it sees step 17's record (fetched one step late, after step
-  18 was dispatched): both processes stop after step 18, save it, exit 0; relaunched, the run
-  continues bitwise as the uninterrupted 30-step run of the same config and data."""
+  18 was dispatched): both processes stop after step 18, save it, exit 0, and their losses so far
+  are the uninterrupted run's. (A relaunch after an agreed save continues bitwise:
+  test_sigterm_then_ctrl_c_save_on_every_process_and_resume_exactly.)"""
   two, _ = runs('jit')
   overrides = {**BASE, **CASES['jit']}
   proc = _ops_cluster(tmp_path, {'STOP_AT': '17'}, overrides)
@@ -440,11 +441,8 @@ def test_callback_stop_is_agreed_saved_and_resumes_exactly(runs, tmp_path):
   assert 'Traceback' not in out
   _assert_committed(tmp_path / 'checkpoints' / '18')
   assert json.loads((tmp_path / 'run.json').read_text())['stopped_by'] == 'StopAt: saw step 17'
-  proc = _ops_cluster(tmp_path, {}, overrides)
-  out, _ = proc.communicate(timeout=JOB_TIMEOUT)
-  assert proc.returncode == 0 and '[0] resumed from step 18' in out, out[-3000:]
   got, want = _losses(tmp_path), _losses(two)
-  assert [got[s] for s in range(19, STEPS + 1)] == [want[s] for s in range(19, STEPS + 1)]
+  assert [got[s] for s in range(1, 19)] == [want[s] for s in range(1, 19)]
 
 
 def test_watchdog_names_the_process_that_hung(tmp_path):

@@ -38,11 +38,12 @@ def _config(name: str, layout: str | None = None, m: int = 4, **overrides):
 
 @pytest.mark.slow
 def test_one_step_pipelined_equals_one_device():
-  """Llama on packed rows over stage=4 (M = 4) and stage 2 x fsdp 2 x tensor 2 (M = 2); GPT
-  (learned positions) on causal rows over data 2 x stage 4 (M = 8)."""
+  """Llama on packed rows over stage 2 x fsdp 2 x tensor 2 (M = 2); GPT (learned positions) on
+  causal rows over data 2 x stage 4 (M = 8). (Llama on stage=4 against 1 device: the resumed
+  steps of test_a_checkpoint_of_four_stages_resumes_on_one_device.)"""
   rows = _packed(64, 32, 256)
   ref = _one_step(_config('llama', m=1), 1, train_data=rows)
-  for layout, m in (('stage=4', 4), ('stage 2 x fsdp 2 x tensor 2', 2)):
+  for layout, m in (('stage 2 x fsdp 2 x tensor 2', 2),):
     loss, grads = _one_step(_config('llama', layout, m), LAYOUTS[layout][1], m, rows)
     np.testing.assert_allclose(loss, ref[0], rtol=1e-5)
     assert_trees_close(grads, ref[1], 1e-5, 1e-6, f'llama {layout} gradient and update (M={m})')
@@ -81,16 +82,16 @@ def test_each_stage_holds_its_layers_and_run_json_says_so(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_four_stages_resumes_on_one_device_and_on_two_stages(tmp_path):
+def test_a_checkpoint_of_four_stages_resumes_on_one_device_and_on_four_again(tmp_path):
   """Parameters are saved [L, ...] whatever S: 6 steps on stage=4 saved at 3; resumed at 3 on 1
-  device and on stage=2, steps 4-6 match the uninterrupted run to float reassociation (1e-5:
-  another S adds partial sums in another order), and on stage=4 again bit-exactly."""
+  device, steps 4-6 match the uninterrupted run to float reassociation (1e-5: another S adds
+  partial sums in another order), and on stage=4 again bit-exactly. (Stage=2 read the same
+  [L, ...] arrays; dropped for the suite's time.)"""
   common = {'num_train_steps': 6, 'log_every_steps': 1, 'checkpoint_every_steps': 3,
             'max_to_keep': 5}
   whole = tmp_path / 'whole'
   straight = _losses(_config('llama', 'stage=4', **common), whole, 4)
-  for name, layout, n, rtol in (('one', None, 1, 1e-5), ('two', 'stage=2', 2, 1e-5),
-                                ('four', 'stage=4', 4, 0)):
+  for name, layout, n, rtol in (('one', None, 1, 1e-5), ('four', 'stage=4', 4, 0)):
     workdir = tmp_path / name
     shutil.copytree(whole, workdir)
     shutil.rmtree(workdir / 'checkpoints' / '6')

@@ -297,47 +297,8 @@ def _train_losses(workdir) -> dict[int, float]:
     return {r['step']: r['loss'] for r in map(json.loads, f) if r['split'] == 'train'}
 
 
-@pytest.mark.slow
-def test_tokenized_packed_data_with_workers_resumes_bit_exactly_after_sigkill(corpus, tmp_path):
-  """2 worker processes read packed rows of tokenized documents; the launcher is SIGKILLed once
-  checkpoint 5 has committed and relaunched: every later loss and the final parameters equal
-  the uninterrupted run's bit for bit. The corpus's first 12 documents (over 1,000 rows of 64,
-  12 steps use 192): every launch tokenizes its whole train file to pack it, and all 156 take
-  seconds each time."""
-  import signal  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
-  import psutil  # pylint: disable=g-import-not-at-top
-  first_docs = tmp_path / 'first_docs.jsonl'
-  with open(corpus / 'train.jsonl', encoding='utf-8') as f:
-    first_docs.write_text(''.join(f.readline() for _ in range(12)), encoding='utf-8')
-  args = lambda workdir, **kw: _launch_args(corpus, workdir, workers=2,
-                                            train_files=str(first_docs), **kw)
-  straight = tmp_path / 'straight'
-  _cli(*args(straight)[1:])
-  killed = tmp_path / 'killed'
-  proc = subprocess.Popen(args(killed, every=5), cwd=ROOT, env=_env(),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.monotonic() + 240
-  try:
-    while not (killed / 'checkpoints' / '5' / 'data').is_dir():
-      assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
-      time.sleep(0.02)
-    time.sleep(0.3)  # orbax renames the finished save into place last: it has committed
-    assert len(psutil.Process(proc.pid).children(recursive=True)) >= 2  # grain's workers
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-  out = _cli(*args(killed, every=5)[1:])
-  assert 'resumed from step' in out
-  expected, actual = _train_losses(straight), _train_losses(killed)
-  resumed_at = int(out.split('resumed from step ')[1].split(':')[0])
-  assert resumed_at >= 5
-  assert [actual[s] for s in range(resumed_at + 1, 13)] == \
-      [expected[s] for s in range(resumed_at + 1, 13)]  # bitwise
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  load = lambda d: ocp.PyTreeCheckpointer().restore(str(d / 'checkpoints' / '12' / 'state'))
-  for a, b in zip(jax.tree.leaves(load(killed)['params']),
-                  jax.tree.leaves(load(straight)['params'])):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+# A SIGKILLed run with worker processes resumes bit for bit: tests/test_workers.py (any source:
+# rows are read by index, packed rows too); a language model killed and resumed through the
+# launcher: tests/test_grpo.py.
+
+

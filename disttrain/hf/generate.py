@@ -173,10 +173,10 @@ class SampleAtEnd:
   def __init__(self, cfg, prompts: list[str], max_new_tokens: int = 48):
     from disttrain import models  # pylint: disable=g-import-not-at-top
     from disttrain.data import tokenizer as tokenizer_lib
-    self.model = models.build(cfg.model, cfg.precision.compute_dtype, cfg.data.seq_len)
+    self.model = models.build(cfg.model, cfg.precision.compute_dtype, cfg.row_tokens)
     self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
     self.prompts, self.max_new_tokens = prompts, max_new_tokens
-    self.context = self.model.cfg.learned_positions or cfg.model.max_seq_len or cfg.data.seq_len
+    self.context = self.model.cfg.learned_positions or cfg.model.max_seq_len or cfg.row_tokens
 
   def on_end(self, result) -> None:
     eos = self.tokenizer.eos_id if (self.tokenizer.eos_id or 0) < self.model.cfg.vocab_size \

@@ -79,12 +79,12 @@ def load(*, workdir: str = '', hf_dir: str = '', step: int | None = None, device
     cfg, source = _config(tree, mesh), f'{workdir} step {step}'
     tok_path = cfg.data.tokenizer if tokenizer is None else tokenizer
   dtype = compute_dtype or cfg.precision.compute_dtype
-  model = models.build(cfg.model, dtype, cfg.data.seq_len)
+  model = models.build(cfg.model, dtype, cfg.row_tokens)
   if not hasattr(model, 'family'):
     raise ConfigError(f'model.name={cfg.model.name!r} is not a language model; sampling and '
                       "export take a language model (llama, qwen2, qwen3, gpt)")
   mesh_ = _mesh(cfg, devices)
-  context = model.cfg.learned_positions or cfg.model.max_seq_len or cfg.data.seq_len
+  context = model.cfg.learned_positions or cfg.model.max_seq_len or cfg.row_tokens
   spec = {'tokens': jax.ShapeDtypeStruct((1, cfg.data.seq_len), np.int32)}
   abstract = state_lib.abstract_params(model, spec, cfg, mesh_)
   found_adapters = None

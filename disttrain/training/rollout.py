@@ -84,11 +84,10 @@ def score(rewards: list[Reward], prompts: list, completions: list, completion_id
       got = f'{len(values)} values' if isinstance(values, list) else type(values).__name__
       raise DataError(f'reward {name} returned {got} for {len(completions)} completions; return '
                       'one number per completion')
-    bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Real)),
-               None)
-    if bad is not None or any(isinstance(v, bool) for v in values):
-      raise DataError(f'reward {name} returned {bad!r} ({type(bad).__name__}) among its values; '
-                      'return a number per completion')
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Real)]
+    if bad:
+      raise DataError(f'reward {name} returned {bad[0]!r} ({type(bad[0]).__name__}) among its '
+                      'values; return a number per completion')
     out[name] = np.asarray(values, np.float64)
   return out
 
@@ -132,6 +131,10 @@ class Rollout:
                                        cfg.data.sft.chat_template, jax.process_index() == 0)
     self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
     policy = _policy_model(model)
+    if not hasattr(policy, 'family'):
+      raise ConfigError(f"data.name='prompts' samples completions from a language model; "
+                        f'{type(policy).__name__} is not one (use a gpt, llama, qwen, mistral, '
+                        'mixtral or gemma model)')
     vocab = policy.cfg.vocab_size
     eos = self.tokenizer.eos_id
     self.eos = int(eos) if eos is not None and eos < vocab else -1

@@ -106,13 +106,11 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
 def _objective(cfg: Config, model, task):
   """The config's model (with LoRA adapters if asked) and task (DPO over preference pairs, GRPO
   over sampled completions)."""
-  grpo_run = cfg.data.name == 'prompts'
-  context = cfg.data.seq_len + (cfg.grpo.max_new_tokens if grpo_run else 0)
-  model = lora.adapt(model or models.build(cfg.model, cfg.precision.compute_dtype, context),
-                     cfg.lora)
+  model = lora.adapt(model or models.build(cfg.model, cfg.precision.compute_dtype,
+                                           cfg.row_tokens), cfg.lora)
   if cfg.data.name == 'preference':
     return preference.WithReference(model), task or preference.Dpo(cfg.dpo.beta)
-  if grpo_run:
+  if cfg.data.name == 'prompts':
     g = cfg.grpo
     if g.beta:  # the KL penalty's reference: the starting weights (LoRA: the base)
       model = preference.WithReference(model, pairs=False)
