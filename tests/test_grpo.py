@@ -116,6 +116,7 @@ def test_rewards_load_by_path_in_order_and_each_value_is_checked():
   np.testing.assert_array_equal(values['length'], [2.0, 0.0])
 
 
+@pytest.mark.slow  # a compiled step each; the messages: test_rewards_load_by_path_in_order...
 @pytest.mark.parametrize('name, line', [
     ('too_few', 'returned 15 values for 16 completions; return one number per completion'),
     ('words', "returned 'high' (str) among its values; return a number per completion")])
