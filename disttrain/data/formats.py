@@ -9,6 +9,7 @@
 """
 
 import glob
+import json
 import os
 from collections.abc import Iterable, Sequence
 
@@ -97,6 +98,24 @@ def resolve_files(patterns: str, field: str) -> list[str]:
   if not paths:
     raise DataError(f'{field} is empty; pass a glob of the data files')
   return paths
+
+
+def json_lines(paths: Sequence[str], what: str) -> Iterable[tuple[str, object]]:
+  """(where, parsed value) of every non-blank line of JSON-lines files; `what` says in the error
+  what the files should hold. A file not named .jsonl/.json or a line that is not JSON is one
+  line naming the file (and the line)."""
+  for path in paths:
+    if not path.endswith(('.jsonl', '.json')):
+      raise DataError(f'{path}: {what}')
+    with open(path, encoding='utf-8') as f:
+      for number, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        where = f'{path} line {number}'
+        try:
+          yield where, json.loads(line)
+        except json.JSONDecodeError as e:
+          raise DataError(f'{where} is not JSON ({e.msg}); fix the line') from None
 
 
 def array_record_source(paths: str | Sequence[str]) -> grain.MapDataset:

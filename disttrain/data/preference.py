@@ -12,11 +12,11 @@ data.seq_len with targets of -1. A sequence longer than a row keeps the prompt's
 completion's start (TRL's keep_end for prompts), so the completion is never dropped whole.
 """
 
-import json
 import time
 
 import numpy as np
 
+from disttrain.data import formats
 from disttrain.errors import DataError
 
 PIECES = list[tuple[str, bool]]
@@ -95,30 +95,20 @@ def read(paths: list[str], tokenizer, seq_len: int, template=None, verbose: bool
   rows = {'tokens': [], 'targets': [], 'loss_mask': []}
   start, last, count = time.monotonic(), time.monotonic(), 0
   whole = template is not None
-  for path in paths:
-    if not path.endswith(('.jsonl', '.json')):
-      raise DataError(f'{path}: preference data is JSON lines (.jsonl) of prompt/chosen/rejected')
-    with open(path, encoding='utf-8') as f:
-      for number, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        where = f'{path} line {number}'
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise DataError(f'{where} is not JSON ({e.msg}); fix the line') from None
-        if not isinstance(record, dict):
-          raise DataError(f'{where} is not a JSON object with prompt/chosen/rejected')
-        pair = [_row(*_ids(p, tokenizer, whole), seq_len, where)
-                for p in pieces(record, where, template)]
-        for k, name in enumerate(rows):
-          rows[name].append(np.stack([pair[0][k], pair[1][k]]))
-        count += 1
-        now = time.monotonic()
-        if verbose and now - last >= 5:
-          print(f'tokenizing preference pairs: {count:,} read, {count / (now - start):,.0f} '
-                'pairs/s', flush=True)
-          last = now
+  for where, record in formats.json_lines(
+      paths, 'preference data is JSON lines (.jsonl) of prompt/chosen/rejected'):
+    if not isinstance(record, dict):
+      raise DataError(f'{where} is not a JSON object with prompt/chosen/rejected')
+    pair = [_row(*_ids(p, tokenizer, whole), seq_len, where)
+            for p in pieces(record, where, template)]
+    for k, name in enumerate(rows):
+      rows[name].append(np.stack([pair[0][k], pair[1][k]]))
+    count += 1
+    now = time.monotonic()
+    if verbose and now - last >= 5:
+      print(f'tokenizing preference pairs: {count:,} read, {count / (now - start):,.0f} '
+            'pairs/s', flush=True)
+      last = now
   if not count:
     raise DataError(f'the preference files {paths[:3]} hold no pairs; pass non-empty files')
   return {name: np.stack(values) for name, values in rows.items()}

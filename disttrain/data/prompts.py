@@ -13,7 +13,6 @@ rollout hands the reward functions each completion's prompt and the line's other
 
 import dataclasses
 import functools
-import json
 import time
 
 import numpy as np
@@ -66,42 +65,32 @@ def read(paths: list[str], tokenizer, seq_len: int, template=None,
   lines, rows, masks, truncated = [], [], [], 0
   chat = None
   start, last = time.monotonic(), time.monotonic()
-  for path in paths:
-    if not path.endswith(('.jsonl', '.json')):
-      raise DataError(f'{path}: prompts are JSON lines (.jsonl) with a "prompt" field')
-    with open(path, encoding='utf-8') as f:
-      for number, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        where = f'{path} line {number}'
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise DataError(f'{where} is not JSON ({e.msg}); fix the line') from None
-        prompt = record.get('prompt') if isinstance(record, dict) else None
-        if not (isinstance(prompt, str) and prompt) and not _turns(prompt):
-          raise DataError(f'{where}: a prompt line needs "prompt": text or a list of '
-                          '{"role", "content"} turns (fields: '
-                          f'{sorted(record) if isinstance(record, dict) else type(record).__name__}'
-                          '); add it or fix the file')
-        if chat is not None and chat != _turns(prompt):
-          raise DataError(f'{where}: its prompt is {"turns" if _turns(prompt) else "text"}, the '
-                          'lines before had the other kind; use one kind per run')
-        chat = _turns(prompt)
-        ids = _ids(prompt, tokenizer, template, where)
-        if len(ids) > seq_len:
-          ids, truncated = ids[-seq_len:], truncated + 1
-        row, mask = np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int8)
-        if ids:
-          row[-len(ids):], mask[-len(ids):] = ids, 1
-        rows.append(row)
-        masks.append(mask)
-        lines.append(record)
-        now = time.monotonic()
-        if verbose and now - last >= 5:
-          print(f'tokenizing prompts: {len(lines):,} read, '
-                f'{len(lines) / (now - start):,.0f} prompts/s', flush=True)
-          last = now
+  for where, record in formats.json_lines(paths,
+                                         'prompts are JSON lines (.jsonl) with a "prompt" field'):
+    prompt = record.get('prompt') if isinstance(record, dict) else None
+    if not (isinstance(prompt, str) and prompt) and not _turns(prompt):
+      raise DataError(f'{where}: a prompt line needs "prompt": text or a list of '
+                      '{"role", "content"} turns (fields: '
+                      f'{sorted(record) if isinstance(record, dict) else type(record).__name__}'
+                      '); add it or fix the file')
+    if chat is not None and chat != _turns(prompt):
+      raise DataError(f'{where}: its prompt is {"turns" if _turns(prompt) else "text"}, the '
+                      'lines before had the other kind; use one kind per run')
+    chat = _turns(prompt)
+    ids = _ids(prompt, tokenizer, template, where)
+    if len(ids) > seq_len:
+      ids, truncated = ids[-seq_len:], truncated + 1
+    row, mask = np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int8)
+    if ids:
+      row[-len(ids):], mask[-len(ids):] = ids, 1
+    rows.append(row)
+    masks.append(mask)
+    lines.append(record)
+    now = time.monotonic()
+    if verbose and now - last >= 5:
+      print(f'tokenizing prompts: {len(lines):,} read, '
+            f'{len(lines) / (now - start):,.0f} prompts/s', flush=True)
+      last = now
   if not lines:
     raise DataError(f'the prompt files {list(paths)[:3]} hold no prompts; pass non-empty files')
   arrays = {'prompt': np.stack(rows), 'prompt_mask': np.stack(masks),
