@@ -17,6 +17,8 @@ COMMANDS = {
               '--config.<field>=...)'),
     'check': ('disttrain.launch.train', ['--check'], 'validate the flags and the config of a '
               'train command without running it'),
+    'batch-size': ('disttrain.launch.train', ['--find_batch_size'], 'the largest micro-batch per '
+                   'device whose compiled train step fits the memory (--memory_limit=BYTES)'),
     'supervise': ('disttrain.launch.supervise', [], 'rerun a job from its last checkpoint until '
                   'it finishes: disttrain supervise [flags] -- COMMAND'),
     'cluster': ('disttrain.launch.cluster', [], 'run train as P local processes x D CPU devices '

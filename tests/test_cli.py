@@ -32,8 +32,9 @@ def test_the_installed_script_lists_the_subcommands_and_refuses_an_unknown_one()
   bad = _run(str(SCRIPT), 'trian', '--config=x')
   assert bad.returncode == 2 and bad.stdout == '', bad
   assert bad.stderr.splitlines() == [
-      "error: disttrain has no subcommand 'trian'; use one of train, check, supervise, cluster, "
-      'export, generate, compare, convert, tokenizer, goodput, plot (disttrain --help)']
+      "error: disttrain has no subcommand 'trian'; use one of train, check, batch-size, "
+      'supervise, cluster, export, generate, compare, convert, tokenizer, goodput, plot '
+      '(disttrain --help)']
 
 
 _HELP = textwrap.dedent("""
@@ -60,7 +61,8 @@ _HELP = textwrap.dedent("""
     print(json.dumps(out))
 """)
 # A flag only this subcommand's program has: its --help names it and no other program's.
-OWN_FLAG = {'train': '--coordinator_address', 'check': '--check', 'supervise': '--max_restarts',
+OWN_FLAG = {'train': '--coordinator_address', 'check': '--check', 'batch-size': '--memory_limit',
+            'supervise': '--max_restarts',
             'cluster': '--devices_per_process', 'export': '--dtype', 'generate': '--temperature', 'compare': '--max_kl',
             'convert': '--source', 'tokenizer': '--vocab_size', 'plot': '--metrics',
             'goodput': '--json: Also write the report'}  # generate has a --json of its own

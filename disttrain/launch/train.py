@@ -1,6 +1,7 @@
 """Train a config: disttrain train --config=launch/configs/mnist_mlp.py --workdir=DIR.
 
-(`python launch/train.py ...` is the same launcher; `disttrain check ...` is `--check`.)
+(`python launch/train.py ...` is the same launcher; `disttrain check ...` is `--check`;
+`disttrain batch-size ...` is `--find_batch_size`: the largest micro-batch per device that fits.)
 
 Flags: --fake_devices=N gives N CPU devices; --config.<field>=<value> overrides any config field.
 Besides get_config(), a config file may define get_data(config), get_model(config),
@@ -49,7 +50,23 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
 _CHECK = flags.DEFINE_bool(
     'check', False, 'Validate the flags and the config (fields, values, hooks) and exit 0 without '
     'touching jax, the devices or the workdir (tests/test_docs.py checks documented commands).')
-flags.mark_flags_as_required(['config', 'workdir'])
+_FIND_BATCH = flags.DEFINE_bool(
+    'find_batch_size', False, 'Print the largest micro-batch per device whose compiled train step '
+    'fits the memory limit less --headroom, and what it means for global_batch_size and '
+    'grad_accum_steps; train nothing (no --workdir needed).')
+_MEMORY_LIMIT = flags.DEFINE_integer(
+    'memory_limit', None, '--find_batch_size: per-device bytes to fit (default: '
+    'config.memory_limit_bytes, else the device\'s bytes_limit; CPU devices report none).')
+_HEADROOM = flags.DEFINE_float(
+    'headroom', 0.1, '--find_batch_size: the fraction of the limit kept free (allocator '
+    'fragmentation, library workspaces).')
+_BATCH_MULTIPLE = flags.DEFINE_integer(
+    'batch_multiple', 0, '--find_batch_size: after the powers of two, bisect over multiples of '
+    'this (e.g. 8); 0 = powers of two only.')
+_XLA_DEFAULTS = flags.DEFINE_bool(
+    'xla_defaults', True, "On NVIDIA GPUs, add disttrain's XLA flags (docs/performance.md) to "
+    'XLA_FLAGS where it does not set them; --noxla_defaults keeps XLA\'s own defaults.')
+flags.mark_flags_as_required(['config'])
 
 # Config-file function -> the disttrain.train keyword it provides (get_data returns a dict of
 # train_data / eval_data).
@@ -75,6 +92,10 @@ def main(argv):
           f'data {cfg.data.name}, {cfg.num_train_steps} steps'
           f'{", hooks " + ", ".join(hooks) if hooks else ""}); nothing was run')
     return
+  from disttrain.parallel import xla_flags  # pylint: disable=g-import-not-at-top
+  # XLA reads XLA_FLAGS when its backend starts: before the first jax use below.
+  xla_flags.apply(_FAKE_DEVICES.value is None and
+                  xla_flags.on_gpu(os.environ.get('JAX_PLATFORMS')), _XLA_DEFAULTS.value)
   import jax  # pylint: disable=g-import-not-at-top
   if _FAKE_DEVICES.value is not None:
     # Must happen before the first backend use; on CPU this gives N devices in this process.
@@ -86,12 +107,27 @@ def main(argv):
       distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                              init_timeout=_INIT_TIMEOUT.value,
                              heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
-    disttrain.train(cfg, _WORKDIR.value, **_hook_objects(cfg))
+    if _FIND_BATCH.value:
+      _find_batch_size(cfg)
+    else:
+      disttrain.train(cfg, _WORKDIR.value, **_hook_objects(cfg))
   except disttrain.Preempted as e:  # also Interrupted (Ctrl-C)
     print(e, flush=True)
     sys.exit(e.exit_code)  # 75 (SIGTERM) or 130 (Ctrl-C): a checkpoint was saved; relaunch
   except disttrain.DisttrainError as e:
     _fail(f'{type(e).__name__}: {e}')
+
+
+def _find_batch_size(cfg) -> None:
+  """Prints (on process 0) the largest micro-batch per device that fits, and its meaning."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from disttrain.training import batch_size  # pylint: disable=g-import-not-at-top
+  say = print if jax.process_index() == 0 else lambda _: None
+  hooks = _hook_objects(cfg)
+  found = batch_size.find(cfg, limit=_MEMORY_LIMIT.value, headroom=_HEADROOM.value,
+                          multiple=_BATCH_MULTIPLE.value, model=hooks.get('model'),
+                          task=hooks.get('task'), train_data=hooks.get('train_data'), say=say)
+  say('\n'.join(found.lines()))
 
 
 def _hook_objects(cfg) -> dict:
@@ -151,7 +187,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
   if _FAKE_DEVICES.value is not None and _FAKE_DEVICES.value < 1:
     _fail(f'--fake_devices={_FAKE_DEVICES.value} must be >= 1; pass a device count such as '
           '--fake_devices=8, or leave it out to use the real devices')
+  _check_batch_flags()
   workdir = _WORKDIR.value
+  if workdir is None:
+    if _FIND_BATCH.value:  # nothing is written
+      return rest
+    _fail('--workdir is required; pass --workdir=DIR')
   from disttrain import errors  # pylint: disable=g-import-not-at-top
   from disttrain.storage import urls
   try:
@@ -162,6 +203,18 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(f'--workdir={workdir!r} is a file, not a directory; pass a directory path (it is '
           'created if missing)')
   return rest
+
+
+def _check_batch_flags() -> None:
+  """--memory_limit, --headroom and --batch_multiple are in range."""
+  if _MEMORY_LIMIT.value is not None and _MEMORY_LIMIT.value < 1:
+    _fail(f'--memory_limit={_MEMORY_LIMIT.value} must be >= 1 byte; pass the per-device bytes, '
+          'e.g. --memory_limit=17179869184 (16 GiB)')
+  if not 0.0 <= _HEADROOM.value < 1.0:
+    _fail(f'--headroom={_HEADROOM.value} must be in [0, 1); pass a fraction, e.g. 0.1')
+  if _BATCH_MULTIPLE.value < 0:
+    _fail(f'--batch_multiple={_BATCH_MULTIPLE.value} must be >= 0; pass e.g. 8, or 0 for powers '
+          'of two')
 
 
 def _flag_error(error: flags.Error) -> str:

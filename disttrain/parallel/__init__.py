@@ -8,5 +8,6 @@
   optim        clipping, optimizer (decay mask, mu dtype), schedule, EMA from the config
   step         the pure pieces of a step: Variant, Policy, loss and grads, micro-batches, update
   compiled     Steps: one train entry, a cache of AOT-compiled variants with their memory
+  xla_flags    the XLA flags the launcher adds on NVIDIA GPUs, under the user's XLA_FLAGS
   spmd, pmap   one class per step style: jit (GSPMD), shard_map, and the legacy pmap
 """

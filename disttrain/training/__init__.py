@@ -2,6 +2,7 @@
 
   setup    setup(): everything before the first step (mesh, data, model, state, steps), the
            memory pre-flight, run.json
+  batch_size  the largest micro-batch per device whose train step passes the pre-flight
   actions  the loop's periodic actions: TrainRecords, Evaluator, Saver, Stopper, Profiler
   loop     train() and evaluate(): build the run, then the list of what happens each step
 `disttrain.train` is training.loop.train.

@@ -26,7 +26,7 @@ from disttrain.hf import config as hf_config
 from disttrain.models import grpo, lora, pipeline, preference
 from disttrain.operating import metrics
 from disttrain.parallel import mesh as mesh_lib, optim, sharding as sharding_lib, spmd
-from disttrain.parallel import state as state_lib, step as step_lib
+from disttrain.parallel import state as state_lib, step as step_lib, xla_flags
 from disttrain.parallel.compiled import CompileInfo, Steps, shard_bytes
 from disttrain.parallel.step import Variant
 from disttrain.training import rollout
@@ -34,6 +34,10 @@ from disttrain.training import rollout
 
 class MemoryLimitError(DisttrainError):
   """A train step needs more memory per device than the device (or memory_limit_bytes) has."""
+
+  def __init__(self, message: str, peak_bytes: int = 0):
+    super().__init__(message)
+    self.peak_bytes = peak_bytes  # what the step that did not fit needs per device
 
 
 @dataclasses.dataclass
@@ -106,8 +110,12 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
 def _objective(cfg: Config, model, task):
   """The config's model (with LoRA adapters if asked) and task (DPO over preference pairs, GRPO
   over sampled completions)."""
+  if model is not None and cfg.precision.matmul != 'default':
+    raise ConfigError(f'precision.matmul={cfg.precision.matmul!r} applies to the model the '
+                      "config builds, not a model passed in; pass models.build(cfg.model, ..., "
+                      "matmul='float8') and precision.matmul='default'")
   model = lora.adapt(model or models.build(cfg.model, cfg.precision.compute_dtype,
-                                           cfg.row_tokens), cfg.lora)
+                                           cfg.row_tokens, cfg.precision.matmul), cfg.lora)
   if cfg.data.name == 'preference':
     return preference.WithReference(model), task or preference.Dpo(cfg.dpo.beta)
   if cfg.data.name == 'prompts':
@@ -137,7 +145,7 @@ def _check_metric_names(cfg: Config, evals: dict[str, Records]) -> None:
                         f'{next(iter(evals), "eval")}/accuracy')
 
 
-def train_batch_spec(run: Setup) -> dict:
+def train_batch_spec(run: 'Setup | Plan') -> dict:
   """The loop's train batch as ShapeDtypeStructs: [B, ...] (or [K, B, ...]) with shardings."""
   k = run.cfg.steps_per_dispatch
   spec = run.step_spec or element_spec(run.train_data)
@@ -167,32 +175,40 @@ def memory_limit(cfg: Config, mesh: Mesh) -> int | None:
   return int(stats['bytes_limit']) if stats and stats.get('bytes_limit') else None
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
+  """Bytes as MiB, or GiB from 1 GiB on."""
   return f'{n / 2**30:.2f} GiB' if n >= 2**30 else f'{n / 2**20:.1f} MiB'
 
 
-def preflight(run: Setup, device_state: Any, variants: list[Variant],
-              say: Callable[[str], None]) -> tuple[dict[str, CompileInfo], int | None]:
-  """Compiles `variants`, says their per-device memory, refuses one that exceeds the limit."""
+def preflight(run: 'Setup | Plan', device_state: Any, variants: list[Variant],
+              say: Callable[[str], None], limit: int | None = None
+              ) -> tuple[dict[str, CompileInfo], int | None]:
+  """Compiles `variants`, says their per-device memory, refuses one that exceeds the limit.
+
+  `limit` defaults to memory_limit(run.cfg, run.mesh); the batch-size finder passes its own
+  (the limit less a headroom) and runs this on a Plan, so both hold a step to the same check.
+  """
   batch = train_batch_spec(run)
-  limit = memory_limit(run.cfg, run.mesh)
+  given = limit is not None
+  limit = limit if given else memory_limit(run.cfg, run.mesh)
+  source = 'given' if given else 'memory_limit_bytes' if run.cfg.memory_limit_bytes else 'device'
   infos = {}
   for variant in variants:
     info = run.steps.compile(variant, device_state, batch)
     infos[variant.name] = info
     say(f'compiled train step {variant.name} in {info.compile_seconds:.1f}s; per device: '
-        f'state {_mib(info.state_bytes)}, arguments {_mib(info.argument_bytes)}, outputs '
-        f'{_mib(info.output_bytes)} ({_mib(info.alias_bytes)} in place of the state), '
-        f'temporaries {_mib(info.temp_bytes)}: needs {_mib(info.peak_bytes)}'
-        + (f' of {_mib(limit)}' if limit else ''))
+        f'state {mib(info.state_bytes)}, arguments {mib(info.argument_bytes)}, outputs '
+        f'{mib(info.output_bytes)} ({mib(info.alias_bytes)} in place of the state), '
+        f'temporaries {mib(info.temp_bytes)}: needs {mib(info.peak_bytes)}'
+        + (f' of {mib(limit)}' if limit else ''))
     if limit and info.peak_bytes > limit:
       raise MemoryLimitError(
-          f'train step {variant.name} needs {_mib(info.peak_bytes)} per device (state '
-          f'{_mib(info.state_bytes)}, temporaries {_mib(info.temp_bytes)}) but the limit is '
-          f'{_mib(limit)} ({"memory_limit_bytes" if run.cfg.memory_limit_bytes else "device"}); '
+          f'train step {variant.name} needs {mib(info.peak_bytes)} per device (state '
+          f'{mib(info.state_bytes)}, temporaries {mib(info.temp_bytes)}) but the limit is '
+          f'{mib(limit)} ({source}); '
           'split the state (sharding=fsdp with mesh.fsdp, mesh.tensor with logical_rules), '
           'recompute activations (model.remat=full), split the batch (grad_accum_steps=4) or '
-          'use a smaller global_batch_size')
+          'use a smaller global_batch_size', info.peak_bytes)
   return infos, limit
 
 
@@ -203,6 +219,9 @@ class Plan:
   steps: Steps
   state: state_lib.TrainState  # ShapeDtypeStructs with shardings
   batch: dict  # the train batch [B, ...] as ShapeDtypeStructs with the batch sharding
+  mesh: Mesh  # with step_spec and batch_sharding: what preflight reads, as from a Setup
+  step_spec: dict
+  batch_sharding: Any
 
   def compile(self, variant: Variant = Variant(full_batch=True)) -> CompileInfo:
     """Compile seconds and per-device memory of a train-step variant (the loop's by default)."""
@@ -226,7 +245,8 @@ def plan(cfg: Config, spec: dict, devices: Sequence[jax.Device] | None = None, m
   batch = {k: jax.ShapeDtypeStruct((cfg.global_batch_size,) + s.shape[1:], s.dtype,
                                    sharding=batch_sharding)
            for k, s in spec.items() if k != records_lib.MASK}
-  return Plan(cfg, steps, state_lib.abstract(lay, model, tx, spec, cfg.seed), batch)
+  return Plan(cfg, steps, state_lib.abstract(lay, model, tx, spec, cfg.seed), batch, mesh, spec,
+              batch_sharding)
 
 
 def saved_activation_bytes(run: Setup) -> int:
@@ -276,6 +296,7 @@ def run_info(run: Setup) -> dict:
                    'python': platform.python_version()},
       'platform': mesh.devices.flat[0].platform,
       'device_kind': mesh.devices.flat[0].device_kind,
+      'xla_flags': xla_flags.applied(),  # with the launcher's GPU defaults it added
       **({'pipeline': _pipeline_info(run)} if run.parallel.stages > 1 else {}),
       **({'loss': run.model.loss_info(run.step_spec or element_spec(run.train_data))}
          if hasattr(run.model, 'loss_info') else {}),
