@@ -1,13 +1,17 @@
 """Optimizer and learning-rate schedule from the config.
 
-  clip_by_global_norm(grad_clip_norm) -> adam | adamw | sgd | adafactor | lion (mu_dtype, decay
-  mask) -> EMA of the parameters (ema_decay)
+  clip_by_global_norm(grad_clip_norm) -> adam | adamw | sgd | adafactor | lion | muon (mu_dtype,
+  decay mask) -> EMA of the parameters (ema_decay)
 
 Weight decay (adamw, lion, adafactor) applies to weight matrices only: never to biases and norm
 scales, and to embedding tables only with weight_decay_embeddings; `decayed_paths` lists them
-(run.json). The exponential moving average lives in the optimizer state, so checkpoints keep
-it, it is sharded like the parameters, and `ema_params` finds it for evals and exports. Records
-keep the gradient norm before clipping.
+(run.json). Muon (optax.contrib.muon) orthogonalises the momentum of the hidden weight matrices,
+each layer's (and expert's) separately (`muon_axes`), and decays them; the embeddings, the output
+head, norms, biases and LoRA adapters go to its AdamW part, undecayed (as nanochat does).
+
+The exponential moving average lives in the optimizer state, so checkpoints keep it, it is
+sharded like the parameters, and `ema_params` finds it for evals and exports. Records keep the
+gradient norm before clipping.
 """
 
 from typing import Any, NamedTuple
@@ -15,18 +19,33 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from optax import contrib
 
 from disttrain.config import Config
 from disttrain.parallel import sharding as sharding_lib
 
 _NO_DECAY = ('bias', 'scale', 'gamma', 'beta')  # biases and norm parameters (Flax, Keras names)
 _EMBEDDINGS = ('embed', 'embedding', 'positions', 'wte', 'wpe')
+_ADAM_MATRICES = ('unembed', 'router')  # the output head and MoE routers: AdamW under muon
+# DenseGeneral kernels with several input or output axes (disttrain's and Flax's attention), as
+# (dimension numbers, least rank); axes before them (the scan's layers, fused qkv's 3) are a
+# batch of separate matrices.
+_MUON_MULTI_AXIS = {
+    'query': (contrib.MuonDimensionNumbers(-3, (-2, -1)), 3),  # [..., D, N, K]
+    'key': (contrib.MuonDimensionNumbers(-3, (-2, -1)), 3),
+    'value': (contrib.MuonDimensionNumbers(-3, (-2, -1)), 3),
+    'qkv': (contrib.MuonDimensionNumbers(-4, (-2, -1)), 4),  # [..., D, 3, N, K]
+    'out': (contrib.MuonDimensionNumbers((-3, -2), -1), 3),  # [..., N, K, D]
+}
+_MUON_MATRIX = contrib.MuonDimensionNumbers(-2, -1)  # Dense kernels, MoE experts: [..., in, out]
 
 
-def schedule(cfg: Config) -> optax.Schedule:
+def schedule(cfg: Config, peak: float | None = None) -> optax.Schedule:
   """Learning rate by step: linear warm-up from 0, then constant, cosine or linear decay to
-  min_lr_ratio x peak, or warm-up-stable-decay (the last wsd_decay_fraction decays linearly)."""
-  peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+  min_lr_ratio x peak, or warm-up-stable-decay (the last wsd_decay_fraction decays linearly).
+  `peak`: another peak than cfg.learning_rate (muon's AdamW part), same shape."""
+  peak = cfg.learning_rate if peak is None else peak
+  end = peak * cfg.min_lr_ratio
   decay_steps = max(cfg.num_train_steps - cfg.warmup_steps, 1)
   if cfg.lr_schedule == 'wsd':
     decay = max(int(round(cfg.wsd_decay_fraction * cfg.num_train_steps)), 1)
@@ -55,6 +74,24 @@ def decays(path: str, ndim: int, embeddings: bool) -> bool:
   return ndim >= 2
 
 
+def muon_axes(path: str, ndim: int) -> contrib.MuonDimensionNumbers | None:
+  """How Muon sees the parameter at `path` as matrices, or None where AdamW updates it."""
+  parts = path.split('/')
+  if not decays(path, ndim, embeddings=False) or any(p in _ADAM_MATRICES for p in parts):
+    return None
+  if parts[-1] != 'kernel' and 'moe' not in parts:  # LoRA adapters ('a', 'b') and the like
+    return None
+  dims, rank = _MUON_MULTI_AXIS.get(parts[-2] if len(parts) > 1 else '', (None, 0))
+  return dims if dims is not None and ndim >= rank else _MUON_MATRIX
+
+
+def muon_dimension_numbers(params):
+  """params -> a tree of MuonDimensionNumbers, None for AdamW (optax's
+  muon_weight_dimension_numbers)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: muon_axes(sharding_lib.path_str(path), x.ndim), params)
+
+
 def decay_mask(cfg: Config):
   """params -> a tree of booleans (optax's `mask` argument)."""
   def mask(params):
@@ -66,8 +103,12 @@ def decay_mask(cfg: Config):
 
 def decayed_paths(cfg: Config, params) -> list[str]:
   """The parameters weight decay applies to (run.json `weight_decay_paths`)."""
-  if not cfg.weight_decay or cfg.optimizer not in ('adamw', 'lion', 'adafactor'):
+  if not cfg.weight_decay or cfg.optimizer not in ('adamw', 'lion', 'adafactor', 'muon'):
     return []
+  if cfg.optimizer == 'muon':
+    leaves = [(sharding_lib.path_str(path), x.ndim)
+              for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return [path for path, ndim in leaves if muon_axes(path, ndim) is not None]
   flags = jax.tree_util.tree_flatten_with_path(decay_mask(cfg)(params))[0]
   return [sharding_lib.path_str(path) for path, on in flags if on]
 
@@ -109,6 +150,11 @@ def _base(cfg: Config, lr) -> optax.GradientTransformation:
   if cfg.optimizer == 'lion':
     return optax.lion(lr, b1(0.9), b2(0.99), mu_dtype=mu_dtype, weight_decay=cfg.weight_decay,
                       mask=mask)
+  if cfg.optimizer == 'muon':
+    adam_lr = schedule(cfg, cfg.adam_learning_rate) if cfg.adam_learning_rate else lr
+    return contrib.muon(lr, weight_decay=cfg.weight_decay, mu_dtype=mu_dtype, adam_b1=b1(0.9),
+                        adam_b2=b2(0.999), adam_learning_rate=adam_lr,
+                        muon_weight_dimension_numbers=muon_dimension_numbers)
   if cfg.optimizer == 'adafactor':
     return optax.adafactor(lr, momentum=None if cfg.b1 < 0 else cfg.b1, dtype_momentum=mu_dtype
                            or jnp.float32, weight_decay_rate=cfg.weight_decay or None,
