@@ -45,11 +45,17 @@ _DOCUMENTS = flags.DEFINE_integer('documents', 120, '--model=llama --with_data: 
                                   'modules in the packed corpus.')
 _PRECISION = flags.DEFINE_enum('precision', 'float32', ['float32', 'bfloat16'],
                                'precision.compute_dtype of both sides.')
+_MATMUL = flags.DEFINE_enum('matmul', 'default', ['default', 'float8'],
+                            "precision.matmul of both sides (float8: the language models' block "
+                            'projections, with --precision=bfloat16); run once with each to time '
+                            'float8 against bf16.')
 _GRAD_ACCUM = flags.DEFINE_integer('grad_accum_steps', 1, 'Micro-batches per step, both sides '
                                    '(the hand-written step scans them too).')
-_REMAT = flags.DEFINE_enum('remat', 'none', ['none', 'full', 'dots_saveable',
-                                             'dots_with_no_batch_dims_saveable'],
-                           '--model=gpt: model.remat (the module is shared by both sides).')
+_REMAT = flags.DEFINE_enum('remat', 'none', list(config_lib.REMAT),
+                           '--model=transformer, gpt, llama or moe: model.remat, what the '
+                           'backward pass keeps (the module is shared by both sides).')
+_SCAN_UNROLL = flags.DEFINE_integer('scan_unroll', 1, '--model=transformer, gpt, llama or moe: '
+                                    'model.scan_unroll, blocks per iteration of the layer scan.')
 _SHARDING = flags.DEFINE_enum('sharding', 'replicate', ['replicate', 'fsdp', 'tensor', 'expert'],
                               'replicate: data parallel; fsdp: mesh.fsdp = all devices; tensor: '
                               'mesh.tensor = 2, hidden features split; expert: mesh.expert = all '
@@ -174,6 +180,7 @@ def run() -> list[dict]:
       disttrain_side(), baseline_side()
   peak_flops = peak.flops / baselines.median(peak_secs)
   common = dict(model=_MODEL.value, sharding=_SHARDING.value, step_mode=cfg.step_mode,
+                precision=cfg.precision.compute_dtype, matmul=cfg.precision.matmul,
                 devices=len(devices), global_batch_size=cfg.global_batch_size,
                 steps_per_dispatch=k, windows=windows, steps_per_window=steps,
                 host_load_1m=round(max(load), 2), **info)
@@ -306,6 +313,7 @@ def _config(num_devices: int):
     size = _SIZE.value or _GPT_SIZE.value or {'gpt': 'small', 'llama': 'tiny'}.get(name)
     cd = module.get_config(size) if size else module.get_config()
     cd.model.remat = _REMAT.value
+    cd.model.scan_unroll = _SCAN_UNROLL.value
     if _ATTENTION.value:
       cd.model.attention = _ATTENTION.value
     if _MODEL.value == 'moe':
@@ -323,6 +331,7 @@ def _config(num_devices: int):
       cd.sharding = 'fsdp'  # char_lm's rules already put its width ('embed') on fsdp
   cd.global_batch_size = _BATCH.value or cd.global_batch_size
   cd.precision.compute_dtype = _PRECISION.value
+  cd.precision.matmul = _MATMUL.value
   cd.grad_accum_steps = _GRAD_ACCUM.value
   cd.step_mode = _STEP_MODE.value
   cd.steps_per_dispatch = _STEPS_PER_DISPATCH.value

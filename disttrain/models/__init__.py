@@ -111,13 +111,22 @@ def _entry(cfg: ModelConfig) -> Entry:
   return MODELS[cfg.name]
 
 
-def build(cfg: ModelConfig, compute_dtype: str = 'float32', context: int = 128):
+def build(cfg: ModelConfig, compute_dtype: str = 'float32', context: int = 128,
+          matmul: str = 'default'):
   """The model that `cfg.name` names, reading cfg.input_key (default: the model's own).
 
-  `context`: the run's data.seq_len, the default length of a GPT's positions table.
+  `context`: the run's data.seq_len, the default length of a GPT's positions table. `matmul`:
+  precision.matmul, 'float8' for a language model's block projections (models/float8.py).
   """
   entry = _entry(cfg)
   model = entry.build(cfg, jnp.dtype(compute_dtype), context)
+  if matmul != 'default':
+    if not isinstance(model, LanguageModel):
+      raise ConfigError(f'precision.matmul={matmul!r} multiplies the projections of language '
+                        f"models; model.name={cfg.name!r} is not one: set "
+                        "precision.matmul='default'")
+    model = dataclasses.replace(model, module=model.module.clone(
+        cfg=dataclasses.replace(model.cfg, matmul=matmul)))
   return dataclasses.replace(model, input_key=cfg.input_key or entry.input_key)
 
 

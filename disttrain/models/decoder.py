@@ -5,13 +5,16 @@ adapter to disttrain's model protocol.
   block: x + attention(norm(x)); x + mlp(norm(x))
 
 The blocks are one `nn.scan` over a leading 'layers' axis of every block weight, so a model of
-any depth compiles as fast as one block; `remat` wraps the block in `nn.remat` with a
-jax.checkpoint policy ('full' saves nothing). Packed rows carry `segment_ids` (tokens attend only
-inside their own document) and `positions` (restarting per document). The vocabulary is padded to
-a multiple of `vocab_multiple` (GPT-2's 50,257 -> 50,304) so it splits evenly; padded ids get a
-logit of -1e9, so they carry no probability. `dtype` is the activations' compute dtype; the
-parameters stay float32. Decoding passes a KV cache through the layers (generate.py); it is an
-argument and a result, never a Flax collection, so it never reaches a checkpoint.
+any depth compiles as fast as one block; `scan_unroll` blocks per scan iteration trade compile
+time for XLA's freedom to schedule across a block boundary (overlap one block's weight gathers
+with the last one's compute). `remat` wraps the block in `nn.remat` with a jax.checkpoint policy
+('full' saves nothing; 'minimal' and 'save_attention_out' keep activations layers.py names).
+Packed rows carry `segment_ids` (tokens attend only inside their own document) and `positions`
+(restarting per document). The vocabulary is padded to a multiple of `vocab_multiple` (GPT-2's
+50,257 -> 50,304) so it splits evenly; padded ids get a logit of -1e9, so they carry no
+probability. `dtype` is the activations' compute dtype; the parameters stay float32. Decoding
+passes a KV cache through the layers (generate.py); it is an argument and a result, never a Flax
+collection, so it never reaches a checkpoint.
 """
 
 import dataclasses
@@ -23,7 +26,7 @@ import numpy as np
 from flax import linen as nn
 
 from disttrain.errors import ConfigError
-from disttrain.models import chunked_loss, layers, moe, pipeline
+from disttrain.models import chunked_loss, float8, layers, moe, pipeline
 from disttrain.models.layers import Decode, constrain, weights
 from disttrain.models.linen import LOSSES, LinenModel, model_inputs
 from disttrain.parallel import sharding
@@ -48,6 +51,7 @@ class DecoderConfig:
   tied_embeddings: bool
   dropout: float = 0.0
   remat: str = 'none'
+  scan_unroll: int = 1  # layers per iteration of the layer scan (model.scan_unroll)
   attention: str = 'auto'
   attention_block: int = 512
   dtype: Any = jnp.float32
@@ -74,6 +78,7 @@ class DecoderConfig:
   layer_windows: tuple = ()
   local_rope: tuple | None = None
   lora: Any = None  # lora.LoraSpec: low-rank adapters on the projections it targets (lora.py)
+  matmul: str = 'default'  # 'float8': the blocks' dense projections in float8 (float8.py)
 
   @property
   def head_dim(self) -> int:
@@ -93,6 +98,7 @@ class Block(nn.Module):
   def __call__(self, x_BxTxD, positions_BxT, segments_BxT, decode, cache, window=None):
     cfg = self.cfg
     dropout = nn.Dropout(cfg.dropout, deterministic=not self.train)
+    dot_general = float8.dot_general if cfg.matmul == 'float8' else None
     h = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'attention_norm')(x_BxTxD)
     attended, cache = layers.Attention(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.use_bias, cfg.fused_qkv, cfg.dtype,
@@ -100,7 +106,8 @@ class Block(nn.Module):
         qkv_bias=cfg.use_bias or cfg.qkv_bias, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else 0.0,
         window=cfg.sliding_window, qk_norm_offset=cfg.norm == 'offset_rmsnorm',
         query_scale=cfg.query_scale, softcap=cfg.attn_softcap, local_rope=cfg.local_rope,
-        lora=cfg.lora, name='attention')(h, positions_BxT, segments_BxT, decode, cache, window)
+        lora=cfg.lora, dot_general=dot_general,
+        name='attention')(h, positions_BxT, segments_BxT, decode, cache, window)
     if cfg.sandwich_norms:
       attended = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'post_attention_norm')(attended)
     x_BxTxD = constrain(x_BxTxD + dropout(attended), ('batch', 'sequence', None))
@@ -110,7 +117,8 @@ class Block(nn.Module):
                      cfg.mlp_dim, cfg.dtype, cfg.router_aux_weight, cfg.router_z_weight,
                      cfg.moe_norm_topk, name='moe')(h)
     else:
-      h = layers.Mlp(cfg.mlp, cfg.mlp_dim, cfg.use_bias, cfg.dtype, lora=cfg.lora, name='mlp')(h)
+      h = layers.Mlp(cfg.mlp, cfg.mlp_dim, cfg.use_bias, cfg.dtype, lora=cfg.lora,
+                     dot_general=dot_general, name='mlp')(h)
     if cfg.sandwich_norms:
       h = layers.norm(cfg.norm, cfg.norm_eps, cfg.dtype, 'post_mlp_norm')(h)
     return constrain(x_BxTxD + dropout(h), ('batch', 'sequence', None)), cache
@@ -126,7 +134,26 @@ class Unembed(nn.Module):
     return self.param('kernel', weights(('embed', 'vocab')), (self.width, self.vocab))
 
 
+# Policies over the block's named activations (layers.py), MaxText's 'minimal' and
+# 'save_dot_with_context_except_mlp'; config.REMAT says what each saves and recomputes.
+_NAMED_POLICIES = {
+    'minimal': layers.QKV_PROJ + (layers.OUT_PROJ, layers.MLP_IN, layers.MLP_OUT),
+    'save_attention_out': layers.QKV_PROJ + (layers.CONTEXT, layers.OUT_PROJ),
+}
+
+
+def resolve_remat(remat: str) -> str:
+  """model.remat with 'auto' made concrete: on XLA:CPU a scan keeping every activation writes each
+  layer's intermediates to memory, slower than recomputing the elementwise ones (docs/performance.md)."""
+  if remat != 'auto':
+    return remat
+  return 'dots_saveable' if jax.default_backend() == 'cpu' else 'none'
+
+
 def _remat_policy(remat: str):
+  """The jax.checkpoint policy of model.remat (not 'none'): None saves nothing ('full')."""
+  if remat in _NAMED_POLICIES:
+    return jax.checkpoint_policies.save_only_these_names(*_NAMED_POLICIES[remat])
   return None if remat == 'full' else getattr(jax.checkpoint_policies, remat)
 
 
@@ -162,7 +189,8 @@ class Decoder(nn.Module):
     blocks = nn.scan(block, variable_axes={'params': 0, LOSSES: 0, moe.MOE: 0},
                      split_rngs={'params': True, 'dropout': True},
                      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, 0),
-                     length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
+                     length=cfg.num_layers, unroll=cfg.scan_unroll,
+                     metadata_params={nn.PARTITION_NAME: 'layers'})
     split = sharding.pipeline_split()
     windows = jnp.asarray(cfg.layer_windows, jnp.int32) if cfg.layer_windows else None
     if split is not None and windows is not None:

@@ -7,7 +7,7 @@ positions table has `model.max_seq_len` rows (0 = data.seq_len), GPT-2's n_posit
 
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
-from disttrain.models.decoder import Decoder, DecoderConfig, LanguageModel
+from disttrain.models.decoder import Decoder, DecoderConfig, LanguageModel, resolve_remat
 from disttrain.models.hf_names import Tensor
 
 
@@ -39,7 +39,8 @@ def decoder_config(cfg: ModelConfig, dtype, context: int) -> DecoderConfig:
       num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads, mlp_dim=cfg.mlp_dim or 4 * cfg.hidden,
       mlp='gelu', norm=cfg.norm or 'layernorm', norm_eps=cfg.norm_eps, use_bias=True,
       fused_qkv=True, learned_positions=cfg.max_seq_len or context, rope=None,
-      tied_embeddings=cfg.tied_embeddings, dropout=cfg.dropout, remat=cfg.remat,
+      tied_embeddings=cfg.tied_embeddings, dropout=cfg.dropout, remat=resolve_remat(cfg.remat),
+      scan_unroll=cfg.scan_unroll,
       attention=cfg.attention, attention_block=cfg.attention_block, dtype=dtype,
       **decoder_moe(cfg))
 

@@ -14,12 +14,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from disttrain.models import lora as lora_lib
 from disttrain.models.attention import attention
 from disttrain.parallel import sharding
 
 INIT = nn.initializers.normal(stddev=0.02)
+# The block's named activations (MaxText's names), from which decoder.py's remat policies pick
+# what the backward pass keeps: the projections' outputs and attention's output before `out`.
+QKV_PROJ = ('query_proj', 'key_proj', 'value_proj', 'qkv_proj')  # qkv_proj: fused (GPT-2)
+CONTEXT = 'context'  # attention's output [B, T, N, K], the out-projection's input
+OUT_PROJ = 'out_proj'
+MLP_IN = 'mlpwi'  # gate and up (SwiGLU, GeGLU), or mlp_in (GELU)
+MLP_OUT = 'mlpwo'
 
 
 def weights(axes: tuple, init=INIT):
@@ -129,11 +137,12 @@ class Attention(nn.Module):
   softcap: float = 0.0  # attention logits capped at c tanh(x / c); 0 = none (Gemma 2: 50)
   local_rope: Any = None  # inverse frequencies of the layers with a window (Gemma's local base)
   lora: Any = None  # lora.LoraSpec: adapters on the projections it targets
+  dot_general: Any = None  # the projections' matmul (float8.dot_general); None = lax's
 
   def _dense(self, features: tuple, axes: tuple, name: str):
     bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
     dense = nn.DenseGeneral(features, use_bias=bias, dtype=self.dtype, name=name,
-                            kernel_init=weights(('embed',) + axes),
+                            dot_general=self.dot_general, kernel_init=weights(('embed',) + axes),
                             bias_init=weights(axes, nn.initializers.zeros_init()))
     return lora_lib.adapted(dense, self.lora, f'blocks/{self.name}/{name}/kernel', features,
                             ('embed',), axes, self.dtype)
@@ -153,13 +162,16 @@ class Attention(nn.Module):
     n, g, k = self.num_heads, self.num_kv_heads, self.head_dim
     if self.fused_qkv:
       qkv = self._dense((3, n, k), (None, 'heads', 'head_dim'), 'qkv')(x_BxTxD)
-      qkv = constrain(qkv, ('batch', 'sequence', None, 'heads', None))
+      qkv = checkpoint_name(constrain(qkv, ('batch', 'sequence', None, 'heads', None)),
+                            'qkv_proj')
       q, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     else:
-      q = constrain(self._dense((n, k), ('heads', 'head_dim'), 'query')(x_BxTxD),
-                    ('batch', 'sequence', 'heads', None))
-      key, value = (constrain(self._dense((g, k), ('kv_heads', 'head_dim'), name)(x_BxTxD),
-                              ('batch', 'sequence', 'kv_heads', None)) for name in ('key', 'value'))
+      q = checkpoint_name(constrain(self._dense((n, k), ('heads', 'head_dim'), 'query')(x_BxTxD),
+                                    ('batch', 'sequence', 'heads', None)), 'query_proj')
+      key, value = (checkpoint_name(
+          constrain(self._dense((g, k), ('kv_heads', 'head_dim'), name)(x_BxTxD),
+                    ('batch', 'sequence', 'kv_heads', None)), f'{name}_proj')
+          for name in ('key', 'value'))
     q, key = self._head_norm(q, 'query_norm'), self._head_norm(key, 'key_norm')
     if self.rope is not None:
       inv_freq = np.asarray(self.rope, np.float32)
@@ -183,14 +195,15 @@ class Attention(nn.Module):
       out = attention(q, new_cache['k'].astype(q.dtype), new_cache['v'].astype(q.dtype),
                       q_segments_BxT=segments_BxT, kv_segments_BxS=decode.segments_BxS,
                       q_offset=decode.index, **options)
+    out = checkpoint_name(out, CONTEXT)
     out_proj = nn.DenseGeneral(x_BxTxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias,
-                               dtype=self.dtype, name='out',
+                               dtype=self.dtype, name='out', dot_general=self.dot_general,
                                kernel_init=weights(('heads', 'head_dim', 'embed')),
                                bias_init=weights(('embed',), nn.initializers.zeros_init()))
     out_BxTxD = lora_lib.adapted(out_proj, self.lora, f'blocks/{self.name}/out/kernel',
                                  (x_BxTxD.shape[-1],), ('heads', 'head_dim'), ('embed',),
                                  self.dtype)(out)
-    return out_BxTxD, new_cache
+    return checkpoint_name(out_BxTxD, OUT_PROJ), new_cache
 
 
 class Mlp(nn.Module):
@@ -201,10 +214,11 @@ class Mlp(nn.Module):
   use_bias: bool
   dtype: Any
   lora: Any = None  # lora.LoraSpec: adapters on the projections it targets
+  dot_general: Any = None  # the projections' matmul (float8.dot_general); None = lax's
 
   def _dense(self, features: int, axes: tuple, name: str):
     dense = nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, name=name,
-                     kernel_init=weights(axes),
+                     dot_general=self.dot_general, kernel_init=weights(axes),
                      bias_init=weights(axes[1:], nn.initializers.zeros_init()))
     return lora_lib.adapted(dense, self.lora, f'blocks/{self.name}/{name}/kernel', (features,),
                             axes[:1], axes[1:], self.dtype)
@@ -214,10 +228,11 @@ class Mlp(nn.Module):
     d = x_BxTxD.shape[-1]
     if self.kind in ('swiglu', 'geglu'):
       act = nn.silu if self.kind == 'swiglu' else nn.gelu  # flax's gelu: the tanh form
-      h_BxTxF = (act(self._dense(self.hidden, ('embed', 'mlp'), 'gate')(x_BxTxD))
-                 * self._dense(self.hidden, ('embed', 'mlp'), 'up')(x_BxTxD))
-      h_BxTxF = constrain(h_BxTxF, ('batch', 'sequence', 'mlp'))
-      return self._dense(d, ('mlp', 'embed'), 'down')(h_BxTxF)
-    h_BxTxF = nn.gelu(self._dense(self.hidden, ('embed', 'mlp'), 'mlp_in')(x_BxTxD))
-    h_BxTxF = constrain(h_BxTxF, ('batch', 'sequence', 'mlp'))
-    return self._dense(d, ('mlp', 'embed'), 'mlp_out')(h_BxTxF)
+      gate_BxTxF, up_BxTxF = (checkpoint_name(self._dense(self.hidden, ('embed', 'mlp'), name)(
+          x_BxTxD), MLP_IN) for name in ('gate', 'up'))
+      h_BxTxF = constrain(act(gate_BxTxF) * up_BxTxF, ('batch', 'sequence', 'mlp'))
+      return checkpoint_name(self._dense(d, ('mlp', 'embed'), 'down')(h_BxTxF), MLP_OUT)
+    h_BxTxF = checkpoint_name(self._dense(self.hidden, ('embed', 'mlp'), 'mlp_in')(x_BxTxD),
+                              MLP_IN)
+    h_BxTxF = constrain(nn.gelu(h_BxTxF), ('batch', 'sequence', 'mlp'))
+    return checkpoint_name(self._dense(d, ('mlp', 'embed'), 'mlp_out')(h_BxTxF), MLP_OUT)

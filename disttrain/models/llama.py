@@ -11,7 +11,7 @@ whole otherwise (disttrain/parallel/sharding.py).
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
 from disttrain.models import gpt, layers
-from disttrain.models.decoder import Decoder, DecoderConfig, LanguageModel
+from disttrain.models.decoder import Decoder, DecoderConfig, LanguageModel, resolve_remat
 from disttrain.models.hf_names import llama_layout
 
 
@@ -45,7 +45,8 @@ def decoder_config(cfg: ModelConfig, dtype, context: int) -> DecoderConfig:
       num_heads=cfg.num_heads, num_kv_heads=kv_heads, mlp_dim=cfg.mlp_dim or
       default_mlp_dim(cfg.hidden), mlp='swiglu', norm='rmsnorm', norm_eps=cfg.norm_eps,
       use_bias=False, fused_qkv=False, learned_positions=0, rope=tuple(float(f) for f in inv_freq),
-      tied_embeddings=cfg.tied_embeddings, dropout=cfg.dropout, remat=cfg.remat,
+      tied_embeddings=cfg.tied_embeddings, dropout=cfg.dropout, remat=resolve_remat(cfg.remat),
+      scan_unroll=cfg.scan_unroll,
       attention=cfg.attention, attention_block=cfg.attention_block, dtype=dtype,
       head_size=cfg.head_dim, sliding_window=cfg.sliding_window, **gpt.decoder_moe(cfg))
 
