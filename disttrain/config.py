@@ -23,9 +23,9 @@ STEP_MODES = ('jit', 'shard_map', 'pmap')
 FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft', 'preference', 'prompts')
 PACKING = ('concat', 'documents')
 TOKEN_DTYPES = ('uint16', 'uint32')
-REMAT = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
-         'everything_saveable')
-OPTIMIZERS = ('adam', 'adamw', 'sgd', 'adafactor', 'lion')
+REMAT = ('auto', 'none', 'full', 'minimal', 'save_attention_out', 'dots_saveable',
+         'dots_with_no_batch_dims_saveable', 'everything_saveable')
+OPTIMIZERS = ('adam', 'adamw', 'sgd', 'adafactor', 'lion', 'muon')
 ATTENTION = ('auto', 'xla', 'cudnn', 'blockwise')
 LR_SCHEDULES = ('constant', 'cosine', 'linear', 'wsd')
 
@@ -74,7 +74,8 @@ MESH_AXES = tuple(f.name for f in dataclasses.fields(MeshConfig))
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticConfig:
-  """data.name='synthetic': Gaussian features labelled by a fixed linear teacher (benchmarks)."""
+  """data.name='synthetic': Gaussian features labelled by a fixed linear teacher; 'synthetic_tokens':
+  uniform random token rows of data.seq_len (benchmarks)."""
   examples: int = 8192  # examples in the set (was data.synthetic_examples: deprecated name)
   features: int = 784  # features per example (was data.synthetic_features: deprecated name)
 
@@ -212,9 +213,21 @@ class ModelConfig:
   vocab_size: int = 256  # language models' vocabulary (256 = bytes)
   input_key: str = ''  # batch field the model reads; '' = the model's default (image, tokens)
   target_key: str = ''  # batch field the task learns; '' = the model's default (label, targets)
-  # Transformer blocks: none, full, or a jax.checkpoint_policies name: dots_saveable,
-  # dots_with_no_batch_dims_saveable, everything_saveable.
-  remat: str = 'none'
+  # Transformer blocks' rematerialisation: what the backward pass keeps from the forward pass.
+  #   auto: dots_saveable on CPUs (1.2-1.5x none's tokens/s there), none on GPUs and TPUs.
+  #   none: keeps every activation; recomputes nothing.
+  #   full: keeps each block's input; recomputes the whole block.
+  #   minimal: keeps every projection's output (q, k, v, out, MLP in and out); recomputes norms,
+  #     RoPE, attention (logits, softmax, context) and the MLP activation (MaxText's minimal).
+  #   save_attention_out: keeps q, k, v, attention's output and its projection; recomputes norms
+  #     and the whole MLP (its two input matmuls).
+  #   dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable: the
+  #     jax.checkpoint_policies of those names.
+  remat: str = 'auto'
+  # Transformer blocks per iteration of the layer scan: more lets XLA overlap across blocks and
+  # costs compile time; need not divide model.num_layers (the rest run unrolled after the loop).
+  # The pipelined layers (mesh.stage > 1) are not unrolled.
+  scan_unroll: int = 1
   tied_embeddings: bool = True  # language models: the unembedding is the token embedding's T
   norm: str = ''  # gpt: layernorm (default) or rmsnorm; llama: rmsnorm
   num_kv_heads: int = 0  # llama, qwen: K/V heads shared by groups of query heads; 0 = num_heads
@@ -261,6 +274,7 @@ class ModelConfig:
     _positive('model.num_classes', self.num_classes)
     _positive('model.vocab_size', self.vocab_size)
     _one_of('model.remat', self.remat, REMAT)
+    _positive('model.scan_unroll', self.scan_unroll)
     _one_of('model.norm', self.norm, ('', 'layernorm', 'rmsnorm'))
     _positive('model.num_kv_heads', self.num_kv_heads, allow_zero=True)
     _positive('model.rope_theta', self.rope_theta)
@@ -295,10 +309,19 @@ class PrecisionConfig:
   """Mixed precision: float32 master parameters, forward and backward in compute_dtype."""
   compute_dtype: str = 'float32'  # float32 or bfloat16
   param_dtype: str = 'float32'  # parameters and optimizer state (the master copy)
+  # default, or float8: the decoder blocks' attention and MLP projections multiply in float8
+  # with per-tensor current scaling (e4m3 forward, e5m2 gradients; disttrain/models/float8.py);
+  # embeddings, output head and experts stay in compute_dtype. Needs bfloat16, step_mode=jit.
+  matmul: str = 'default'
 
   def __post_init__(self):
     _one_of('precision.compute_dtype', self.compute_dtype, ('float32', 'bfloat16'))
     _one_of('precision.param_dtype', self.param_dtype, ('float32',))
+    _one_of('precision.matmul', self.matmul, ('default', 'float8'))
+    if self.matmul == 'float8' and self.compute_dtype != 'bfloat16':
+      raise ConfigError(f"precision.matmul='float8' runs beside bfloat16 activations, got "
+                        f"precision.compute_dtype={self.compute_dtype!r}; set "
+                        "precision.compute_dtype='bfloat16'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,16 +461,21 @@ class Config:
   eval_batch_size: int = 0  # 0 = global_batch_size
   num_train_steps: int = 1000  # optimizer steps
   learning_rate: float = 1e-3  # peak learning rate (0 freezes the parameters)
-  optimizer: str = 'adam'  # adam, adamw, sgd, adafactor or lion
+  # adam, adamw, sgd, adafactor, lion or muon (optax.contrib.muon: Newton-Schulz orthogonalised
+  # momentum for the blocks' weight matrices, each layer's separately, at learning_rate, ~0.02;
+  # AdamW for embeddings, output head, norms and biases at adam_learning_rate).
+  optimizer: str = 'adam'
+  adam_learning_rate: float = 0.0  # muon: peak of its AdamW part, same schedule; 0 = learning_rate
   # constant, cosine, linear (decay to min_lr_ratio x the peak after the warm-up), or wsd
   # (warm-up, stable, linear decay over the last wsd_decay_fraction).
   lr_schedule: str = 'constant'
   warmup_steps: int = 0  # linear warm-up from 0
-  weight_decay: float = 0.0  # adamw, lion, adafactor: weight matrices only (optim.py)
+  weight_decay: float = 0.0  # adamw, lion, adafactor: weight matrices only; muon: its matrices
   weight_decay_embeddings: bool = False  # also decay embedding tables (token, positions)
   momentum: float = 0.0  # sgd only
-  b1: float = -1.0  # adam/adamw/lion first-moment decay (adafactor: momentum); -1 = default
-  b2: float = -1.0  # adam/adamw/lion second-moment decay; -1 = the optimizer's default
+  # adam/adamw/lion (muon: its AdamW part) first-moment decay (adafactor: momentum); -1 = default
+  b1: float = -1.0
+  b2: float = -1.0  # adam/adamw/lion/muon's AdamW second-moment decay; -1 = the optimizer's default
   mu_dtype: str = ''  # first moment's dtype: '' = float32, or bfloat16 (half its memory)
   grad_clip_norm: float = 0.0  # clip gradients to this global norm before the update; 0 = off
   min_lr_ratio: float = 0.0  # cosine, linear, wsd: the schedule ends at this x learning_rate
@@ -520,6 +548,15 @@ class Config:
     _positive('weight_decay', self.weight_decay, allow_zero=True)
     _positive('grad_clip_norm', self.grad_clip_norm, allow_zero=True)
     _one_of('mu_dtype', self.mu_dtype, ('', 'float32', 'bfloat16'))
+    _positive('adam_learning_rate', self.adam_learning_rate, allow_zero=True)
+    if self.adam_learning_rate and self.optimizer != 'muon':
+      raise ConfigError(f'adam_learning_rate={self.adam_learning_rate} is the AdamW part of '
+                        f"optimizer='muon', got optimizer={self.optimizer!r}; set "
+                        "optimizer='muon' or leave adam_learning_rate at 0")
+    if self.optimizer == 'muon' and self.weight_decay_embeddings:
+      raise ConfigError("weight_decay_embeddings=True: optimizer='muon' updates the embeddings "
+                        'with its AdamW part, which is not decayed; use optimizer=adamw or '
+                        'leave weight_decay_embeddings off')
     for name in ('b1', 'b2'):
       value = getattr(self, name)
       if value != -1.0 and not 0.0 <= value < 1.0:
@@ -587,6 +624,10 @@ class Config:
       raise ConfigError(
           f'step_mode=shard_map splits the batch only, got mesh.tensor={self.mesh.tensor}; use '
           'step_mode=jit for tensor parallelism')
+    if self.precision.matmul == 'float8' and self.step_mode != 'jit':
+      raise ConfigError(
+          f"precision.matmul='float8' scales each tensor by its amax over the whole batch, which "
+          f'step_mode={self.step_mode} would take per device; use step_mode=jit')
 
   def _check_grpo(self) -> None:
     if self.data.name != 'prompts':

@@ -201,15 +201,16 @@ def test_fsdp_accumulation_gathers_each_parameter_once_per_step(monkeypatch):
 
 _COMPILED = {}
 # The GPT config's default size (4 x 128, batch 32 x 128 tokens), 1 device: activations dominate.
+# remat none: every activation kept (the CPU default, auto, already recomputes the elementwise ones).
 _ACTIVATION_HEAVY = dict(mesh__data=1, **{'data.text.bytes': 100_000, 'num_train_steps': 3,
-                                          'log_every_steps': 1})
+                                          'log_every_steps': 1, 'model.remat': 'none'})
 
 
 def _memory(**overrides):
   """CompileInfo of the logged step of the GPT config with these overrides (cached)."""
   key = json.dumps(overrides, sort_keys=True)
   if key not in _COMPILED:
-    run = disttrain.setup(_gpt(**_ACTIVATION_HEAVY, **overrides), devices=devices(1))
+    run = disttrain.setup(_gpt(**{**_ACTIVATION_HEAVY, **overrides}), devices=devices(1))
     _COMPILED[key] = run.steps.compile(Variant(full_batch=True), run.state,
                                        run_lib.train_batch_spec(run))
   return _COMPILED[key]
@@ -278,7 +279,7 @@ def test_preflight_refuses_a_step_that_does_not_fit_and_remat_or_accumulation_fi
   proc = subprocess.run(
       [sys.executable, 'launch/train.py', f'--config={GPT}', f'--workdir={tmp_path / "no"}',
        '--fake_devices=1', f'--config.memory_limit_bytes={limit}', '--config.mesh.data=1',
-       '--config.data.text.bytes=100000'],
+       '--config.data.text.bytes=100000', '--config.model.remat=none'],
       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=False)
   lines = [line for line in proc.stderr.splitlines() if line.strip()]
   assert proc.returncode == 2 and len(lines) == 1, proc.stderr
@@ -287,7 +288,7 @@ def test_preflight_refuses_a_step_that_does_not_fit_and_remat_or_accumulation_fi
     assert needle in lines[0], (needle, lines[0])
   assert not (tmp_path / 'no' / 'metrics.jsonl').read_text().strip()  # no step ran
   for lever in ({'model.remat': 'full'}, {'grad_accum_steps': 4}):
-    result = disttrain.train(_gpt(**_ACTIVATION_HEAVY, memory_limit_bytes=limit, **lever),
+    result = disttrain.train(_gpt(**{**_ACTIVATION_HEAVY, **lever}, memory_limit_bytes=limit),
                              str(tmp_path / str(lever)), devices=devices(1))
     assert [r['step'] for r in result.records if r['split'] == 'train'] == [1, 2, 3]
 

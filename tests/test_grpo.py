@@ -2,7 +2,6 @@
 a run on data x fsdp x tensor equal to 1 device, a SIGKILLed run resuming bit for bit, and the
 example config learning its sums."""
 
-import json
 import os
 import signal
 import subprocess

@@ -130,6 +130,16 @@ def test_synthetic_is_fixed_and_learnable():
   assert np.mean(np.argmax(held_out['image'] @ w, 1) == held_out['label']) > 0.5
 
 
+def test_synthetic_tokens_are_fixed_next_token_rows():
+  fields = dict(name='synthetic_tokens', seq_len=16, synthetic__examples=50, eval_examples=10)
+  a, b = _load(**fields), _load(**fields)
+  train = a['train_data']
+  assert train['tokens'].shape == (40, 16) and a['eval_data']['tokens'].shape == (10, 16)
+  np.testing.assert_array_equal(train['tokens'], b['train_data']['tokens'])
+  np.testing.assert_array_equal(train['targets'][:, :-1], train['tokens'][:, 1:])
+  assert train['tokens'].min() >= 0 and train['tokens'].max() == 255  # uniform over 256 ids
+
+
 def test_missing_dir():
   _raises_one_line(lambda: _mnist('/no/such/dir'), "data.dir='/no/such/dir'", 'does not exist',
                    '--config.data.dir')

@@ -92,6 +92,16 @@ def _synthetic(cfg: Config) -> dict:
                      'synthetic')
 
 
+def _synthetic_tokens(cfg: Config) -> dict:
+  """Uniform random ids in [0, model.vocab_size) as rows of data.seq_len: a language model's data
+  path without reading files, for benchmarks against trainers' synthetic data."""
+  rng = np.random.default_rng(0)  # the same rows for every run, as _synthetic
+  rows = rng.integers(0, cfg.model.vocab_size, (cfg.data.synthetic.examples, cfg.data.seq_len + 1),
+                      dtype=np.int32)
+  return _split_tail({'tokens': rows[:, :-1], 'targets': rows[:, 1:]},
+                     _eval_examples(cfg, _TEXT_EVAL), 'synthetic_tokens')
+
+
 def _find(folder: str, prefix: str, kind: str) -> str | None:
   """The path of an IDX file such as train-images-idx3-ubyte[.gz], or None when absent."""
   what, idx = kind.split('-')
@@ -337,6 +347,7 @@ SOURCES = {
     'digits': _digits,  # scikit-learn's 1,797 real 8x8 digits (in memory)
     'mnist': _mnist,  # IDX files in data.dir (in memory)
     'synthetic': _synthetic,  # Gaussian features, linear teacher (benchmarks)
+    'synthetic_tokens': _synthetic_tokens,  # random token rows of data.seq_len (benchmarks)
     'text': _text,  # byte windows of text files (in memory)
     'array_record': _array_record,  # ArrayRecord shards in data.train_files / eval_files
     'tokens': _tokens,  # flat token files in data.train_files / eval_files

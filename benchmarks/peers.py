@@ -1,0 +1,286 @@
+"""disttrain against the trainer a language-model user would pick instead (MaxText), side by side.
+
+  python benchmarks/peers.py                         # 1 device and 8 fake CPU devices, 4 layouts
+  python benchmarks/peers.py --layouts=data8 --pairs=3 --json=peers.json
+
+Each side trains the same Llama (launch/configs/llama.py at --size; MaxText's llama2 decoder with
+the same widths, heads, SwiGLU, RMSNorm, RoPE, tied embeddings) on the same batch, sequence,
+precision, optimizer (AdamW, clip 1.0, no dropout), devices and layout, through its own train
+command, both on synthetic token rows (disttrain: `data.name=synthetic_tokens` through its grain
+loop; MaxText: `dataset_type=synthetic`, generated on the devices). Runs alternate within one
+invocation (disttrain, MaxText, MaxText, disttrain, ...) because this machine's speed drifts; each
+run's steady state is its steps after --warmup (compilation included in those) over their seconds,
+and a layout's ratio is the median of its pairs' ratios. MaxText runs in its own venv
+(--peer_venv), installed on first use from the registry; it is never a dependency of disttrain.
+--json writes one row per layout; `layout`, `peer`, `disttrain_tokens_per_sec`,
+`peer_tokens_per_sec` and `ratio` are the contract.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location('llama_config',
+                                               os.path.join(_ROOT, 'launch', 'configs', 'llama.py'))
+llama_config = importlib.util.module_from_spec(_spec)  # the model both sides train
+_spec.loader.exec_module(llama_config)
+
+_LAYOUTS = flags.DEFINE_string(
+    'layouts', '1,data8,fsdp8,data2.fsdp2.tensor2',
+    "Comma-separated layouts: '1' = one device; otherwise axis sizes joined by '.', e.g. data8, "
+    'fsdp8, data2.fsdp2.tensor2 (the product is the fake CPU device count on a CPU host).')
+_SIZE = flags.DEFINE_enum('size', 'tiny', list(llama_config.SIZES), 'launch/configs/llama.py size.')
+_BATCH = flags.DEFINE_integer('global_batch_size', 32, 'Rows per step (both sides).')
+_SEQ = flags.DEFINE_integer('seq_len', 128, 'Tokens per row (both sides).')
+_PRECISION = flags.DEFINE_enum('precision', 'float32', ['float32', 'bfloat16'],
+                               "Compute dtype (disttrain precision.compute_dtype, MaxText dtype); "
+                               'float32 parameters on both.')
+_STEPS = flags.DEFINE_integer('steps', 120, 'Steps per run.')
+_WARMUP = flags.DEFINE_integer('warmup', 20, 'Steps left out of the steady state (the compile).')
+_PAIRS = flags.DEFINE_integer('pairs', 2, 'Alternating pairs of runs per layout.')
+_REMAT = flags.DEFINE_string('remat', 'auto', "disttrain's model.remat (auto: its default, "
+                             'dots_saveable on CPUs, none on GPUs).')
+_PEER_REMAT = flags.DEFINE_string('peer_remat', 'minimal_with_context',
+                                  "MaxText's remat_policy (its fastest: saves every projection "
+                                  'and the attention context).')
+_PEER = flags.DEFINE_enum('peer', 'maxtext', ['maxtext'], 'The peer trainer.')
+_PEER_SPEC = flags.DEFINE_string('peer_spec', None, "pip requirement of the peer (default: "
+                                 "maxtext[tpu]==0.2.5 on CPU hosts, maxtext[cuda12]==0.2.5 on GPUs)")
+_PEER_VENV = flags.DEFINE_string('peer_venv', os.path.expanduser('~/.cache/disttrain/peers/maxtext'),
+                                 "The peer's own venv (made on first use).")
+_PEER_XLA_FLAGS = flags.DEFINE_string(
+    'peer_xla_flags', '--xla_cpu_collective_call_terminate_timeout_seconds=600',
+    "Extra XLA_FLAGS for the peer's runs. The default lets MaxText's collectives wait 600 s "
+    'instead of 40: with steps queued without bound on 8 CPU devices of 2 cores, its '
+    'data x fsdp x tensor runs aborted at 40 s.')
+_TIMEOUT = flags.DEFINE_integer('timeout', 900, 'Seconds one run may take.')
+_JSON = flags.DEFINE_string('json', None, 'Write {"results": [row per layout]} here.')
+
+_AXES = ('data', 'fsdp', 'tensor')
+_MAXTEXT_VERSION = '0.2.5'
+
+
+class PeerError(Exception):
+  """A side could not run; the message says which and why."""
+
+
+def parse_layout(name: str) -> dict:
+  """'data2.fsdp2.tensor2' -> {'data': 2, 'fsdp': 2, 'tensor': 2}; '1' -> {}."""
+  if name == '1':
+    return {}
+  sizes = {}
+  for part in name.split('.'):
+    m = re.fullmatch(r'(data|fsdp|tensor)(\d+)', part)
+    if not m or int(m.group(2)) < 1:
+      raise PeerError(f'--layouts: {part!r} in {name!r} is not an axis and size such as data8, '
+                      f'fsdp4 or tensor2 (axes: {", ".join(_AXES)})')
+    sizes[m.group(1)] = int(m.group(2))
+  return sizes
+
+
+def _devices(sizes: dict) -> int:
+  n = 1
+  for v in sizes.values():
+    n *= v
+  return n
+
+
+def _on_gpu() -> bool:
+  return any(p.startswith('jax-cuda') or p.startswith('jax_cuda')
+             for p in _installed_distributions())
+
+
+def _installed_distributions() -> list[str]:
+  from importlib import metadata
+  return [d.metadata['Name'].lower() for d in metadata.distributions() if d.metadata['Name']]
+
+
+def ensure_maxtext(venv: str) -> str:
+  """The python of a venv holding MaxText, made and installed on first use (~3 GB, minutes)."""
+  python = os.path.join(venv, 'bin', 'python')
+  probe = [python, '-c', 'import maxtext.trainers.pre_train.train']
+  if os.path.exists(python) and subprocess.run(probe, capture_output=True).returncode == 0:
+    return python
+  spec = _PEER_SPEC.value or f"maxtext[{'cuda12' if _on_gpu() else 'tpu'}]=={_MAXTEXT_VERSION}"
+  print(f'installing {spec} into {venv} (its own venv; a few minutes, once)', flush=True)
+  if not os.path.exists(python):
+    subprocess.run([sys.executable, '-m', 'venv', venv], check=True)
+  done = subprocess.run([python, '-m', 'pip', 'install', '--progress-bar=on', spec])
+  if done.returncode or subprocess.run(probe, capture_output=True).returncode:
+    raise PeerError(f'could not install {spec} into {venv}; see pip above, or pass --peer_venv '
+                    'of a venv where `import maxtext` works')
+  return python
+
+
+def _env(devices: int, gpu: bool) -> dict:
+  env = dict(os.environ, PYTHONUNBUFFERED='1', TF_CPP_MIN_LOG_LEVEL='2')
+  if not gpu:
+    env['JAX_PLATFORMS'] = 'cpu'
+    env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
+                        f' --xla_force_host_platform_device_count={devices}').strip()
+  return env
+
+
+def _run(cmd: list[str], env: dict, log: str) -> None:
+  with open(log, 'w') as out:
+    try:
+      done = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            timeout=_TIMEOUT.value, cwd=_ROOT)
+    except subprocess.TimeoutExpired:
+      raise PeerError(f'{cmd[2]} ran past --timeout={_TIMEOUT.value} s; log: {log}') from None
+  if done.returncode:
+    with open(log) as f:
+      lines = f.read().splitlines()
+    # XLA's fatal lines (F...: a collective's rendezvous timing out, say) say more than the tail.
+    fatal = [line for line in lines if re.match(r'F\d{4} ', line)] or lines[-3:]
+    raise PeerError(f'{" ".join(cmd[:3])} exited {done.returncode}; log: {log}: '
+                    + ' | '.join(line[:300] for line in fatal[:3]))
+
+
+def disttrain_run(sizes: dict, workdir: str, gpu: bool) -> float:
+  """disttrain's steady-state tokens/s: its train records after --warmup, step-weighted."""
+  devices = _devices(sizes)
+  flag = lambda field, value: f'--config.{field}={value}'
+  cmd = [sys.executable, '-m', 'disttrain.launch.train',
+         f'--config={_ROOT}/launch/configs/llama.py:{_SIZE.value}', f'--workdir={workdir}',
+         flag('data.name', 'synthetic_tokens'), flag('data.seq_len', _SEQ.value),
+         flag('global_batch_size', _BATCH.value), flag('num_train_steps', _STEPS.value),
+         flag('log_every_steps', _WARMUP.value), flag('eval_every_steps', 0),
+         flag('data.eval_examples', _BATCH.value), flag('grad_clip_norm', 1.0),
+         flag('precision.compute_dtype', _PRECISION.value), flag('model.remat', _REMAT.value)]
+  cmd += [flag(f'mesh.{axis}', size) for axis, size in sizes.items()]
+  if sizes.get('fsdp', 1) > 1:
+    cmd.append(flag('sharding', 'fsdp'))
+  if not gpu:
+    cmd.append(f'--fake_devices={devices}')
+  _run(cmd, _env(devices, gpu), os.path.join(workdir, 'log.txt'))
+  steps = seconds = 0.0
+  last = _WARMUP.value
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    for line in f:
+      r = json.loads(line)
+      if r.get('split') == 'train' and r['step'] > _WARMUP.value:
+        n = r['step'] - last
+        steps, seconds = steps + n, seconds + n * _BATCH.value / r['examples_per_sec']
+        last = r['step']
+  if not steps:
+    raise PeerError(f'disttrain wrote no train record past step {_WARMUP.value}: {workdir}')
+  return steps * _BATCH.value * _SEQ.value / seconds
+
+
+def maxtext_run(python: str, sizes: dict, workdir: str, gpu: bool) -> float:
+  """MaxText's steady-state tokens/s: its per-step times after --warmup (metrics_file)."""
+  devices = _devices(sizes)
+  model, (_, _, learning_rate) = llama_config.SIZES[_SIZE.value]
+  if not model.get('tied_embeddings'):
+    raise PeerError(f'--size={_SIZE.value}: only tied-embedding sizes are mapped to MaxText')
+  base = os.path.join(os.path.dirname(os.path.dirname(python)), 'lib',
+                      f'python{sys.version_info.major}.{sys.version_info.minor}', 'site-packages',
+                      'maxtext', 'configs', 'base.yml')
+  metrics = os.path.join(workdir, 'metrics.jsonl')
+  args = dict(
+      run_name='peer', base_output_directory=workdir, hardware='gpu' if gpu else 'cpu',
+      skip_jax_distributed_system='true', dataset_type='synthetic', steps=_STEPS.value,
+      enable_checkpointing='false', decoder_block='llama2', base_emb_dim=model['hidden'],
+      base_num_query_heads=model['num_heads'], base_num_kv_heads=model['num_kv_heads'],
+      base_mlp_dim=model['mlp_dim'], base_num_decoder_layers=model['num_layers'],
+      head_dim=model['hidden'] // model['num_heads'], vocab_size=model['vocab_size'],
+      rope_max_timescale=int(model['rope_theta']), max_target_length=_SEQ.value,
+      per_device_batch_size=_BATCH.value / devices, logits_via_embedding='true',
+      normalization_layer_epsilon=1e-5, dtype=_PRECISION.value, weight_dtype='float32',
+      opt_type='adamw', adam_weight_decay=0.1, gradient_clipping_threshold=1.0,
+      learning_rate=learning_rate, dropout_rate=0, enable_dropout='false', remat_policy=_PEER_REMAT.value,
+      attention='dot_product', metrics_file=metrics, log_period=10**6, packing='false',
+      ici_data_parallelism=sizes.get('data', 1), ici_fsdp_parallelism=sizes.get('fsdp', 1),
+      ici_tensor_parallelism=sizes.get('tensor', 1))
+  cmd = [python, '-m', 'maxtext.trainers.pre_train.train', base] + [
+      f'{k}={v}' for k, v in args.items()]
+  env = _env(devices, gpu)
+  env['XLA_FLAGS'] = f"{env.get('XLA_FLAGS', '')} {_PEER_XLA_FLAGS.value}".strip()
+  _run(cmd, env, os.path.join(workdir, 'log.txt'))
+  with open(metrics) as f:
+    times = [r['perf/step_time_seconds'] for r in map(json.loads, f)
+             if r['step'] >= _WARMUP.value]
+  if not times:
+    raise PeerError(f'MaxText wrote no step past {_WARMUP.value}: {workdir}')
+  return len(times) * _BATCH.value * _SEQ.value / sum(times)
+
+
+def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
+  sizes = parse_layout(layout)
+  if _BATCH.value % _devices(sizes):
+    raise PeerError(f'--global_batch_size={_BATCH.value} does not divide over {layout}\'s '
+                    f'{_devices(sizes)} devices; pass a multiple')
+  ours, peers, failures = [], [], []
+  for pair in range(_PAIRS.value):
+    order = ('disttrain', 'peer') if pair % 2 == 0 else ('peer', 'disttrain')
+    for side in order:
+      workdir = tempfile.mkdtemp(prefix=f'{layout}_{side}_', dir=scratch)
+      start = time.time()
+      try:
+        if side == 'disttrain':
+          ours.append(disttrain_run(sizes, workdir, gpu))
+          value = ours[-1]
+        else:
+          peers.append(maxtext_run(python, sizes, workdir, gpu))
+          value = peers[-1]
+      except PeerError as e:  # the row says so; the other layouts still run
+        print(f'  {layout} pair {pair + 1}/{_PAIRS.value} {side} failed: {e}', flush=True)
+        failures.append(f'{side}: {e}')
+        continue
+      print(f'  {layout} pair {pair + 1}/{_PAIRS.value} {side}: {value:,.0f} tokens/s '
+            f'({time.time() - start:.0f} s run)', flush=True)
+  ratios = [a / b for a, b in zip(ours, peers)]  # complete pairs only
+  median = lambda values: statistics.median(values) if values else None
+  return dict(layout=layout, devices=_devices(sizes), peer=_PEER.value,
+              disttrain_tokens_per_sec=median(ours), peer_tokens_per_sec=median(peers),
+              ratio=median(ratios), ratios=ratios, failures=failures, size=_SIZE.value, global_batch_size=_BATCH.value,
+              seq_len=_SEQ.value, precision=_PRECISION.value, steps=_STEPS.value,
+              warmup=_WARMUP.value, remat=_REMAT.value, peer_remat=_PEER_REMAT.value,
+              data='synthetic', date=time.strftime('%Y-%m-%d'))
+
+
+def main(argv):
+  del argv
+  try:
+    layouts = _LAYOUTS.value.split(',')
+    for layout in layouts:
+      parse_layout(layout)
+    if _STEPS.value <= _WARMUP.value:
+      raise PeerError(f'--steps={_STEPS.value} must exceed --warmup={_WARMUP.value}')
+    gpu = _on_gpu()
+    python = ensure_maxtext(_PEER_VENV.value)
+    rows = []
+    scratch = tempfile.mkdtemp(prefix='peers_')
+    for layout in layouts:
+      rows.append(measure(layout, python, gpu, scratch))
+    if not any(r['failures'] for r in rows):
+      shutil.rmtree(scratch)  # a failed run's log stays for reading
+  except PeerError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2 if '--' in str(e).split(';')[0] else 1)
+  print(f'\n| layout | disttrain tokens/s | {_PEER.value} tokens/s | disttrain / {_PEER.value} |')
+  print('| --- | --- | --- | --- |')
+  figure = lambda value, spec: 'failed' if value is None else format(value, spec)
+  for r in rows:
+    print(f"| {r['layout']} | {figure(r['disttrain_tokens_per_sec'], ',.0f')} | "
+          f"{figure(r['peer_tokens_per_sec'], ',.0f')} | {figure(r['ratio'], '.2f')} |")
+  if _JSON.value:
+    with open(_JSON.value, 'w') as f:
+      json.dump({'results': rows}, f, indent=1)
+  if any(r['failures'] for r in rows):
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  app.run(main)
