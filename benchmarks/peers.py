@@ -71,7 +71,11 @@ _MAXTEXT_VERSION = '0.2.5'
 
 
 class PeerError(Exception):
-  """A side could not run; the message says which and why."""
+  """A side could not run, or a flag is wrong (code 2); the message says which and why."""
+
+  def __init__(self, message: str, code: int = 1):
+    super().__init__(message)
+    self.code = code
 
 
 def parse_layout(name: str) -> dict:
@@ -83,7 +87,7 @@ def parse_layout(name: str) -> dict:
     m = re.fullmatch(r'(data|fsdp|tensor)(\d+)', part)
     if not m or int(m.group(2)) < 1:
       raise PeerError(f'--layouts: {part!r} in {name!r} is not an axis and size such as data8, '
-                      f'fsdp4 or tensor2 (axes: {", ".join(_AXES)})')
+                      f'fsdp4 or tensor2 (axes: {", ".join(_AXES)})', code=2)
     sizes[m.group(1)] = int(m.group(2))
   return sizes
 
@@ -182,8 +186,6 @@ def maxtext_run(python: str, sizes: dict, workdir: str, gpu: bool) -> float:
   """MaxText's steady-state tokens/s: its per-step times after --warmup (metrics_file)."""
   devices = _devices(sizes)
   model, (_, _, learning_rate) = llama_config.SIZES[_SIZE.value]
-  if not model.get('tied_embeddings'):
-    raise PeerError(f'--size={_SIZE.value}: only tied-embedding sizes are mapped to MaxText')
   base = os.path.join(os.path.dirname(os.path.dirname(python)), 'lib',
                       f'python{sys.version_info.major}.{sys.version_info.minor}', 'site-packages',
                       'maxtext', 'configs', 'base.yml')
@@ -220,7 +222,7 @@ def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
   sizes = parse_layout(layout)
   if _BATCH.value % _devices(sizes):
     raise PeerError(f'--global_batch_size={_BATCH.value} does not divide over {layout}\'s '
-                    f'{_devices(sizes)} devices; pass a multiple')
+                    f'{_devices(sizes)} devices; pass a multiple', code=2)
   ours, peers, failures = [], [], []
   for pair in range(_PAIRS.value):
     order = ('disttrain', 'peer') if pair % 2 == 0 else ('peer', 'disttrain')
@@ -257,7 +259,10 @@ def main(argv):
     for layout in layouts:
       parse_layout(layout)
     if _STEPS.value <= _WARMUP.value:
-      raise PeerError(f'--steps={_STEPS.value} must exceed --warmup={_WARMUP.value}')
+      raise PeerError(f'--steps={_STEPS.value} must exceed --warmup={_WARMUP.value}', code=2)
+    if not llama_config.SIZES[_SIZE.value][0].get('tied_embeddings'):
+      raise PeerError(f'--size={_SIZE.value}: only tied-embedding sizes are mapped to MaxText',
+                      code=2)
     gpu = _on_gpu()
     python = ensure_maxtext(_PEER_VENV.value)
     rows = []
@@ -268,7 +273,7 @@ def main(argv):
       shutil.rmtree(scratch)  # a failed run's log stays for reading
   except PeerError as e:
     print(f'error: {e}', file=sys.stderr)
-    sys.exit(2 if '--' in str(e).split(';')[0] else 1)
+    sys.exit(e.code)
   print(f'\n| layout | disttrain tokens/s | {_PEER.value} tokens/s | disttrain / {_PEER.value} |')
   print('| --- | --- | --- | --- |')
   figure = lambda value, spec: 'failed' if value is None else format(value, spec)
