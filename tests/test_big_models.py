@@ -319,7 +319,8 @@ def test_bf16_activations_float32_state_and_first_loss():
   info = run_lib.run_info(run)
   assert info['state_dtypes']['params'] == ['float32']
   assert set(info['state_dtypes']['opt_state']) <= {'float32', 'int32'}
-  assert info['config']['precision'] == {'compute_dtype': 'bfloat16', 'param_dtype': 'float32'}
+  assert info['config']['precision'] == {'compute_dtype': 'bfloat16', 'param_dtype': 'float32',
+                                         'matmul': 'default'}
 
 
 @pytest.mark.slow

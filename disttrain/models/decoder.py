@@ -183,7 +183,7 @@ class Decoder(nn.Module):
     x_BxTxD = constrain(x_BxTxD.astype(cfg.dtype), ('batch', 'sequence', None))
     x_BxTxD = nn.Dropout(cfg.dropout, deterministic=not train)(x_BxTxD)
     block = Block
-    if cfg.remat != 'none':
+    if cfg.remat != 'none' and decode is None:  # sampling never differentiates (nor takes Decode)
       block = nn.remat(Block, policy=_remat_policy(cfg.remat), prevent_cse=False)
     # Sown per-layer values (router losses, dropped choices) stack over layers like the weights.
     blocks = nn.scan(block, variable_axes={'params': 0, LOSSES: 0, moe.MOE: 0},
