@@ -29,6 +29,8 @@ import time
 
 from absl import app, flags
 
+from disttrain.parallel import xla_flags  # decides 'GPU' as the launcher does
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location('llama_config',
                                                os.path.join(_ROOT, 'launch', 'configs', 'llama.py'))
@@ -99,23 +101,14 @@ def _devices(sizes: dict) -> int:
   return n
 
 
-def _on_gpu() -> bool:
-  return any(p.startswith('jax-cuda') or p.startswith('jax_cuda')
-             for p in _installed_distributions())
-
-
-def _installed_distributions() -> list[str]:
-  from importlib import metadata
-  return [d.metadata['Name'].lower() for d in metadata.distributions() if d.metadata['Name']]
-
-
 def ensure_maxtext(venv: str) -> str:
   """The python of a venv holding MaxText, made and installed on first use (~3 GB, minutes)."""
   python = os.path.join(venv, 'bin', 'python')
   probe = [python, '-c', 'import maxtext.trainers.pre_train.train']
   if os.path.exists(python) and subprocess.run(probe, capture_output=True).returncode == 0:
     return python
-  spec = _PEER_SPEC.value or f"maxtext[{'cuda12' if _on_gpu() else 'tpu'}]=={_MAXTEXT_VERSION}"
+  extra = 'cuda12' if xla_flags.on_gpu(os.environ.get('JAX_PLATFORMS')) else 'tpu'
+  spec = _PEER_SPEC.value or f'maxtext[{extra}]=={_MAXTEXT_VERSION}'
   print(f'installing {spec} into {venv} (its own venv; a few minutes, once)', flush=True)
   if not os.path.exists(python):
     subprocess.run([sys.executable, '-m', 'venv', venv], check=True)
@@ -263,7 +256,7 @@ def main(argv):
     if not llama_config.SIZES[_SIZE.value][0].get('tied_embeddings'):
       raise PeerError(f'--size={_SIZE.value}: only tied-embedding sizes are mapped to MaxText',
                       code=2)
-    gpu = _on_gpu()
+    gpu = xla_flags.on_gpu(os.environ.get('JAX_PLATFORMS'))
     python = ensure_maxtext(_PEER_VENV.value)
     rows = []
     scratch = tempfile.mkdtemp(prefix='peers_')
