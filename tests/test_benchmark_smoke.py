@@ -75,10 +75,11 @@ def test_llama_on_packed_tokenized_documents(tmp_path):
 
 
 # The step styles and layouts themselves are checked in tests/test_equivalence.py; here the
-# benchmark's own baselines for jit with fsdp and pmap run (the LM's token-weighted step: the
+# benchmark's own baselines on several devices run, with pmap (the LM's token-weighted step: the
 # llama case above; its --precision / --grad_accum_steps / --remat flags only set config fields).
+# The fsdp case was cut (16 s): state_bytes_per_device is the compiled step's state_bytes, which
+# test_big_models.py::test_gpt2_small_compiles_split_over_eight_devices holds to 1/8 under fsdp.
 @pytest.mark.parametrize('args', [
-    pytest.param(('--fake_devices=8', '--model=mlp', '--sharding=fsdp'), marks=pytest.mark.slow),
     pytest.param(('--fake_devices=2', '--model=mlp_small', '--step_mode=pmap'),
                  marks=pytest.mark.slow),
 ])
@@ -86,10 +87,9 @@ def test_several_devices(tmp_path, args):
   (row,) = _results(tmp_path, *args)
   assert f'--fake_devices={row["devices"]}' in args
   assert f'--model={row["model"]}' in args
-  if '--model=mlp' in args and '--sharding=fsdp' in args:  # 2 big kernels split 8 ways
-    assert row['state_bytes_per_device'] < 2 * 2**20
 
 
+@pytest.mark.slow  # a benchmark process each (~3.7 s of imports); the quick tier skips them
 @pytest.mark.parametrize('args, message', [
     (('--model=foo',), 'mlp_small|mlp|transformer|gpt'),
     (('--step_mode=pmap', '--steps_per_dispatch=4'), 'train_many'),

@@ -98,12 +98,13 @@ def test_data_fsdp_tensor_layout_matches_one_device(tmp_path):
 
 @pytest.mark.slow
 def test_loss_falls_well_below_the_unigram_entropy(tmp_path):
-  # Measured here: train loss ~2.33 nats after 250 steps (~20 s on 1 CPU device) against a
-  # unigram entropy of 3.14 nats for the first 2 MiB of the 3.11 standard library.
-  cfg = _config(num_train_steps=250, log_every_steps=25)
+  # Measured 2026-11-27 (-O0, 1 CPU device) against a unigram entropy of 3.148 nats: 150 steps
+  # (31 s; 250 took 47 s) end at train 2.598 = 0.825 x entropy, eval 2.600 = 0.826 x, so the
+  # 0.85 bound keeps a margin of 0.08 nats (3 %); 100 steps end at 0.867 x, 250 at 0.756 x.
+  cfg = _config(num_train_steps=150, log_every_steps=25)
   entropy = sources.unigram_entropy(sources.build(cfg)['train_data']['targets'])
   result = disttrain.train(cfg, str(tmp_path), devices=devices(1))
   train = [r['loss'] for r in result.records if r['split'] == 'train']
   assert train[0] > entropy  # it starts above the unigram model ...
-  assert train[-1] < 0.8 * entropy, (train[-1], entropy)  # ... and ends well below it
+  assert train[-1] < 0.85 * entropy, (train[-1], entropy)  # ... and ends well below it
   assert result.records[-1]['split'] == 'eval' and result.records[-1]['loss'] < 0.85 * entropy

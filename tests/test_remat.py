@@ -82,7 +82,10 @@ def _remat_none_step():
   return params, _loss_and_grads(_decoder('llama'), params)
 
 
-@pytest.mark.parametrize('remat', ['minimal', 'save_attention_out'])
+# The quick tier keeps save_attention_out (its own compile ~2.5 s beside remat=none's); minimal
+# (~6 s more) and the unrolled scan (~12 s) run in the full suite.
+@pytest.mark.parametrize('remat', [pytest.param('minimal', marks=pytest.mark.slow),
+                                   'save_attention_out'])
 def test_a_named_remat_policy_computes_remat_none_s_loss_and_gradients(remat):
   params, expected = _remat_none_step()
   _assert_same_step(_loss_and_grads(_decoder('llama', remat=remat), params), expected,
@@ -117,6 +120,7 @@ def test_each_named_policy_keeps_exactly_the_activations_it_names(family):
     assert saved[remat] < saved['none'], (remat, saved)
 
 
+@pytest.mark.slow  # ~12 s (the unrolled layers' compile); the quick tier keeps a remat policy
 @pytest.mark.parametrize('unroll', [3])  # 3 of 4 layers: a loop and a remainder (2 was cut)
 def test_scan_unroll_keeps_the_parameters_and_computes_the_same_step(unroll):
   """Unroll 2 divides the 4 layers, 3 does not (a remainder layer after the loop); both init
