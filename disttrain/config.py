@@ -22,6 +22,7 @@ STEP_MODES = ('jit', 'shard_map', 'pmap')
 # Sources that read data.train_files.
 FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft', 'preference', 'prompts')
 PACKING = ('concat', 'documents')
+MIXABLE = ('array_record', 'tokens', 'documents', 'sft')  # sources data.mixture can join
 TOKEN_DTYPES = ('uint16', 'uint32')
 REMAT = ('auto', 'none', 'full', 'minimal', 'save_attention_out', 'dots_saveable',
          'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -136,6 +137,12 @@ class DataConfig:
   # order). -1 = the source's default: 297 (digits), 2000 (mnist with only the t10k pair), 1024
   # (synthetic), 256 (text), 0 (files).
   eval_examples: int = -1
+  # Downstream evaluations of a language model, run with each eval: 'NAME=PATH;NAME=PATH' (a
+  # config file may give ((name, path), ...)), each PATH local JSON lines of multiple-choice
+  # {"context", "choices", "answer"} or generation {"prompt", "answer"} examples; records
+  # NAME/accuracy, NAME/accuracy_norm or NAME/exact_match (disttrain/evaluation/).
+  eval_tasks: Any = ''
+  eval_max_new_tokens: int = 64  # generation tasks: greedy tokens per prompt at most
   seq_len: int = 128  # language-model data: tokens per row (targets are the next tokens)
   workers: int = 0  # worker processes that read and transform train batches; 0 = a thread
   # Global batches read ahead of the step in a thread; -1 = 0 on CPU devices (XLA's step uses
@@ -149,6 +156,19 @@ class DataConfig:
   # '' = documents for sft (a fine-tuning example is never cut across rows), concat otherwise.
   packing: str = ''
   text_field: str = 'text'  # documents: the JSONL field / Parquet column holding the text
+  # Several sources of data.name's kind in proportion: 'web=GLOB:0.7;code=GLOB:0.3' (the weight
+  # after each source's last colon; a config file may give ((name, glob, weight), ...)); rows
+  # come from a deterministic schedule of the weights (disttrain/data/mixture.py). '' = one
+  # source, data.train_files. Replaces data.train_files; eval: data.eval_files, or each source's
+  # last data.eval_examples as an eval set named after it.
+  mixture: Any = ''
+  # New weights from a step on (that step's batch included): 'STEP:NAME=WEIGHT,...;...' (or
+  # ((step, {name: weight}), ...)); a source left out gets weight 0. The steps before the first
+  # stage use data.mixture's weights.
+  mixture_stages: Any = ''
+  # A mixture source that has given every row: repeat (its next epoch, counted per source) or
+  # stop (the run ends with a checkpoint at the last step before that).
+  mixture_exhausted: str = 'repeat'
   synthetic: SyntheticConfig = SyntheticConfig()
   text: TextConfig = TextConfig()
   tokens: TokensConfig = TokensConfig()
@@ -160,12 +180,23 @@ class DataConfig:
     # data.name is checked against disttrain.data.sources.SOURCES when the data is built.
     if self.name == 'mnist' and not self.dir:
       raise ConfigError("data.name='mnist' needs data.dir; pass --config.data.dir=PATH/TO/MNIST")
-    if self.name in FILE_SOURCES and not self.train_files:
+    _one_of('data.mixture_exhausted', self.mixture_exhausted, ('repeat', 'stop'))
+    if self.mixture and self.name not in MIXABLE:
+      raise ConfigError(f'data.mixture mixes sources of data.name in {MIXABLE}, not '
+                        f'{self.name!r}; pick one of them or drop data.mixture')
+    if self.mixture and self.train_files:
+      raise ConfigError('data.mixture and data.train_files are both set; the mixture names its '
+                        'own files, so drop data.train_files')
+    if self.mixture_stages and not self.mixture:
+      raise ConfigError('data.mixture_stages needs data.mixture (the sources whose weights it '
+                        "changes); set data.mixture='NAME=GLOB:WEIGHT;...'")
+    if self.name in FILE_SOURCES and not self.train_files and not self.mixture:
       raise ConfigError(f'data.name={self.name!r} needs data.train_files; pass '
                         '--config.data.train_files=GLOB (comma-separate several)')
     if self.eval_examples != -1:
       _positive('data.eval_examples', self.eval_examples)
     _positive('data.seq_len', self.seq_len)
+    _positive('data.eval_max_new_tokens', self.eval_max_new_tokens)
     _positive('data.workers', self.workers, allow_zero=True)
     if self.prefetch < -1:
       raise ConfigError(f'data.prefetch={self.prefetch} must be -1 (auto) or >= 0; pass one')
@@ -715,6 +746,8 @@ def defaults(config: Config | None = None) -> ml_collections.ConfigDict:
     group, name = old.split('.')
     tree[group][name] = -1
   cd = ml_collections.ConfigDict(tree)
+  # data.mixture and data.mixture_stages take a string or a tuple (type-checked when built).
+  cd.data = ml_collections.ConfigDict(tree['data'], type_safe=False)
   cd.lock()  # unknown fields in config files and --config.<field> overrides are errors
   return cd
 
@@ -763,6 +796,8 @@ def _build(cls, tree: dict, prefix: str):
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:
   """Checks a leaf's type; ints are accepted for floats, lists become tuples."""
+  if hint is Any:  # checked by the field's own parser (data.mixture: a string or a tuple)
+    return value
   if hint is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
   if hint is tuple:

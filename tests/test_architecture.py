@@ -20,6 +20,7 @@ LAYERS = (
     ('disttrain.models', 'disttrain.storage'),
     ('disttrain.operating',),
     ('disttrain.hf',),
+    ('disttrain.evaluation',),
     ('disttrain.training',),
     ('disttrain.launch', 'disttrain.cli', 'disttrain.__main__'),
 )
@@ -101,7 +102,7 @@ def test_the_layer_test_catches_an_upward_import(tmp_path):
   late = '\n\ndef _late():\n  from disttrain.training import loop\n'
   records.write_text(records.read_text() + late)
   assert _upward(tmp_path / 'disttrain') == [
-      'disttrain.data.records (layer 2) imports disttrain.training.loop (layer 7)']
+      'disttrain.data.records (layer 2) imports disttrain.training.loop (layer 8)']
 
 
 def test_the_architecture_page_draws_every_package():

@@ -100,7 +100,8 @@ def _commands() -> list[tuple[str, list[str]]]:
     text_outside = re.sub(r'```.*?```', '', text, flags=re.S)
     lines += [span for span in re.findall(r'`([^`\n]+)`', text_outside) if _ENTRY.match(span)]
     for line in lines:
-      for part in re.split(r'&&|;', line):
+      # Commands joined by && or ; (outside quotes: data.mixture's value holds ';').
+      for part in re.findall(r"""(?:'[^']*'|"[^"]*"|[^;&'"]|(?<!&)&(?!&))+""", line):
         part = re.sub(r'^(?:do |srun \S+ |taskset -c \S+ |\w+=\S+ )+', '', part.strip())
         if _ENTRY.match(part) and not _TEMPLATE.search(part):
           if part.count("'") % 2:  # the end of a quoted remote command (gcloud ... --command='...')

@@ -6,6 +6,8 @@
   text        raw text as random-access documents (.txt, .jsonl, .parquet), SFT examples
   tokenizer   tokenizer.json / SentencePiece / bytes; `disttrain tokenizer` trains a BPE
   packing     tokenize once into token files; concat windows, best-fit document packing
+  schedule    which source each row of a mixture comes from (a smooth weighted round robin)
+  mixture     data.mixture: weighted, staged sources whose rows resume exactly
   sources     data.name -> the train and eval sources a config names
   transforms  example grain transformations for images
   batches     the grain stream of per-process rows -> global jax.Arrays on a batch sharding
@@ -20,6 +22,7 @@ _EXPORTS = {
     'check_workers': 'batches', 'element_spec': 'batches', 'eval_batches': 'batches',
     'local_rows': 'batches', 'stacked_sharding': 'batches',
     'Data': 'records', 'ID': 'records', 'MASK': 'records', 'RESERVED': 'records',
+    'Mixture': 'mixture',
     'Records': 'records',
     'array_record_source': 'formats', 'decode': 'formats', 'encode': 'formats',
     'write_array_record': 'formats', 'write_tokens': 'formats',

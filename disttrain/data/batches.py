@@ -132,13 +132,16 @@ class _ReadTrainBatches:
     if self.records.uses_epochs:
       epochs = np.repeat([b // self.batches_per_epoch for b in batches], self.rows.size)
     batch = self.records.read(index, epochs)
-    batch[ID] = index.astype(np.int32)  # no MASK: every train row is real (step.with_mask)
+    batch.setdefault(ID, index.astype(np.int32))  # a mixture sets its own; no MASK: all real
     if self.k == 1:
       return batch
     return {key: v.reshape((self.k, self.rows.size) + v.shape[1:]) for key, v in batch.items()}
 
   def _index(self, b: int) -> np.ndarray:
-    """Example indices of this process's rows of global batch b."""
+    """Example indices of this process's rows of global batch b (a mixture: the rows' global
+    numbers, which its schedule maps to sources and examples)."""
+    if getattr(self.records, 'scheduled', False):
+      return b * self.batch_size + self.rows
     epoch, step = divmod(b, self.batches_per_epoch)
     if self._block is not None:
       start = step * self.batch_size
@@ -218,6 +221,11 @@ class TrainIterator:
     self.batches_per_epoch = self._read.batches_per_epoch
     self._key = {'seed': seed, 'global_batch_size': global_batch_size,
                  'num_examples': len(records)}
+    # A mixture's sources may change between restarts (its state checks them, source by source).
+    self._mixture = records if getattr(records, 'scheduled', False) else None
+    if self._mixture is not None:
+      del self._key['num_examples']
+    self.changed = ''  # set_state: a line for the console when a mixture's weights changed
     self._k, self._prefetch, self._workers = batches_per_element, prefetch, workers
     self._next = 0  # batches delivered so far: the whole iterator state
     self._it = None
@@ -290,7 +298,10 @@ class TrainIterator:
 
   def get_state(self) -> dict:
     """JSON-serialisable position: the next batch to deliver plus what the order depends on."""
-    return {'version': _STATE_VERSION, **self._key, 'next_batch': self._next}
+    state = {'version': _STATE_VERSION, **self._key, 'next_batch': self._next}
+    if self._mixture is not None:
+      state['mixture'] = self._mixture.get_state(self._next)
+    return state
 
   def set_state(self, state: dict) -> None:
     """Resumes at the position recorded by get_state on an iterator with the same settings."""
@@ -310,6 +321,11 @@ class TrainIterator:
                       'divides it')
     self.close()
     self._next = position
+    if self._mixture is not None:
+      if 'mixture' not in state:
+        raise DataError('the checkpoint read one source, this run a data.mixture; resume with '
+                        'the same data or start a new run')
+      self.changed = self._mixture.set_state(state['mixture'], position)
 
 
 class _ReadEvalBatch:

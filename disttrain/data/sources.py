@@ -7,6 +7,7 @@ Every builder takes the whole Config and returns the keyword arguments of `distt
 array_record and tokens stream from files (disttrain.data.formats).
 """
 
+import dataclasses
 import gzip
 import importlib.util
 import os
@@ -18,7 +19,7 @@ import jax
 import numpy as np
 
 from disttrain.config import Config
-from disttrain.data import chat, formats, packing, preference, prompts, records, text
+from disttrain.data import chat, formats, mixture, packing, preference, prompts, records, text
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.errors import DataError
 
@@ -39,7 +40,34 @@ def build(cfg: Config) -> dict:
   if cfg.data.name not in SOURCES:
     raise DataError(f'data.name={cfg.data.name!r} is not one of {tuple(SOURCES)}; pick one of '
                     'them, or give the data from a config file (get_data) or from Python')
+  if cfg.data.mixture:
+    return _mixture(cfg)
   return SOURCES[cfg.data.name](cfg)
+
+
+def _mixture(cfg: Config) -> dict:
+  """data.mixture: each source built by data.name's builder as if it were data.train_files
+  alone; eval from data.eval_files, else each source's held-out tail named after it."""
+  entries = mixture.parse_sources(cfg.data.mixture)
+  names = [name for name, _, _ in entries]
+  stages = mixture.parse_stages(cfg.data.mixture_stages, names) if cfg.data.mixture_stages \
+      else []
+  train, evals = {}, {}
+  for i, (name, pattern, _) in enumerate(entries):
+    eval_files = cfg.data.eval_files if i == 0 else ''  # one shared eval set, built once
+    held_out = 0 if cfg.data.eval_files else cfg.data.eval_examples
+    one = dataclasses.replace(cfg.data, mixture='', mixture_stages='', train_files=pattern,
+                              eval_files=eval_files, eval_examples=held_out)
+    try:
+      built = SOURCES[cfg.data.name](dataclasses.replace(cfg, data=one))
+    except DataError as e:
+      raise DataError(f'data.mixture source {name!r}: {e}') from None
+    train[name] = built['train_data']
+    if built['eval_data'] is not None:
+      evals['eval' if cfg.data.eval_files else name] = built['eval_data']
+  return {'train_data': mixture.Mixture(train, {n: w for n, _, w in entries}, tuple(stages),
+                                        cfg.data.mixture_exhausted),
+          'eval_data': evals or None}
 
 
 def _eval_examples(cfg: Config, default: int) -> int:

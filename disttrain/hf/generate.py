@@ -110,6 +110,17 @@ def decode_loop(module, max_new: int, eos: int, temperature: float, top_k: int, 
   return run
 
 
+def left_padded(prompts: list[list[int]], length: int) -> tuple[np.ndarray, ...]:
+  """(tokens, segments, positions) [B, length] int32 of prompts left-padded to `length`:
+  padding is segment 0 at position 0, positions count from each prompt's first token."""
+  tokens, segments, positions = (np.zeros((len(prompts), length), np.int32) for _ in range(3))
+  for row, prompt in enumerate(prompts):
+    tokens[row, length - len(prompt):] = prompt
+    segments[row, length - len(prompt):] = 1
+    positions[row, length - len(prompt):] = np.arange(len(prompt))
+  return tokens, segments, positions
+
+
 @functools.lru_cache(maxsize=16)
 def _compiled_loop(module, max_new: int, eos: int, temperature: float, top_k: int, top_p: float):
   """The jitted loop of these settings (one per setting: each traces once per shape)."""
@@ -139,11 +150,7 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 6
     raise ConfigError(f'a prompt of {longest} tokens + max_new_tokens={max_new_tokens} is longer '
                       f'than the model context of {context} tokens; shorten the prompt or '
                       'generate fewer tokens')
-  tokens, segments, positions = (np.zeros((len(prompts), p), np.int32) for _ in range(3))
-  for row, prompt in enumerate(prompts):
-    tokens[row, p - len(prompt):] = prompt
-    segments[row, p - len(prompt):] = 1
-    positions[row, p - len(prompt):] = np.arange(len(prompt))
+  tokens, segments, positions = left_padded(prompts, p)
   eos = -1 if eos_id is None else int(eos_id)
   if mesh is None:
     mesh = getattr(jax.tree.leaves(params)[0].sharding, 'mesh', None)

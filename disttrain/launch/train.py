@@ -5,8 +5,9 @@
 
 Flags: --fake_devices=N gives N CPU devices; --config.<field>=<value> overrides any config field.
 Besides get_config(), a config file may define get_data(config), get_model(config),
-get_task(config), get_callbacks(config) and get_rewards(config) (HOOKS): they give train() its
-data, model, task, callbacks and GRPO reward functions, so the launcher trains a user's own
+get_task(config), get_callbacks(config), get_rewards(config) and get_eval_extract(config) (HOOKS):
+they give train() its data, model, task, callbacks, GRPO reward functions and the answer
+extraction of data.eval_tasks' generation tasks, so the launcher trains a user's own
 objects without editing disttrain.
 Bad input (config, flags, data) exits with status 2 and one line naming the value and the fix.
 """
@@ -71,7 +72,7 @@ flags.mark_flags_as_required(['config'])
 # Config-file function -> the disttrain.train keyword it provides (get_data returns a dict of
 # train_data / eval_data).
 HOOKS = {'get_data': None, 'get_model': 'model', 'get_task': 'task', 'get_callbacks': 'callbacks',
-         'get_rewards': 'rewards'}
+         'get_rewards': 'rewards', 'get_eval_extract': 'eval_extract'}
 _EXAMPLE_CONFIG = 'launch/configs/mnist_mlp.py'
 # A config override as config_flags finds it: --config.a.b=1, -config.a.b 1, --noconfig.flag.
 _OVERRIDE = re.compile(r'^-{1,2}(?:no)?config\.([^=]+)')

@@ -2,9 +2,10 @@
 
   disttrain plot runs/a runs/b [--out=curves.png] [--metrics=loss,accuracy]
 
-One panel per metric: train records as lines, eval records (every split: eval, val, ...) as
-dashed lines with markers, one colour per run. A resumed run's repeated steps keep the last
-record of each step, as the run itself continued from it.
+One panel per metric: train records as lines, eval records (every split: eval, val, a
+downstream task's name, ...) as dashed lines with markers, one colour per run. `mixture` is one
+panel of every `mixture/<source>` share (a line style per source). A resumed run's repeated
+steps keep the last record of each step, as the run itself continued from it.
 """
 
 import json
@@ -16,8 +17,11 @@ from absl import app, flags
 from disttrain.storage import urls
 
 _OUT = flags.DEFINE_string('out', 'curves.png', 'Where the PNG goes.')
-_METRICS = flags.DEFINE_list('metrics', ['loss', 'accuracy'], 'Record fields to plot, one panel '
-                             'each (a field no run has is left out).')
+_METRICS = flags.DEFINE_list('metrics', ['loss', 'accuracy', 'accuracy_norm', 'exact_match',
+                                         'mixture'],
+                             'Record fields to plot, one panel each (a field no run has is left '
+                             'out); mixture: the data.mixture shares of the train records.')
+_STYLES = ('-', '--', ':', '-.')  # one per mixture source
 
 
 def read(run_dir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -47,7 +51,9 @@ def plot(run_dirs: list[str], out: str, metrics: list[str]) -> str:
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   runs = {run_dir: read(run_dir) for run_dir in run_dirs}
-  shown = [m for m in metrics if any(m in c for curves in runs.values() for c in curves.values())]
+  has = lambda m, fields: m in fields or (m == 'mixture' and any(
+      f.startswith('mixture/') for f in fields))
+  shown = [m for m in metrics if any(has(m, c) for curves in runs.values() for c in curves.values())]
   if not shown:
     raise ValueError(f'none of the runs has a field in {metrics}; pass --metrics=loss,...')
   fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4), squeeze=False)
@@ -57,6 +63,12 @@ def plot(run_dirs: list[str], out: str, metrics: list[str]) -> str:
     colour = colours[i % len(colours)]
     for ax, metric in zip(axes[0], shown):
       for split, fields in curves.items():
+        if metric == 'mixture':
+          for k, name in enumerate(sorted(f for f in fields if f.startswith('mixture/'))):
+            steps, values = zip(*fields[name])
+            ax.plot(steps, values, color=colour, linestyle=_STYLES[k % len(_STYLES)],
+                    label=f'{label} {name.partition("/")[2]}')
+          continue
         if metric not in fields:
           continue
         steps, values = zip(*fields[metric])

@@ -1,7 +1,8 @@
 """The loop's periodic actions, each a small object with one `maybe_...(step, ...)` entry.
 
   TrainRecords  fetches step metrics one step late, checks them finite, writes train records
-  Evaluator     evaluates every eval source exactly once per eval (padded + masked)
+  Evaluator     evaluates every eval source exactly once per eval (padded + masked), and
+                the downstream tasks of data.eval_tasks (disttrain/evaluation/)
   Saver         checks the parameters finite and starts an async checkpoint
   Stopper       SIGTERM, Ctrl-C and callback stop requests, agreed across processes
   Profiler      a jax.profiler trace of a window of steps
@@ -49,8 +50,9 @@ class TrainRecords:
   """
 
   def __init__(self, cfg: Config, out: Output, phases: timing.Phases, lr_schedule: Callable,
-               throughput: metrics.Throughput, last_saved: Callable[[], str]):
-    self.cfg, self.out, self.phases = cfg, out, phases
+               throughput: metrics.Throughput, last_saved: Callable[[], str],
+               shares: Callable[[int, int], dict] | None = None):
+    self.cfg, self.out, self.phases, self.shares = cfg, out, phases, shares
     self.lr_schedule, self.throughput, self.last_saved = lr_schedule, throughput, last_saved
     self.k = cfg.steps_per_dispatch
     self._variants = {logged: Variant(metrics=logged, steps=self.k, full_batch=True)
@@ -127,6 +129,8 @@ class TrainRecords:
     record.update(examples_per_sec=examples_per_sec,
                   data_wait_fraction=round(min(data_seconds / seconds, 1.0), 4),
                   **self.throughput.fields(examples_per_sec))
+    if self.shares is not None:  # a mixture: each source's share of the rows since `first`
+      record.update(self.shares(first, at))
     self.out.emit(record, 'on_train_record')
     eta = (self.cfg.num_train_steps - at) * seconds / max(at - first, 1)
     self.out.writer.print(f'train step {at}/{self.cfg.num_train_steps}: loss {record["loss"]:.4f} '
@@ -186,8 +190,9 @@ class Evaluator:
   """Evaluates each eval source every eval_every_steps, at the end, and when asked to."""
 
   def __init__(self, cfg: Config, steps: Steps, sources: dict[str, Records], batch_sharding,
-               out: Output, phases: timing.Phases):
+               out: Output, phases: timing.Phases, tasks: Callable | None = None):
     self.cfg, self.steps, self.sources, self.out = cfg, steps, sources, out
+    self.tasks = tasks  # evaluation.Downstream: state -> {task name: result}, or None
     self.batch_sharding, self.phases = batch_sharding, phases
     self.last: dict[str, dict] = {}  # split -> the latest eval result
     self.at = None  # the step of the latest eval
@@ -195,7 +200,7 @@ class Evaluator:
   def maybe_eval(self, step_no: int, device_state, force: bool = False) -> dict | None:
     """{split: result} if an eval is due at step_no (or forced) and not done there yet."""
     due = force or (self.cfg.eval_every_steps and step_no % self.cfg.eval_every_steps == 0)
-    if not due or not self.sources or self.at == step_no:
+    if not due or not (self.sources or self.tasks) or self.at == step_no:
       return None
     state = self.steps.export(device_state)
     ema = optim.ema_params(state.opt_state) if self.cfg.ema_eval else None
@@ -205,6 +210,8 @@ class Evaluator:
       results = {split: evaluate(self.steps, state, records, self.cfg.eval_batch,
                                  self.batch_sharding, self.phases.beat)
                  for split, records in self.sources.items()}
+      if self.tasks is not None:  # the downstream tasks, on the same (EMA) parameters
+        results.update(self.tasks(state, self.out.writer.print, self.phases.beat))
     self.at, self.last = step_no, results
     for split, result in results.items():
       self.out.emit({'step': step_no, 'split': split, **result}, 'on_eval')

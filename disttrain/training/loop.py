@@ -47,7 +47,8 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
           devices: Sequence[jax.Device] | None = None, tx: Any = None,
           train_step: Callable | None = None, *, eval_step: Callable | None = None,
           train_data: Any = None, eval_data: Any = None, callbacks: Sequence[Any] = (),
-          rewards: Sequence[Any] | None = None) -> Result:
+          rewards: Sequence[Any] | None = None,
+          eval_extract: Callable[[str], str] | None = None) -> Result:
   """Trains `model` (default: the one cfg.model names) per `cfg`, writing outputs to `workdir`.
 
   Levels of disclosure: the config alone; your own data (`train_data`, `eval_data`: any source of
@@ -55,7 +56,9 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
   (per-example loss and metrics); your own optax `tx`, `train_step(ctx, state, batch) -> (state,
   metrics)` and `eval_step(ctx, state, batch) -> masked sums` (see step.StepContext); callbacks
   (see disttrain.operating.callbacks); `rewards`: GRPO's reward functions (data.name='prompts',
-  when grpo.rewards names none). Sharding, data, checkpoints and logging stay the same.
+  when grpo.rewards names none); `eval_extract`: the answer extraction of data.eval_tasks'
+  generation tasks (text -> str; default GSM8K's, disttrain/evaluation/metrics.py). Sharding,
+  data, checkpoints and logging stay the same.
   Resumes from the newest complete checkpoint in `workdir` if there is one. `devices` defaults to every device
   of every process. Raises NonFiniteError on a NaN/Inf loss or gradient norm, Preempted after
   saving on SIGTERM and Interrupted after saving on Ctrl-C. `workdir` is a local directory or a
@@ -72,7 +75,7 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
   lease.acquire()
   try:
     result = _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step,
-                    train_data, eval_data, callbacks, rewards)
+                    train_data, eval_data, callbacks, rewards, eval_extract)
   except BaseException as e:
     if log.started:  # not for bad input found before the workdir was opened
       log.emit('end', error=type(e).__name__, **({'step': e.step} if hasattr(e, 'step') else {}))
@@ -84,11 +87,11 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
 
 
 def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, train_data,
-           eval_data, callbacks, rewards) -> Result:
+           eval_data, callbacks, rewards, eval_extract=None) -> Result:
   phases = timing.Phases()
   with phases('setup'):
     run = setup(cfg, model, task, devices, tx, train_step, eval_step, train_data, eval_data,
-                rewards)
+                rewards, eval_extract)
     throughput = run_lib.throughput(run)
   tracking.quiet_libraries()
   writer = metrics.Writer(workdir, enabled=jax.process_index() == 0)
@@ -147,7 +150,12 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
                           hooks=hooks, writer=writer, phases=phases, throughput=throughput,
                           hf_saves=hf_saves)
     stack.callback(acts.profiler.close)  # a trace left open by an error
+    mixed = getattr(run.train_data, 'scheduled', False)
+    if mixed:
+      info['data']['train']['mixture'] = run.train_data.totals(first_step)
     result = _loop(run, first_step, device_state, batches, acts, phases)
+    if mixed:  # rows, tokens and epochs per source, through the last step trained
+      info['data']['train']['mixture'] = run.train_data.totals(result.step)
     info['time'] = result.time
     info['stopped_by'] = result.stopped_by
     writer.write_run(info)
@@ -180,6 +188,8 @@ def _restore_or_init(ckpt, run: Setup, batches, hooks, writer, before_weights=la
     batches.set_state(data_state)  # the data order continues exactly where it stopped
     hooks.restore(meta.get('callbacks', {}))
     writer.print(f'resumed from step {at}: {ckpt.directory}/{at}')
+    if batches.changed:
+      writer.print(batches.changed)
     return restored_state
   if cfg.lora.rank:  # the adapters start fresh on the base
     return state
@@ -221,9 +231,10 @@ class _Actions:
                           lambda at: _meta(cfg, run.mesh, at, hooks), sync=writer.sync)
     return cls(out=out,
                records=actions.TrainRecords(cfg, out, phases, run.lr_schedule, throughput,
-                                            saver.last_saved),
+                                            saver.last_saved,
+                                            getattr(run.train_data, 'shares', None)),
                evaluator=actions.Evaluator(cfg, run.steps, run.eval_data, run.batch_sharding, out,
-                                           phases),
+                                           phases, run.downstream),
                stopper=actions.Stopper(signals, hooks), saver=saver,
                profiler=actions.Profiler(cfg, workdir, writer, phases), hf_saves=hf_saves)
 
@@ -239,6 +250,8 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
   phases.finished(first_step)
   step_no, previous, stop = first_step, None, None
   k = cfg.steps_per_dispatch  # every cadence is a multiple of K: K steps per compiled call
+  # data.mixture_exhausted='stop': the last step before a source would repeat (None: never).
+  data_end = getattr(run.train_data, 'last_step', lambda *_: None)(cfg.num_train_steps, k)
   for step_no in range(first_step + k, cfg.num_train_steps + 1, k):
     last = step_no == cfg.num_train_steps
     acts.profiler.maybe_start(step_no)
@@ -264,6 +277,9 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
     evals = acts.evaluator.maybe_eval(step_no, device_state, force=last)
     # Records and evals are emitted at the same steps on every process: a matched agreement.
     stop = acts.stopper.maybe_stop(step_no, hooks_ran=len(acts.out.records) > emitted)
+    if stop is None and data_end is not None and step_no >= data_end:  # the same on every process
+      stop = actions.StopRequest('callback', 'data', 'a mixture source has given every row '
+                                 "(data.mixture_exhausted='stop')")
     if stop is not None:
       acts.records.flush()
       if stop.kind == 'callback':  # a callback ends training here: a final eval as at the end

@@ -18,10 +18,11 @@ from jax.sharding import Mesh
 import disttrain
 from disttrain import models
 from disttrain.config import Config
-from disttrain.data import records as records_lib, sources
+from disttrain.data import mixture, records as records_lib, sources
 from disttrain.data.batches import check_workers, element_spec, stacked_sharding
 from disttrain.data.records import Records
 from disttrain.errors import ConfigError, DisttrainError
+from disttrain.evaluation import downstream as downstream_lib, tasks as tasks_lib
 from disttrain.hf import config as hf_config
 from disttrain.models import grpo, lora, pipeline, preference
 from disttrain.operating import metrics
@@ -57,6 +58,7 @@ class Setup:
   steps: Steps
   step_spec: dict = None  # one train-step row ({field: ShapeDtypeStruct((1, ...))})
   rollout: Any = None  # GRPO (data.name='prompts'): prompts + state -> the step's batch
+  downstream: Any = None  # data.eval_tasks, read and tokenized (evaluation.Downstream)
 
   @property
   def parallel(self) -> mesh_lib.Parallelism:
@@ -66,13 +68,16 @@ class Setup:
 def setup(cfg: Config, model: Any = None, task: Any = None,
           devices: Sequence[jax.Device] | None = None, tx: Any = None,
           train_step: Callable | None = None, eval_step: Callable | None = None,
-          train_data: Any = None, eval_data: Any = None, rewards: Any = None) -> Setup:
+          train_data: Any = None, eval_data: Any = None, rewards: Any = None,
+          eval_extract: Any = None) -> Setup:
   """Mesh, data, model, optimizer, sharded state and the compiled-on-first-use steps for `cfg`.
 
   Data: `train_data` (any source of feature dicts, or disttrain.Data with transforms) and
   `eval_data` (one source, or {name: source} for several); both default to cfg.data.name's
   built-in set when train_data is None. A dict of arrays is one in-memory source. `rewards`:
   GRPO's reward functions when grpo.rewards names none (a config file's get_rewards()).
+  `eval_extract`: the answer extraction of data.eval_tasks' generation tasks (text -> str; a
+  config file's get_eval_extract()), default GSM8K's.
   """
   cfg = hf_config.from_directory(cfg)  # model.name='hf': the model restore_from's config.json
   parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
@@ -83,7 +88,8 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
     built = sources.build(cfg)
     train_data, eval_data = built['train_data'], built['eval_data'] if eval_data is None else \
         eval_data
-  train = Records(train_data, 'train', cfg.seed)
+  train = (mixture.MixtureRecords(train_data, cfg.global_batch_size, cfg.seed)
+           if isinstance(train_data, mixture.Mixture) else Records(train_data, 'train', cfg.seed))
   evals = {name: Records(source, name, cfg.seed)
            for name, source in records_lib.named_sources(eval_data).items()}
   batch_sharding = parallel.rows
@@ -93,6 +99,7 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
                         f'data has {sorted(train.spec)}; give both the same fields')
   _check_metric_names(cfg, evals)
   model, task = _objective(cfg, model, task)
+  tasks = downstream_lib.Downstream.build(cfg, model, batch_sharding, evals, eval_extract)
   config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
   tx = tx or config_tx
   spec, sampler = element_spec(train), None
@@ -104,7 +111,7 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
   state, lay = state_lib.create(model, tx, spec, cfg, mesh)
   steps = spmd.build(model, task, tx, cfg, mesh, lay, batch_sharding, train_step, eval_step)
   return Setup(cfg, mesh, train, evals, model, task, tx, lr_schedule, batch_sharding, state, lay,
-               steps, spec, sampler)
+               steps, spec, sampler, tasks)
 
 
 def _objective(cfg: Config, model, task):
@@ -133,7 +140,8 @@ def _tokens(model, spec: dict) -> int:
 
 
 def _check_metric_names(cfg: Config, evals: dict[str, Records]) -> None:
-  """best_metric / early_stop.metric name an eval source that exists ('split/name')."""
+  """best_metric / early_stop.metric name an eval source or task that exists ('split/name')."""
+  evals = {**evals, **dict.fromkeys(tasks_lib.names(cfg.data.eval_tasks))}  # data.eval_tasks
   for field, metric in (('best_metric', cfg.best_metric), ('early_stop.metric',
                                                            cfg.early_stop.metric)):
     if not metric:

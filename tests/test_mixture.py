@@ -1,0 +1,219 @@
+"""data.mixture: weighted sources drawn by a deterministic schedule, resumed bit for bit.
+
+The schedule keeps every window of rows within one row of the weights (two sources); stages
+switch at their step; the iterator resumes exactly across a stage boundary, with worker
+processes, from 2 processes to 1, and continues each source's draws when the weights change at
+a restart; the launcher's SIGKILL-and-relaunch run equals the uninterrupted one; bad input is
+one line and exit status 2.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from disttrain import config as config_lib
+from disttrain.data import mixture as mixture_lib, sources
+from disttrain.data.batches import TrainIterator
+from disttrain.data.mixture import Mixture, MixtureRecords
+from disttrain.errors import ConfigError, DataError
+from disttrain.parallel import mesh as mesh_lib
+from tests import helpers, mp_mixture
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+
+
+def _rows(source: int, n: int) -> dict:
+  return {'x': np.repeat(1000 * source + np.arange(n, dtype=np.int32)[:, None], 4, axis=1)}
+
+
+def _sources_of(records: MixtureRecords, rows) -> np.ndarray:
+  return records.read(np.asarray(rows))['x'][:, 0] // 1000
+
+
+def test_every_window_holds_each_source_within_one_row_of_its_weight():
+  records = MixtureRecords(Mixture({'web': _rows(0, 1000), 'code': _rows(1, 1000)},
+                                   {'web': 0.7, 'code': 0.3}), 10, seed=0)
+  x = records.read(np.arange(1000))['x'][:, 0]
+  is_web = np.concatenate([[0], np.cumsum(x // 1000 == 0)])
+  for length in range(1, 1001):  # every window of every length
+    web = is_web[length:] - is_web[:-length]
+    assert np.abs(web - 0.7 * length).max() <= 1, length
+  assert is_web[-1] == 700
+  # Each source walks its own shuffled epoch: no example twice, not in file order.
+  web_ids = x[x // 1000 == 0]
+  assert len(set(web_ids)) == 700 and not np.array_equal(web_ids, np.sort(web_ids))
+  assert records.shares(0, 100) == {'mixture/web': 0.7, 'mixture/code': 0.3}
+
+
+def test_stages_switch_at_their_step_and_stop_ends_before_a_source_repeats():
+  mixture = Mixture({'a': _rows(0, 100), 'b': _rows(1, 40)}, {'a': 0.7, 'b': 0.3},
+                    ((6, {'a': 0.2, 'b': 0.8}),), exhausted='stop')
+  records = MixtureRecords(mixture, 10, seed=0)
+  source = _sources_of(records, np.arange(100))
+  # Steps 1-5 (rows 0-49) at 0.3, from step 6 on at 0.8.
+  assert (source[:50] == 1).sum() == 15 and (source[50:] == 1).sum() == 40
+  assert records.shares(5, 6) == {'mixture/a': 0.2, 'mixture/b': 0.8}
+  # b: 15 rows by step 5, 8 a step after: 39 <= 40 by step 8, 47 by step 9.
+  assert records.last_step(num_steps=100) == 8 and records.last_step(8) is None
+  assert records.last_step(100, multiple=3) == 6
+  totals = records.totals(8)
+  assert totals['b'] == {'examples': 40, 'rows': 39, 'tokens': 0, 'epochs': 0.975}
+
+
+def _iterator(mixture, workers=0):
+  sharding = mesh_lib.batch_sharding(mesh_lib.build(config_lib.MeshConfig(data=8),
+                                                    helpers.devices(8)))
+  return TrainIterator(MixtureRecords(mixture, mp_mixture.BATCH, 0), mp_mixture.BATCH, 0,
+                       sharding, workers=workers)
+
+
+def _read(batches, n: int) -> list[list[int]]:
+  return [np.asarray(next(batches)['x'])[:, 0].tolist() for _ in range(n)]
+
+
+@pytest.mark.slow
+def test_two_processes_resume_in_one_with_workers_across_stages_and_changed_weights(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, 'launch/local_cluster.py', '--num_processes=2', '--devices_per_process=4',
+       '--timeout=240', '--program=tests/mp_mixture.py', '--', f'--out={tmp_path}'],
+      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  job = json.loads((tmp_path / 'mixture.json').read_text())
+  uninterrupted = _iterator(mp_mixture.mixture())
+  expected = _read(uninterrupted, mp_mixture.STEPS)
+  assert job['batches'] == expected[:mp_mixture.STEPS_BEFORE]  # 2 processes x 2 workers
+  resumed = _iterator(mp_mixture.mixture(), workers=2)
+  resumed.set_state(job['state'])
+  assert resumed.changed == ''
+  assert _read(resumed, mp_mixture.STEPS - mp_mixture.STEPS_BEFORE) == \
+      expected[mp_mixture.STEPS_BEFORE:]  # bit for bit, across the stage at step 9
+  resumed.close()
+  # New weights from the restart on: every row from a, continuing a's draws (none repeated).
+  changed = _iterator(Mixture(mp_mixture.mixture().sources, {'a': 0.7, 'b': 0.3},
+                              mp_mixture.STAGES[:1] + ((7, {'a': 1.0}),)))
+  changed.set_state(job['state'])
+  assert 'data.mixture changed since the checkpoint: from step 7' in changed.changed
+  after = np.array(_read(changed, 2))
+  before = np.array(expected[:mp_mixture.STEPS_BEFORE])
+  a_before = before[before < 1000]
+  assert (after < 1000).all() and not set(after.ravel()) & set(a_before)
+  assert len(a_before) + after.size <= 100  # still a's first epoch: nothing drawn twice
+
+
+def test_bad_mixtures_are_one_line_config_or_data_errors(tmp_path):
+  def error(**data) -> str:
+    cd = config_lib.defaults()
+    cd.data.name, cd.model.name = 'tokens', 'gpt'
+    for key, value in data.items():
+      cd.data[key] = value
+    with pytest.raises((ConfigError, DataError)) as e:
+      sources.build(config_lib.from_config_dict(cd))
+    assert '\n' not in str(e.value)
+    return str(e.value)
+  one = tmp_path / 'one.bin'
+  np.arange(4000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(one)
+  assert 'must be >= 0 and not all 0; fix' in error(mixture=f'a={one}:0.5;b={one}:-1')
+  assert 'give some source a weight' in error(mixture=f'a={one}:0;b={one}:0')
+  assert "data.mixture source 'b'" in error(mixture=f'a={one}:1;b={tmp_path}/none*.bin:1')
+  assert 'is not NAME=GLOB:WEIGHT' in error(mixture=f'a={one}')
+  assert 'must be positive and increasing' in error(
+      mixture=f'a={one}:1;b={one}:1', mixture_stages='20:a=1;10:b=1')
+  assert "names 'c', not a source" in error(mixture=f'a={one}:1;b={one}:1',
+                                            mixture_stages='20:c=1')
+  assert 'drop data.train_files' in error(mixture=f'a={one}:1', train_files=str(one))
+  with pytest.raises(DataError, match="mixture sources 'a' and 'b' give different rows"):
+    MixtureRecords(Mixture({'a': _rows(0, 10), 'b': {'x': np.zeros((10, 3), np.int32)}},
+                           {'a': 1, 'b': 1}), 4, 0)
+  # The tuple form a config file may give is the same mixture.
+  assert mixture_lib.parse_sources((('a', str(one), 0.7), ('b', str(one), 0.3))) == \
+      mixture_lib.parse_sources(f'a={one}:0.7;b={one}:0.3')
+
+
+def _env() -> dict:
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
+  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
+  return env
+
+
+STEPS = 12
+
+
+def _train(tmp_path, workdir, workers: int, every: int = 0) -> list[str]:
+  a, b = tmp_path / 'a.bin', tmp_path / 'b.bin'
+  if not a.exists():  # two corpora the model tells apart: low ids and high ids
+    rng = np.random.default_rng(0)
+    rng.integers(0, 128, 20_000).astype(np.uint16).tofile(a)
+    rng.integers(128, 256, 9_000).astype(np.uint16).tofile(b)
+  return [sys.executable, 'launch/train.py', '--config=launch/configs/llama.py',
+          f'--workdir={workdir}', '--fake_devices=8', '--config.data.name=tokens',
+          f'--config.data.mixture=low={a}:0.7;high={b}:0.3',
+          '--config.data.mixture_stages=6:low=0.2,high=0.8', '--config.data.eval_examples=16',
+          f'--config.data.workers={workers}', '--config.data.seq_len=32',
+          '--config.global_batch_size=16', '--config.model.num_layers=1',
+          f'--config.num_train_steps={STEPS}', '--config.log_every_steps=1',
+          f'--config.checkpoint_every_steps={every}', '--config.eval_every_steps=0',
+          '--config.warmup_steps=2']
+
+
+def _records(workdir) -> dict[int, dict]:
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    return {r['step']: r for r in map(json.loads, f) if r['split'] == 'train'}
+
+
+@pytest.mark.slow
+def test_sigkill_with_workers_across_a_stage_resumes_to_the_uninterrupted_run(tmp_path):
+  whole = tmp_path / 'whole'
+  proc = subprocess.run(_train(tmp_path, whole, workers=0), cwd=ROOT, env=_env(),
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  expected = _records(whole)
+  low = [round(expected[s]['mixture/low'] * 16) for s in range(1, STEPS + 1)]  # rows per step
+  assert set(low[:5]) <= {11, 12} and sum(low[:5]) == 56  # 0.7 of 80 rows, every step 0.7 x 16
+  assert set(low[5:]) <= {3, 4} and sum(low[5:]) in (22, 23)  # 0.2 of 112 from step 6 on
+  info = json.loads((whole / 'run.json').read_text())
+  mix = info['data']['train']['mixture']
+  assert mix['low']['rows'] + mix['high']['rows'] == STEPS * 16
+  assert mix['high']['tokens'] == 32 * mix['high']['rows'] and set(info['data']) >= {'low', 'high'}
+  killed = tmp_path / 'killed'
+  run = subprocess.Popen(_train(tmp_path, killed, workers=2, every=4), cwd=ROOT, env=_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.monotonic() + 240
+  try:
+    while not (killed / 'checkpoints' / '4' / 'data').is_dir():
+      assert run.poll() is None and time.monotonic() < deadline, run.returncode
+      time.sleep(0.02)
+    time.sleep(0.3)  # orbax renames the finished save into place last
+    run.send_signal(signal.SIGKILL)
+    run.wait(timeout=60)
+  finally:
+    if run.poll() is None:
+      run.kill()
+  proc = subprocess.run(_train(tmp_path, killed, workers=2, every=4), cwd=ROOT, env=_env(),
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'resumed from step' in proc.stdout
+  actual = _records(killed)
+  for step in range(5, STEPS + 1):  # across the stage at step 6, read by 2 workers
+    assert actual[step]['loss'] == expected[step]['loss'], step  # bitwise
+    assert actual[step]['mixture/high'] == expected[step]['mixture/high'], step
+
+
+def test_plot_draws_the_shares_and_downstream_scores_beside_the_loss(tmp_path):
+  pytest.importorskip('matplotlib')
+  from matplotlib import image  # pylint: disable=g-import-not-at-top
+  records = [{'step': s, 'split': 'train', 'loss': 3.0 / s, 'mixture/web': 0.7,
+              'mixture/code': 0.3} for s in range(1, 5)]
+  records.append({'step': 4, 'split': 'arc', 'accuracy': 0.5, 'accuracy_norm': 0.6})
+  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+  out = tmp_path / 'curves.png'  # the command: its absl flags clash with other tools' in-process
+  proc = subprocess.run([sys.executable, '-m', 'disttrain', 'plot', str(tmp_path), f'--out={out}'],
+                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr
+  # loss, accuracy, accuracy_norm and mixture: four panels of 5.5 inches at 100 dpi.
+  assert image.imread(out).shape[1] == 4 * 550
