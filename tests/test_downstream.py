@@ -106,6 +106,7 @@ def _records(result, split: str) -> list[dict]:
   return [r for r in result.records if r['split'] == split]
 
 
+@pytest.mark.slow  # two 8-device runs and transformers' reference (~25 s)
 def test_in_loop_metrics_equal_lm_eval_on_transformers(tmp_path):
   """Run 1 trains 2 steps with both tasks and evaluates them at its end; its export gives the
   transformers reference. The generation file's answers are then rewritten from transformers'
