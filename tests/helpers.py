@@ -120,3 +120,24 @@ def foreground(command: list[str]) -> list[str]:
   """`command` taking Ctrl-C as a terminal's foreground job does, also when the suite itself runs
   in the background (SIGINT ignored on entry, which a run then leaves ignored)."""
   return [sys.executable, '-c', _FOREGROUND, *command]
+
+
+def sigkill_after_checkpoint(command: list[str], workdir, step: int, env: dict, cwd) -> None:
+  """Starts a training command and SIGKILLs it once checkpoint `step` in `workdir` committed."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.monotonic() + 240
+  try:
+    while not (pathlib.Path(workdir) / 'checkpoints' / str(step) / 'data').is_dir():
+      assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+      time.sleep(0.02)
+    time.sleep(0.3)  # orbax renames the finished save into place last: it has committed
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()

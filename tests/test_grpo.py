@@ -3,10 +3,8 @@ a run on data x fsdp x tensor equal to 1 device, a SIGKILLed run resuming bit fo
 example config learning its sums."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -232,19 +230,8 @@ def test_grpo_on_data_fsdp_tensor_equals_one_device_and_resumes_bitwise_after_si
   flags = [f'--config={EXAMPLE}', f'--workdir={killed}', '--fake_devices=8',
            *[f'--config.{k}={v}' for k, v in {**RUN, **LAYOUT}.items()]]
   env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
-  proc = subprocess.Popen([sys.executable, 'launch/train.py', *flags], cwd=ROOT, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.monotonic() + 240
-  try:
-    while not (killed / 'checkpoints' / '4' / 'data').is_dir():
-      assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
-      time.sleep(0.02)
-    time.sleep(0.3)  # orbax renames the finished save into place last: it has committed
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  helpers.sigkill_after_checkpoint([sys.executable, 'launch/train.py', *flags], killed, 4, env,
+                                  ROOT)
   out = subprocess.run([sys.executable, 'launch/train.py', *flags], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300, check=False)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

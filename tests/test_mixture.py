@@ -9,10 +9,8 @@ one line and exit status 2.
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -180,19 +178,8 @@ def test_sigkill_with_workers_across_a_stage_resumes_to_the_uninterrupted_run(tm
   assert mix['low']['rows'] + mix['high']['rows'] == STEPS * 16
   assert mix['high']['tokens'] == 32 * mix['high']['rows'] and set(info['data']) >= {'low', 'high'}
   killed = tmp_path / 'killed'
-  run = subprocess.Popen(_train(tmp_path, killed, workers=2, every=4), cwd=ROOT, env=_env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.monotonic() + 240
-  try:
-    while not (killed / 'checkpoints' / '4' / 'data').is_dir():
-      assert run.poll() is None and time.monotonic() < deadline, run.returncode
-      time.sleep(0.02)
-    time.sleep(0.3)  # orbax renames the finished save into place last
-    run.send_signal(signal.SIGKILL)
-    run.wait(timeout=60)
-  finally:
-    if run.poll() is None:
-      run.kill()
+  helpers.sigkill_after_checkpoint(_train(tmp_path, killed, workers=2, every=4), killed, 4, _env(),
+                                  ROOT)
   proc = subprocess.run(_train(tmp_path, killed, workers=2, every=4), cwd=ROOT, env=_env(),
                         capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
