@@ -1,6 +1,7 @@
 #!/bin/bash
 # The checks only an accelerator can make, in one run on one GPU host (results under $OUT):
-#   OUT=/tmp/acc bash benchmarks/accelerator.sh
+#   OUT=/tmp/acc bash benchmarks/accelerator.sh            # every part: about 25 minutes
+#   OUT=/tmp/acc PART=levers bash benchmarks/accelerator.sh  # the levers alone: under 9 minutes
 # GPT-2 small and SmolLM2-135M tokens/s and MFU against a hand-written step (bf16), XLA's attention
 # against cuDNN's fused kernel, compiled memory of bf16 / cuDNN / remat, and Llama 3.2 1B.
 # Then the levers (issue 32: remat policies, scan unrolling, float8, XLA flags, the batch finder)
@@ -35,22 +36,41 @@ bench llama3_1b 200 --model=llama --size=llama3_1b --precision=bfloat16 --remat=
   --global_batch_size=8
 fi
 if [ "$PART" = all ] || [ "$PART" = levers ]; then
-  # Remat: what full recomputation costs against the policies that keep the projections.
-  for remat in minimal save_attention_out dots_saveable; do
-    bench "llama3_1b_$remat" 150 --model=llama --size=llama3_1b --precision=bfloat16 \
-      --remat=$remat --global_batch_size=8 --windows=5
-  done
-  bench llama3_1b_unroll2 150 --model=llama --size=llama3_1b --precision=bfloat16 --remat=full \
-    --scan_unroll=2 --global_batch_size=8 --windows=5
-  bench llama3_1b_float8 150 --model=llama --size=llama3_1b --precision=bfloat16 --remat=full \
-    --matmul=float8 --global_batch_size=8 --windows=5
-  # The launcher adds these flags on GPUs; throughput.py does not, so this row sets them itself.
+  # The levers as A/B rows of benchmarks/levers.py (one process per model, variants in turn, no
+  # hand-written side): fits a 15-minute lease. LEVERS_SEC bounds the part; each run gets at most
+  # what is left.
+  t0=$SECONDS budget=${LEVERS_SEC:-520}
+  left() { local l=$((budget - (SECONDS - t0))); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+  levers() {  # name, limit, flags...
+    local name=$1 limit; limit=$(left "$2"); shift 2
+    [ "$limit" -lt 20 ] && { echo "== $name: skipped (part budget spent)"; return 1; }
+    echo "== $name (limit ${limit}s): levers.py $*"
+    timeout "$limit" $py benchmarks/levers.py --json="$OUT/$name.json" "$@" 2>&1 \
+      | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -12
+  }
+  # XLA flags the launcher adds on GPUs, off and on (levers.py, like throughput.py, adds none).
   flags=$($py -c 'from disttrain.parallel import xla_flags; print(xla_flags.merge("", True)[0])')
-  XLA_FLAGS="$flags" bench gpt2_xla_flags 100 --model=gpt --size=gpt2_small --precision=bfloat16 \
-    --windows=5
-  echo "== batch finder: llama3_1b, bf16, remat=full"
-  timeout 200 $py -m disttrain.launch.train --find_batch_size --config=launch/configs/llama.py:llama3_1b \
-    --config.precision.compute_dtype=bfloat16 --config.model.remat=full 2>&1 | tail -6
+  gpt=(--config=launch/configs/gpt.py:${GPT:-gpt2_small} --set=precision.compute_dtype=bfloat16
+       --windows=4 --window_sec=0.75)
+  levers gpt2_flags_off 75 "${gpt[@]}" --variants='global_batch_size=32'
+  XLA_FLAGS="$flags" levers gpt2_flags_on 120 "${gpt[@]}" \
+    --variants='global_batch_size=32;global_batch_size=64;global_batch_size=64,model.remat=minimal'
+  # Llama 3.2 1B: full remat (what the base part measures) against the policies that keep more,
+  # scan unrolling and float8 projections; with the launcher's flags where they ran above.
+  $py -c 'import json, sys; assert "error" not in json.load(open(sys.argv[1]))["results"][0]' \
+    "$OUT/gpt2_flags_on.json" 2>/dev/null && export XLA_FLAGS="$flags"
+  levers llama3_1b 330 --config=launch/configs/llama.py:${LLAMA:-llama3_1b} --windows=4 --window_sec=0.75 \
+    --set=precision.compute_dtype=bfloat16,global_batch_size=8 --variants="model.remat=full;\
+model.remat=full,precision.matmul=float8;model.remat=minimal;model.remat=save_attention_out;\
+model.remat=dots_saveable;model.remat=full,model.scan_unroll=2;model.remat=minimal,precision.matmul=float8"
+  unset XLA_FLAGS
+  limit=$(left 120)
+  if [ "$limit" -ge 30 ]; then
+    echo "== batch finder (limit ${limit}s): gpt2_small, bf16, remat=none"
+    timeout "$limit" $py -m disttrain.launch.train --find_batch_size \
+      --config=launch/configs/gpt.py:${GPT:-gpt2_small} --config.precision.compute_dtype=bfloat16 \
+      2>&1 | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -8
+  fi
 fi
 if [ "$PART" = all ] || [ "$PART" = peers ]; then
   if [ -x "${PEER_VENV:-$HOME/.cache/disttrain/peers/maxtext}/bin/python" ]; then

@@ -118,3 +118,28 @@ def test_a_recompiling_step_fails_loudly():
   side.call(0)  # compiles for the first shape outside a timed window
   with pytest.raises(baselines.RecompileError, match='traced 1'):
     side()
+
+
+@pytest.mark.slow
+def test_levers_rows_and_a_variant_that_fails(tmp_path):
+  """benchmarks/levers.py: one row per variant, ratios against the first; a variant that fails
+  to build is reported as its error row and the others still run; a bad override exits 2."""
+  out = tmp_path / 'levers.json'
+  cmd = [sys.executable, str(ROOT / 'benchmarks' / 'levers.py'),
+         f'--config={ROOT}/launch/configs/llama.py:tiny', '--set=global_batch_size=8',
+         '--windows=3', '--window_sec=0.02', f'--json={out}',
+         '--variants=model.remat=full;model.remat=minimal,model.num_heads=3;model.remat=minimal']
+  env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+  proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads(out.read_text())['results']
+  assert [r['variant'] for r in rows] == [
+      'model.remat=full', 'model.remat=minimal,model.num_heads=3', 'model.remat=minimal']
+  assert rows[0]['ratio'] == 1.0 and rows[2]['ratio'] > 0 and 'error' in rows[1]
+  # The same model and batch from the same seed: the first step's loss does not depend on remat.
+  assert rows[0]['loss'] == pytest.approx(rows[2]['loss'], rel=1e-5)
+  assert rows[2]['peak_bytes_per_device'] > rows[0]['peak_bytes_per_device']  # keeps more
+  bad = subprocess.run(cmd[:-1] + ['--variants=model.remot=full'], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300, check=False)
+  assert bad.returncode == 2 and 'model.remot is no config field' in bad.stderr, bad.stderr[-2000:]
