@@ -56,7 +56,11 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path):
                         text=True, timeout=60, check=False)
   assert proc.returncode == 0, proc.stderr
   assert 'wall 150.0s, goodput 66.7%' in proc.stdout and 'killed by SIGKILL' in proc.stdout
-  assert json.loads((tmp_path / 'goodput.json').read_text())['seconds']['lost_steps'] == 5.0
+  written = json.loads((tmp_path / 'goodput.json').read_text())
+  assert written['seconds']['lost_steps'] == 5.0
+  # A killed attempt has no breakdown; one that ended reports its own, as --help says.
+  assert written['attempts'][0]['time'] is None
+  assert written['attempts'][1]['time']['step'] == {'seconds': 70.0}
   bad = subprocess.run([sys.executable, '-m', 'disttrain', 'goodput', str(tmp_path / 'nothing')],
                        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
   assert bad.returncode == 2 and bad.stderr.count('\n') == 1 and 'has no start event' in bad.stderr

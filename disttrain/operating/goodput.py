@@ -94,7 +94,7 @@ def report(workdir: str) -> dict:
           'seconds': {k: round(v, 3) for k, v in seconds.items()},
           'fractions': {k: round(v / wall, 4) if wall > 0 else 0.0 for k, v in seconds.items()},
           'mean_step_seconds': round(per_step, 6),
-          'attempts': [dataclasses.asdict(a) | {'time': None} for a in runs]}
+          'attempts': [dataclasses.asdict(a) for a in runs]}  # time: its breakdown, or None
 
 
 def table(result: dict) -> str:
