@@ -16,7 +16,7 @@ import pytest
 
 import disttrain
 from disttrain.errors import ConfigError
-from disttrain.operating import events as events_lib
+from disttrain.operating import events as events_lib, goodput
 from disttrain.storage import urls
 from tests import buckets, helpers
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
@@ -123,6 +123,13 @@ def test_torn_save_in_a_bucket_is_never_restored_and_a_second_run_is_refused(ser
   assert third.returncode == 0, out[-3000:]
   assert 'resumed from step 10' in out and 'nothing to train' in out
   assert _names(url + '/checkpoints') == ['10']  # the torn step 20 was cleaned up
+  # The first run trained on to step 30 (whose save waits for the stalled one) while its
+  # records reached the bucket only up to the step-20 checkpoint (they go every 30 s and with
+  # checkpoints); progress.json, uploaded within 2 s, tells the restore and goodput how far.
+  (restore,) = [e for e in events_lib.read(url) if e['event'] == 'restore']
+  assert restore['step'] == 10 and 25 <= restore['trained_through'] <= 40, restore
+  killed = goodput.report(url)['attempts'][0]
+  assert killed['last_step'] >= 20 and killed['lost_steps'] == killed['last_step'] - 10, killed
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import time
 
 from disttrain.errors import ConfigError
 from disttrain.storage import urls
@@ -34,7 +35,10 @@ def _summary_writer(**kwargs):
   return SummaryWriter(**kwargs)
 
 
-_KEPT = ('metrics.jsonl', 'metrics.superseded.jsonl')  # what a bucket workdir's mirror starts from
+_KEPT = ('metrics.jsonl', 'metrics.superseded.jsonl', 'progress.json')  # a bucket mirror's start
+# A bucket workdir's newest train step, uploaded within seconds (records go every 30 s): how far
+# an attempt killed between uploads trained, for the next one's restore event and goodput.
+PROGRESS = 'progress.json'
 
 
 class Writer:
@@ -71,6 +75,9 @@ class Writer:
       return None
     path = os.path.join(self.local, 'metrics.jsonl')
     moved = supersede(path, first_step)
+    progress = _read_step(os.path.join(self.local, PROGRESS))
+    if progress is not None and progress > first_step:
+      moved.append(progress)
     self._jsonl = open(path, 'a', encoding='utf-8')
     self._tb = _summary_writer(logdir=self.local, purge_step=first_step + 1)
     self.sync()
@@ -98,6 +105,10 @@ class Writer:
       if name not in ('step', 'split') and isinstance(value, (int, float)):
         self._tb.add_scalar(f'{record["split"]}/{name}', value, record['step'])
     self._tb.flush()
+    if self._mirror is not None and self._mirror.bucket and record['split'] == 'train':
+      with open(os.path.join(self.local, PROGRESS), 'w', encoding='utf-8') as f:
+        json.dump({'step': record['step'], 'time': round(time.time(), 3)}, f)  # one small write
+      self._mirror.push(names=(PROGRESS,))
     self.sync(force=False)
 
   def print(self, line: str) -> None:
@@ -111,6 +122,15 @@ class Writer:
     self.sync()
     if self._mirror is not None:
       self._mirror.close()
+
+
+def _read_step(path: str) -> int | None:
+  """The step in a progress marker, or None (none yet, or cut short)."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      return int(json.load(f)['step'])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
 
 
 def supersede(path: str, first_step: int) -> list[int]:

@@ -217,12 +217,15 @@ class Mirror:
   background thread when `push` asks (at most every `every` seconds unless forced), so the loop
   never waits for an upload; `close` uploads the rest. For a local workdir it is the workdir."""
 
-  def __init__(self, url: str, pull: tuple[str, ...] = (), every: float = 30.0):
-    self.url, self.every = url, every
+  def __init__(self, url: str, pull: tuple[str, ...] = (), every: float = 30.0,
+               every_small: float = 2.0):
+    self.url, self.every, self.every_small = url, every, every_small
     self.bucket = is_bucket(url)
     self.local = tempfile.mkdtemp(prefix='disttrain-mirror-') if self.bucket else url
     self._sent: dict[str, tuple[int, float]] = {}
     self._last = 0.0
+    self._wanted: set[str] | None = set()  # what the next upload sends; None = every change
+    self._lock = threading.Lock()
     self._due, self._stop = threading.Event(), threading.Event()
     self._error: Exception | None = None
     for name in pull if self.bucket else ():
@@ -241,24 +244,38 @@ class Mirror:
     st = os.stat(os.path.join(self.local, name))
     return st.st_size, st.st_mtime
 
-  def push(self, force: bool = False) -> None:
-    """Asks for an upload of the files that changed since the last one."""
-    if self.bucket and (force or time.monotonic() - self._last >= self.every):
-      self._last = time.monotonic()
-      self._due.set()
+  def push(self, force: bool = False, names: tuple[str, ...] = ()) -> None:
+    """Asks for an upload of the files that changed since the last one; `names` alone (small
+    files, e.g. the progress marker) go within `every_small` seconds in between."""
+    if not self.bucket:
+      return
+    with self._lock:
+      if force or time.monotonic() - self._last >= self.every:
+        self._last = time.monotonic()
+        self._wanted = None
+        self._due.set()
+      elif names and self._wanted is not None:
+        self._wanted |= set(names)  # the thread sends them at its next tick
 
   def _upload_when_due(self) -> None:
-    while self._due.wait() and not self._stop.is_set():
+    while not self._stop.is_set():
+      self._due.wait(timeout=self.every_small)  # a tick: the small files asked for since
       self._due.clear()
+      with self._lock:
+        wanted, self._wanted = self._wanted, set()
+      if wanted is not None and not wanted:
+        continue
       try:
-        self._upload()
+        self._upload(wanted)
       except Exception as e:  # pylint: disable=broad-except  # raised by close(), at the end
         self._error = e
 
-  def _upload(self) -> None:
+  def _upload(self, wanted: set[str] | None = None) -> None:
     for root, _, names in os.walk(self.local):
       for n in names:
         name = os.path.relpath(os.path.join(root, n), self.local)
+        if wanted is not None and name not in wanted:
+          continue
         stamp = self._stamp(name)
         if self._sent.get(name) != stamp:
           with open(os.path.join(self.local, name), 'rb') as f:
