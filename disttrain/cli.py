@@ -25,6 +25,8 @@ COMMANDS = {
                 '(jax.distributed): disttrain cluster [flags] -- TRAIN FLAGS'),
     'export': ('disttrain.hf.export', [], "write a run's checkpoint as a Hugging Face directory"),
     'generate': ('disttrain.hf.generate', [], 'sample from a run or a Hugging Face directory'),
+    'lm-eval': ('disttrain.evaluation.harness', [], 'lm-evaluation-harness tasks on a run or a '
+                'Hugging Face directory, scored on the mesh (pip install lm_eval)'),
     'compare': ('disttrain.hf.compare', [], "a checkpoint's or an import's logits against "
                 "transformers': largest difference and KL, exit 1 above --max_kl"),
     'convert': ('disttrain.data.convert', [], 'write a data set as ArrayRecord shards, token '

@@ -143,6 +143,11 @@ class DataConfig:
   # NAME/accuracy, NAME/accuracy_norm or NAME/exact_match (disttrain/evaluation/).
   eval_tasks: Any = ''
   eval_max_new_tokens: int = 64  # generation tasks: greedy tokens per prompt at most
+  # lm-evaluation-harness tasks run with each eval, comma-separated names (pip install lm_eval);
+  # records <task>/<metric> as the harness names them (acc, acc_norm, exact_match, ...).
+  eval_harness: str = ''
+  eval_harness_limit: int = 0  # examples per harness task at most; 0 = all
+  eval_harness_include: str = ''  # a directory of your own YAML tasks for data.eval_harness
   seq_len: int = 128  # language-model data: tokens per row (targets are the next tokens)
   workers: int = 0  # worker processes that read and transform train batches; 0 = a thread
   # Global batches read ahead of the step in a thread; -1 = 0 on CPU devices (XLA's step uses
@@ -197,6 +202,7 @@ class DataConfig:
       _positive('data.eval_examples', self.eval_examples)
     _positive('data.seq_len', self.seq_len)
     _positive('data.eval_max_new_tokens', self.eval_max_new_tokens)
+    _positive('data.eval_harness_limit', self.eval_harness_limit, allow_zero=True)
     _positive('data.workers', self.workers, allow_zero=True)
     if self.prefetch < -1:
       raise ConfigError(f'data.prefetch={self.prefetch} must be -1 (auto) or >= 0; pass one')

@@ -33,7 +33,8 @@ def test_the_installed_script_lists_the_subcommands_and_refuses_an_unknown_one()
   assert bad.returncode == 2 and bad.stdout == '', bad
   assert bad.stderr.splitlines() == [
       "error: disttrain has no subcommand 'trian'; use one of train, check, batch-size, "
-      'supervise, cluster, export, generate, compare, convert, tokenizer, goodput, plot '
+      'supervise, cluster, export, generate, lm-eval, compare, convert, tokenizer, goodput, '
+      'plot '
       '(disttrain --help)']
 
 
@@ -63,7 +64,8 @@ _HELP = textwrap.dedent("""
 # A flag only this subcommand's program has: its --help names it and no other program's.
 OWN_FLAG = {'train': '--coordinator_address', 'check': '--check', 'batch-size': '--memory_limit',
             'supervise': '--max_restarts',
-            'cluster': '--devices_per_process', 'export': '--dtype', 'generate': '--temperature', 'compare': '--max_kl',
+            'cluster': '--devices_per_process', 'export': '--dtype', 'generate': '--temperature',
+            'lm-eval': '--include_path', 'compare': '--max_kl',
             'convert': '--source', 'tokenizer': '--vocab_size', 'plot': '--metrics',
             'goodput': '--json: Also write the report'}  # generate has a --json of its own
 

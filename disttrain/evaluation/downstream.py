@@ -22,7 +22,7 @@ from typing import Any, Callable
 from disttrain.config import Config
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.errors import ConfigError, DataError
-from disttrain.evaluation import metrics, scoring, tasks as tasks_lib
+from disttrain.evaluation import harness, metrics, scoring, tasks as tasks_lib
 from disttrain.evaluation.tasks import GENERATION, Task
 from disttrain.operating.metrics import format_eta
 
@@ -44,6 +44,12 @@ class Downstream:
                                  int(eos) if eos is not None and eos < self.vocab else -1)
     self.tasks, self.extract = tasks, extract or metrics.gsm8k_answer
     self.inputs = {task.name: self._encode(task) for task in tasks}
+    self.harness_tasks = harness_names(cfg)
+    self.harness_limit = cfg.data.eval_harness_limit or None
+    if self.harness_tasks:  # lm-evaluation-harness's tasks, answered by the same scorer
+      self.manager = harness.task_manager(self.harness_tasks,
+                                          cfg.data.eval_harness_include or None)
+      self.harness = harness.backend(self.scorer, self.tokenizer, self.vocab, self.max_new)
 
   @classmethod
   def build(cls, cfg: Config, model, batch_sharding, eval_splits=(),
@@ -55,13 +61,18 @@ class Downstream:
         split, an extraction that is not callable, no room to generate in the model's context.
       DataError: a task file that is missing or malformed (tasks.read).
     """
-    if not cfg.data.eval_tasks:
+    if not cfg.data.eval_tasks and not cfg.data.eval_harness:
       return None
-    names = tasks_lib.names(cfg.data.eval_tasks)
-    clash = sorted(set(names) & {'train', *eval_splits})
+    names = tasks_lib.names(cfg.data.eval_tasks) if cfg.data.eval_tasks else []
+    clash = sorted(set(names + harness_names(cfg)) & {'train', *eval_splits})
     if clash:
-      raise ConfigError(f'data.eval_tasks names {clash[0]!r}, which is also an eval split of '
-                        'the run (records are named split/metric); rename the task')
+      raise ConfigError(f'data.eval_tasks or data.eval_harness names {clash[0]!r}, which is '
+                        'also an eval split of the run (records are named split/metric); rename '
+                        'the task')
+    both = sorted(set(names) & set(harness_names(cfg)))
+    if both:
+      raise ConfigError(f'{both[0]!r} is both a data.eval_tasks task and a data.eval_harness '
+                        'task (records are named task/metric); rename one')
     lm, _ = scoring.language_model(model)
     if lm is None:
       raise ConfigError(f'data.eval_tasks scores a language model, and model.name='
@@ -70,7 +81,7 @@ class Downstream:
     if extract is not None and not callable(extract):
       raise ConfigError(f'get_eval_extract() returned {extract!r}, which is not callable; return '
                         'a function text -> answer string')
-    tasks = tasks_lib.load(cfg.data.eval_tasks)
+    tasks = tasks_lib.load(cfg.data.eval_tasks) if cfg.data.eval_tasks else []
     row = _row_tokens(cfg, lm)
     if row <= cfg.data.eval_max_new_tokens and any(t.kind == GENERATION for t in tasks):
       raise ConfigError(f'data.eval_max_new_tokens={cfg.data.eval_max_new_tokens} leaves no '
@@ -129,7 +140,18 @@ class Downstream:
         lls = [[next(scored)[0] for _ in question] for question in inputs]
         results[task.name] = metrics.multiple_choice(lls, task.examples)
       progress.finish()
+    if self.harness_tasks:
+      self.harness.params, self.harness.mutable = state.params, state.mutable
+      beat()
+      results.update(harness.records(harness.run(self.harness, self.harness_tasks, self.manager,
+                                                 limit=self.harness_limit)))
+      beat()
     return results
+
+
+def harness_names(cfg: Config) -> list[str]:
+  """data.eval_harness's task names."""
+  return [t.strip() for t in cfg.data.eval_harness.split(',') if t.strip()]
 
 
 def _row_tokens(cfg: Config, lm) -> int:

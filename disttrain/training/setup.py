@@ -141,7 +141,8 @@ def _tokens(model, spec: dict) -> int:
 
 def _check_metric_names(cfg: Config, evals: dict[str, Records]) -> None:
   """best_metric / early_stop.metric name an eval source or task that exists ('split/name')."""
-  evals = {**evals, **dict.fromkeys(tasks_lib.names(cfg.data.eval_tasks))}  # data.eval_tasks
+  evals = {**evals, **dict.fromkeys(tasks_lib.names(cfg.data.eval_tasks)),  # data.eval_tasks
+           **dict.fromkeys(downstream_lib.harness_names(cfg))}  # and data.eval_harness
   for field, metric in (('best_metric', cfg.best_metric), ('early_stop.metric',
                                                            cfg.early_stop.metric)):
     if not metric:

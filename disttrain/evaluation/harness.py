@@ -1,0 +1,246 @@
+"""lm-evaluation-harness on a disttrain model: every task the harness knows, scored on the mesh.
+
+  disttrain lm-eval --workdir=RUN | --hf_dir=DIR --tasks=arc_easy,hellaswag [--limit=N]
+      [--include_path=DIR] [--batch_size=32] [--max_length=T] [--fake_devices=8] [--output=PATH]
+  harness.evaluate(trained.load(...), ['arc_easy'], batch_size=32) -> lm_eval's results dict
+
+`backend(...)` is a model backend of the `lm_eval` package (a TemplateLM subclass): its
+requests are answered by the in-loop evaluator's batched scorer (scoring.Scorer) on the model's
+mesh. loglikelihood: lm-eval's own tokenization of (context, continuation) pairs (TemplateLM:
+the context's trailing whitespace starts the continuation; an empty context is the end-of-text
+token); loglikelihood_rolling: the Hugging Face backend's disjoint windows of max_length tokens
+after the end-of-text token; generate_until: greedy KV-cache decoding of max_gen_toks tokens,
+the text cut at the first stop string (end of text included). Sampling (do_sample) is refused.
+Texts are encoded without added special tokens, as the harness's `hf` backend does by default.
+`lm_eval` is not a dependency of disttrain: pip install lm_eval.
+"""
+
+import time
+from typing import Any
+
+from disttrain.errors import ConfigError
+from disttrain.evaluation import scoring
+from disttrain.operating.metrics import format_eta
+from disttrain.parallel import mesh as mesh_lib
+
+PROGRESS_SECONDS = 10.0
+
+
+def _lm_eval():
+  try:
+    import lm_eval  # pylint: disable=g-import-not-at-top
+    from lm_eval.api import model as api_model  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ConfigError(f'lm-evaluation-harness is not installed ({e}); pip install lm_eval') from e
+  return lm_eval, api_model
+
+
+def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: int = 256) -> Any:
+  """A DisttrainLM answering with `scorer` (its batch, mesh and window length); set its `params`
+  (and `mutable`: a LoRA run's frozen base) before each evaluation."""
+  _, api_model = _lm_eval()
+
+  class DisttrainLM(api_model.TemplateLM):
+    """lm_eval's model interface answered by scoring.Scorer (module doc)."""
+
+    def __init__(self):
+      super().__init__()
+      self.tokenizer_ = tokenizer
+      eos = tokenizer.eos_id
+      if eos is None or eos >= vocab_size:
+        raise ConfigError(f'the tokenizer {tokenizer.path or "(bytes)"!r} has no end-of-text '
+                          f"token within the model's {vocab_size} ids, which lm-eval uses as the "
+                          'empty context and a stop string; use a tokenizer that has one')
+      self.eos, self.scorer = int(eos), scorer
+      self.max_length, self.max_gen_toks = scorer.max_len, max_gen_toks
+      self.params, self.mutable = None, {}
+
+    @property
+    def eot_token_id(self) -> int:
+      return self.eos
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs):
+      del kwargs
+      return self.tokenizer_.encode(string, special=bool(add_special_tokens))
+
+    def tok_decode(self, tokens) -> str:
+      return self.tokenizer_.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+      del kwargs
+      pairs = [(context, continuation) for _, context, continuation in requests]
+      progress = None if disable_tqdm else _Progress('loglikelihood', len(pairs))
+      return self.scorer.loglikelihoods(self.params, self.mutable, pairs,
+                                        progress or (lambda n: None))
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+      from lm_eval import utils  # pylint: disable=g-import-not-at-top
+      windows, owners = [], []
+      for i, (text,) in enumerate(req.args for req in requests):
+        for window in utils.get_rolling_token_windows(
+            token_list=self.tok_encode(text), prefix_token=self.eos,
+            max_seq_len=self.max_length, context_len=1):
+          windows.append(utils.make_disjoint_window(window))
+          owners.append(i)
+      progress = None if disable_tqdm else _Progress('loglikelihood_rolling', len(windows))
+      scored = self.scorer.loglikelihoods(self.params, self.mutable, windows,
+                                          progress or (lambda n: None))
+      totals = [0.0] * len(requests)
+      for owner, (ll, _) in zip(owners, scored):
+        totals[owner] += ll
+      return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+      groups: dict[tuple, list[int]] = {}  # (max_gen_toks, stop strings) -> request indices
+      for i, req in enumerate(requests):
+        kwargs = dict(req.args[1])
+        if kwargs.pop('do_sample', False) or kwargs.get('temperature', 0.0):
+          raise ConfigError(f'task {req.task_name!r} samples (do_sample / temperature > 0); '
+                            'the disttrain backend generates greedily only')
+        until = kwargs.get('until') or []
+        until = [until] if isinstance(until, str) else list(until)
+        new = int(kwargs.get('max_gen_toks', self.max_gen_toks))
+        if new >= self.max_length:
+          raise ConfigError(f'task {req.task_name!r} generates {new} tokens, which leaves no '
+                            f'room for a prompt in {self.max_length}; raise --max_length')
+        groups.setdefault((new, tuple(until)), []).append(i)
+      out = [''] * len(requests)
+      for (new, until), indices in groups.items():
+        prompts = [self.tok_encode(requests[i].args[0]) or [self.eos] for i in indices]
+        progress = None if disable_tqdm else _Progress('generate_until', len(prompts))
+        texts = self.scorer.greedy(self.params, self.mutable, prompts, new,
+                                   progress or (lambda n: None))
+        for i, ids in zip(indices, texts):
+          out[i] = _cut(self.tok_decode(ids), until)
+      return out
+
+  return DisttrainLM()
+
+
+def _cut(text: str, until) -> str:
+  """The text before the first stop string (lm-eval's postprocessing for `until`)."""
+  for stop in until:
+    if stop:
+      text = text.split(stop)[0]
+  return text
+
+
+def task_manager(tasks: list[str], include_path: str | None = None):
+  """lm_eval's TaskManager (with the YAML tasks under include_path); a task it does not know is
+  one ConfigError naming it."""
+  _lm_eval()
+  from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
+  manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+  unknown = [t for t in tasks if t not in set(manager.all_tasks)]
+  if unknown or not tasks:
+    raise ConfigError((f'lm-eval knows no task {unknown[0]!r}' if unknown else 'no task given')
+                      + (f' (its own tasks and those in {include_path})' if include_path else '')
+                      + '; list them with `lm_eval ls tasks`, or pass --include_path=DIR of '
+                      'your YAML tasks')
+  return manager
+
+
+def evaluate(trained, tasks: list[str], *, batch_size: int = 32, limit: int | None = None,
+             include_path: str | None = None, max_length: int | None = None,
+             num_fewshot: int | None = None, log_samples: bool = False, manager=None) -> dict:
+  """lm_eval.simple_evaluate of `tasks` with the disttrain backend over `trained`
+  (hf.trained.Trained: model, parameters on its mesh, tokenizer, context)."""
+  manager = manager or task_manager(tasks, include_path)
+  window = min(max_length or trained.context, trained.context)
+  eos, vocab = trained.tokenizer.eos_id, trained.model.cfg.vocab_size
+  scorer = scoring.Scorer(trained.model, mesh_lib.batch_sharding(trained.mesh), batch_size,
+                          window, eos if eos is not None and eos < vocab else -1)
+  lm = backend(scorer, trained.tokenizer, vocab)
+  lm.params = trained.params
+  return run(lm, tasks, manager, limit=limit, num_fewshot=num_fewshot, log_samples=log_samples)
+
+
+def run(lm, tasks: list[str], manager, limit: int | None = None, num_fewshot: int | None = None,
+        log_samples: bool = False) -> dict:
+  """lm_eval.simple_evaluate with a backend whose parameters are set."""
+  lm_eval, _ = _lm_eval()
+  return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
+                                 num_fewshot=num_fewshot, log_samples=log_samples,
+                                 bootstrap_iters=0)
+
+
+def records(results: dict) -> dict[str, dict]:
+  """{task: {metric: value, 'num_examples': n}} of lm_eval's results ('acc,none' -> 'acc'),
+  the in-loop records of data.eval_harness."""
+  out = {}
+  for task, fields in results['results'].items():
+    row = {name.split(',')[0]: float(v) for name, v in fields.items()
+           if ',' in name and '_stderr' not in name and isinstance(v, (int, float))}
+    row['num_examples'] = int(results.get('n-samples', {}).get(task, {}).get(
+        'effective', fields.get('sample_len', 0)))
+    out[task] = row
+  return out
+
+
+def main(argv) -> None:
+  import json  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from disttrain.hf import trained as trained_lib  # pylint: disable=g-import-not-at-top
+  if len(argv) > 1:
+    raise ConfigError(f'unexpected arguments {argv[1:]}; pass --tasks=a,b')
+  f = flags.FLAGS
+  tasks = [t.strip() for t in f.tasks.split(',') if t.strip()]
+  manager = task_manager(tasks, f.include_path)  # before the model loads: a typo fails at once
+  if f.fake_devices:
+    jax.config.update('jax_platforms', 'cpu')
+    jax.config.update('jax_num_cpu_devices', f.fake_devices)
+  mesh = dict(kv.split('=') for kv in f.mesh.split(',')) if f.mesh else None
+  lm = trained_lib.load(workdir=f.workdir, hf_dir=f.hf_dir, step=f.step, tokenizer=f.tokenizer,
+                        mesh={k: int(v) for k, v in mesh.items()} if mesh else None)
+  start = time.perf_counter()
+  results = evaluate(lm, tasks, batch_size=f.batch_size, limit=f.limit, manager=manager,
+                     max_length=f.max_length, num_fewshot=f.num_fewshot)
+  from lm_eval.utils import make_table  # pylint: disable=g-import-not-at-top
+  print(make_table(results))
+  print(f'{", ".join(tasks)} on {lm.source}, {lm.mesh.size} devices {dict(lm.mesh.shape)}, in '
+        f'{time.perf_counter() - start:.1f}s', flush=True)
+  if f.output:
+    with open(f.output, 'w', encoding='utf-8') as out:
+      json.dump({k: results[k] for k in ('results', 'versions', 'n-shot', 'configs')
+                 if k in results}, out, indent=1, default=str)
+
+
+class _Progress:
+  """Rows scored -> rate and ETA every PROGRESS_SECONDS (the harness's tqdm bars are per call)."""
+
+  def __init__(self, what: str, rows: int):
+    self.what, self.rows, self.done = what, rows, 0
+    self.start = self.last = time.monotonic()
+
+  def __call__(self, rows: int) -> None:
+    self.done += rows
+    now = time.monotonic()
+    if now - self.last >= PROGRESS_SECONDS or self.done == self.rows:
+      self.last, rate = now, self.done / max(now - self.start, 1e-9)
+      if self.done < self.rows or now - self.start >= PROGRESS_SECONDS:
+        print(f'{self.what}: {self.done:,}/{self.rows:,} requests, {rate:,.1f}/s, ETA '
+              f'{format_eta((self.rows - self.done) / rate if rate else 0)}', flush=True)
+
+
+if __name__ == '__main__':
+  from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
+  from disttrain.errors import one_line_errors  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.ERROR)
+  flags.DEFINE_string('workdir', '', 'A run directory with a checkpoint.')
+  flags.DEFINE_string('hf_dir', '', 'Or a Hugging Face model directory.')
+  flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
+  flags.DEFINE_string('tokenizer', None, "Tokenizer file (default: the run's data.tokenizer or "
+                      "the directory's own).")
+  flags.DEFINE_string('tasks', '', 'lm-eval task names, comma-separated.')
+  flags.DEFINE_string('include_path', None, 'A directory of your own YAML tasks.')
+  flags.DEFINE_integer('limit', None, 'At most this many examples per task.')
+  flags.DEFINE_integer('num_fewshot', None, "Few-shot examples (default: the task's).")
+  flags.DEFINE_integer('batch_size', 32, 'Rows per scoring batch (split over the batch axes).')
+  flags.DEFINE_integer('max_length', None, "Tokens per scoring window (default: the model's "
+                       'context).')
+  flags.DEFINE_string('mesh', '', "Mesh axis sizes instead of the run's, e.g. data=-1.")
+  flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
+  flags.DEFINE_string('output', '', "Write lm-eval's results (metrics, versions, configs) as "
+                      'JSON here.')
+  app.run(one_line_errors(main))

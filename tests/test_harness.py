@@ -1,0 +1,170 @@
+"""lm-evaluation-harness with the disttrain backend equals the harness's own `hf` backend.
+
+One Hugging Face directory (a small random Llama and a byte-level BPE tokenizer), three local
+YAML tasks over JSON-lines files (multiple choice, rolling log-likelihood, greedy generation with
+a stop string), evaluated by `lm_eval.simple_evaluate` twice: model='hf' (transformers on torch)
+and the disttrain backend on 8 devices. acc / acc_norm and each sample's log-likelihoods,
+word perplexity, and the generated texts must agree.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import lm_eval
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import disttrain
+from disttrain.data import tokenizer as tokenizer_lib
+from disttrain.errors import ConfigError
+from disttrain.evaluation import harness
+from disttrain.hf import trained as trained_lib
+from tests import helpers
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+
+
+MAX_LENGTH = 48  # scoring window: the rolling task's texts span several
+WORDS = ('the cat sat on a mat and then the dog ran to the red house while seventeen birds sang '
+         'def f(x): return x * 7 import os print hello world blue sky').split()
+TASKS = {
+    'mc': """task: local_mc
+dataset_path: json
+dataset_kwargs: {data_files: {test: DIR/mc.jsonl}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: answer
+metric_list: [{metric: acc}, {metric: acc_norm}]
+""",
+    'rolling': """task: local_rolling
+dataset_path: json
+dataset_kwargs: {data_files: {test: DIR/text.jsonl}}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list: [{metric: word_perplexity}, {metric: bits_per_byte}]
+""",
+    'gen': """task: local_gen
+dataset_path: json
+dataset_kwargs: {data_files: {test: DIR/gen.jsonl}}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+generation_kwargs: {until: [" "], max_gen_toks: 10, do_sample: false}
+metric_list: [{metric: exact_match}]
+""",
+}
+
+
+def _lines(path, rows) -> None:
+  path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
+
+
+@pytest.fixture(scope='module')
+def setup(tmp_path_factory):
+  """The HF directory, the task directory, and both backends' results."""
+  root = tmp_path_factory.mktemp('harness')
+  rng = np.random.default_rng(0)
+  text = lambda n: ' '.join(rng.choice(WORDS, size=n))
+  hf_dir, task_dir = root / 'hf', root / 'tasks'
+  hf_dir.mkdir(), task_dir.mkdir()
+  tok = tokenizer_lib.train_bpe([text(40) for _ in range(200)], 300, str(hf_dir / 'tokenizer.json'))
+  (hf_dir / 'tokenizer_config.json').write_text(json.dumps({
+      'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': '<|endoftext|>',
+      'model_max_length': MAX_LENGTH}))
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(
+      vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+      initializer_range=0.3, eos_token_id=tok.eos_id, bos_token_id=tok.eos_id)
+  transformers.LlamaForCausalLM(config).save_pretrained(str(hf_dir))
+  questions = []
+  for i in range(12):
+    choices = [text(1 + (i + j) % 3) for j in range(3 + i % 2)]
+    questions.append({'context': text(3 + i % 5) + (' ' if i % 2 else ':'), 'choices': choices,
+                      'answer': int(rng.integers(len(choices)))})
+  _lines(task_dir / 'mc.jsonl', questions)
+  _lines(task_dir / 'text.jsonl', [{'text': text(10 + 15 * i)} for i in range(4)])
+  _lines(task_dir / 'gen.jsonl', [{'prompt': text(4 + i), 'answer': 'cat'} for i in range(8)])
+  for name, yaml in TASKS.items():
+    (task_dir / f'{name}.yaml').write_text(yaml.replace('DIR', str(task_dir)))
+  names = ['local_mc', 'local_rolling', 'local_gen']
+  manager = harness.task_manager(names, str(task_dir))
+  reference = lm_eval.simple_evaluate(
+      model='hf', model_args=f'pretrained={hf_dir},dtype=float32,max_length={MAX_LENGTH}',
+      tasks=names, task_manager=manager, batch_size=4, log_samples=True, bootstrap_iters=0,
+      device='cpu')
+  lm = trained_lib.load(hf_dir=str(hf_dir))
+  ours = harness.evaluate(lm, names, batch_size=8, max_length=MAX_LENGTH, log_samples=True,
+                          manager=manager)
+  return dict(reference=reference, ours=ours, lm=lm, hf_dir=hf_dir, task_dir=task_dir)
+
+
+def _responses(results, task: str) -> list:
+  return [s['filtered_resps'] for s in sorted(results['samples'][task], key=lambda s: s['doc_id'])]
+
+
+@pytest.mark.slow  # lm-eval indexes its tasks (~10 s) and runs the hf backend
+def test_same_scores_as_the_hf_backend(setup):
+  ref, ours, lm = setup['reference'], setup['ours'], setup['lm']
+  assert lm.mesh.size == 8
+  mc_ref, mc = ref['results']['local_mc'], ours['results']['local_mc']
+  assert (mc['acc,none'], mc['acc_norm,none']) == (mc_ref['acc,none'], mc_ref['acc_norm,none'])
+  # float32 on both sides, different kernels: log-likelihoods within 1e-4 of each other
+  lls_ref = np.array([[r[0] for r in doc] for doc in _responses(ref, 'local_mc')], dtype=object)
+  lls = np.array([[r[0] for r in doc] for doc in _responses(ours, 'local_mc')], dtype=object)
+  for a, b in zip(lls, lls_ref):
+    np.testing.assert_allclose(np.asarray(a, float), np.asarray(b, float), atol=1e-4)
+  # acc differs from acc_norm on this data (choices of 1-3 words): both are really checked
+  assert mc['acc,none'] != mc['acc_norm,none'] or len(set(map(len, lls))) > 1
+  roll_ref, roll = ref['results']['local_rolling'], ours['results']['local_rolling']
+  assert roll['word_perplexity,none'] == pytest.approx(roll_ref['word_perplexity,none'], rel=1e-5)
+  assert roll['bits_per_byte,none'] == pytest.approx(roll_ref['bits_per_byte,none'], rel=1e-5)
+  texts_ref, texts = _responses(ref, 'local_gen'), _responses(ours, 'local_gen')
+  assert texts == texts_ref and len(set(map(str, texts))) >= 4, (texts, texts_ref)
+  assert ours['results']['local_gen']['exact_match,none'] == \
+      ref['results']['local_gen']['exact_match,none']
+
+
+@pytest.mark.slow  # a fresh process imports lm_eval and indexes its tasks (~25 s)
+def test_unknown_task_is_one_line_before_the_model_loads(setup, tmp_path):
+  with pytest.raises(ConfigError, match=r"lm-eval knows no task 'local_mcq' \(its own tasks and "
+                     r'those in .*\); list them with `lm_eval ls tasks`'):
+    harness.task_manager(['local_mcq'], str(setup['task_dir']))
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+  proc = subprocess.run(
+      [sys.executable, '-m', 'disttrain', 'lm-eval', f'--hf_dir={tmp_path}/missing',
+       '--tasks=definitely_not_a_task'], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=180, check=False)
+  errors = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+  assert errors[0].startswith("error: ConfigError: lm-eval knows no task 'definitely_not_a_task'")
+
+
+@pytest.mark.slow  # an 8-device run
+def test_in_the_loop_records_equal_the_hf_backend(setup, tmp_path):
+  """data.eval_harness in a run fine-tuning the same directory (one SGD step at 1e-12: the
+  parameters do not move in float32) records the hf backend's acc, acc_norm and perplexity."""
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'hf.py')
+  helpers.override(cd, {
+      'restore_from': str(setup['hf_dir']), 'data.name': 'text', 'data.text.bytes': 20_000,
+      'data.seq_len': MAX_LENGTH, 'data.eval_examples': 8, 'global_batch_size': 8,
+      'eval_batch_size': 8, 'precision.compute_dtype': 'float32', 'optimizer': 'sgd',
+      'learning_rate': 1e-12, 'lr_schedule': 'constant', 'warmup_steps': 0,
+      'num_train_steps': 1, 'log_every_steps': 1, 'eval_every_steps': 0,
+      'checkpoint_every_steps': 0, 'data.eval_harness': 'local_mc,local_rolling',
+      'data.eval_harness_include': str(setup['task_dir'])})
+  result = disttrain.train(disttrain.from_config_dict(cd), str(tmp_path / 'run'))
+  got = {r['split']: r for r in result.records if r['split'] in ('local_mc', 'local_rolling')}
+  ref = setup['reference']['results']
+  assert (got['local_mc']['acc'], got['local_mc']['acc_norm'], got['local_mc']['num_examples']) \
+      == (ref['local_mc']['acc,none'], ref['local_mc']['acc_norm,none'], 12)
+  assert got['local_rolling']['word_perplexity'] == pytest.approx(
+      ref['local_rolling']['word_perplexity,none'], rel=1e-5)
