@@ -8,6 +8,7 @@ ConfigDict rejects unknown fields); `from_config_dict` turns the result back int
 
 import copy
 import dataclasses
+import math
 import re
 import sys
 import typing
@@ -71,6 +72,38 @@ class MeshConfig:
 
 # The axes' names, outermost first; parallel/mesh.py's Parallelism spells each role.
 MESH_AXES = tuple(f.name for f in dataclasses.fields(MeshConfig))
+# Axes whose collectives run in every layer (activations): across slices or nodes they are slow.
+LAYER_AXES = ('expert', 'context', 'tensor')
+
+
+@dataclasses.dataclass(frozen=True)
+class DcnMeshConfig:
+  """Axis sizes across slices (TPU: devices' slice_index) or, elsewhere, across processes (each
+  process a granule): the whole mesh is mesh.<axis> x dcn_mesh.<axis>, mesh.* within each
+  granule on its fastest links (parallel/mesh.py). Default 1: one granule, a flat mesh."""
+  data: int = 1  # data parallelism across slices or processes (the usual choice)
+  stage: int = 1  # pipeline stages across them (one activation send per micro-batch)
+  fsdp: int = 1  # fsdp across them: parameter all-gathers cross the slow links every step
+  expert: int = 1  # refused unless allow_slow_axes: all-to-alls in every layer
+  context: int = 1  # refused unless allow_slow_axes: exchanges in every attention layer
+  tensor: int = 1  # refused unless allow_slow_axes: all-reduces in every layer
+  allow_slow_axes: bool = False  # accept expert, context or tensor across slices or processes
+
+  def __post_init__(self):
+    for axis in MESH_AXES:
+      if getattr(self, axis) < 1:
+        raise ConfigError(f'dcn_mesh.{axis}={getattr(self, axis)} must be >= 1 (no -1 here: '
+                          'mesh.* fills within a slice or process)')
+    slow = [a for a in LAYER_AXES if getattr(self, a) > 1]
+    if slow and not self.allow_slow_axes:
+      raise ConfigError(f'dcn_mesh.{slow[0]}={getattr(self, slow[0])} puts the {slow[0]} axis '
+                        'across slices or processes, whose links are the slowest, with '
+                        'collectives in every layer; keep it in mesh.' + slow[0] + ', or set '
+                        'dcn_mesh.allow_slow_axes=true if you mean it')
+
+  @property
+  def granules(self) -> int:
+    return math.prod(getattr(self, a) for a in MESH_AXES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,6 +553,7 @@ class Config:
   ema_decay: float = 0.0  # keep an exponential moving average of the parameters; 0 = off
   ema_eval: bool = True  # with ema_decay: evals use the moving average
   mesh: MeshConfig = MeshConfig()
+  dcn_mesh: DcnMeshConfig = DcnMeshConfig()  # axes across slices or processes (hybrid mesh)
   # replicate (data parallel) or fsdp (split each large parameter's largest divisible dimension,
   # and its optimizer state, over mesh.fsdp).
   sharding: str = 'replicate'

@@ -46,8 +46,11 @@ CASES = {
     # jit keeps the config's dropout 0.3: its mask is drawn for the global batch (threefry is
     # partitionable), so it does not depend on how the batch is split over processes.
     'jit': {},
-    # fsdp_min_size lowered so that the 64-wide kernels really are split over fsdp.
-    'fsdp': {'mesh.data': 2, 'mesh.fsdp': 4, 'sharding': 'fsdp', 'fsdp_min_size': 1024},
+    # A hybrid mesh: data across the 2 processes (dcn_mesh), fsdp x tensor inside each;
+    # fsdp_min_size lowered so that the 64-wide kernels really are split over fsdp. The 1 x 8
+    # reference lays the same axes out flat (mesh.data=2).
+    'hybrid': {'dcn_mesh.data': 2, 'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.tensor': 2,
+               'sharding': 'fsdp', 'fsdp_min_size': 1024},
     # No shard_map case (cut, 18 s): the 2-process path (batches assembled from each process's
     # rows, all-reduce over gloo) does not depend on step_mode, which jit and fsdp prove here, and
     # shard_map == jit on 8 devices is test_equivalence.py's shard_map8 (one step and 30 steps).
@@ -126,6 +129,9 @@ def runs(tmp_path_factory):
       two = tmp_path_factory.mktemp(f'{case}_2x4')
       _cluster(overrides, two)
       one = tmp_path_factory.mktemp(f'{case}_1x8')
+      if 'dcn_mesh.data' in overrides:  # one process: the same sizes in a flat mesh
+        overrides = dict(overrides)
+        overrides['mesh.data'] = overrides.pop('dcn_mesh.data')
       disttrain.train(_config(overrides), str(one))
       done[case] = two, one
     return done[case]
@@ -140,8 +146,15 @@ def test_two_processes_match_one(runs, case):
   two, one = runs(case)
   info = json.loads((two / 'run.json').read_text())
   assert (info['num_processes'], info['num_devices']) == (2, 8)
-  if case == 'fsdp':  # parameters really are split over the processes' devices
+  if case == 'hybrid':  # parameters really are split, and only data crosses the processes
     assert any('fsdp' in spec for spec in info['param_specs'].values()), info['param_specs']
+    assert any('tensor' in spec for spec in info['param_specs'].values()), info['param_specs']
+    assert info['mesh'] == {'data': 2, 'stage': 1, 'fsdp': 2, 'expert': 1, 'context': 1,
+                            'tensor': 2}
+    assert info['dcn_axes'] == ['data']
+    processes = np.asarray(info['mesh_process_index']).reshape(2, -1)  # data outermost
+    assert processes.tolist() == [[0] * 4, [1] * 4], info['mesh_process_index']
+    assert json.loads((one / 'run.json').read_text())['dcn_axes'] == []
   got, want = _losses(two), _losses(one)
   assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
   steps = sorted(want)

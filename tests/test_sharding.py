@@ -4,8 +4,9 @@ import jax
 import pytest
 
 import disttrain
+from disttrain.config import DcnMeshConfig, MeshConfig
 from disttrain.errors import ConfigError, ShardingError
-from disttrain.parallel import sharding
+from disttrain.parallel import mesh as mesh_lib, sharding
 from tests.helpers import devices, make_config
 
 
@@ -93,3 +94,20 @@ def test_one_object_owns_the_axes_and_splits_each_batch_field():
              if path.name != 'mesh.py'
              for n, line in enumerate(path.read_text().splitlines(), 1) if literal.search(line)]
   assert not spelled, spelled
+
+
+def test_dcn_mesh_refuses_layer_axes_across_granules_and_a_granule_count_that_is_not_there():
+  """dcn_mesh: tensor, context and expert across slices or processes need the override; a
+  hybrid mesh needs as many processes (granules here) as dcn_mesh multiplies to. The hybrid
+  layout itself is run by test_multiprocess.py's 2 x 4 'hybrid' case."""
+  with pytest.raises(ConfigError, match=r'dcn_mesh.tensor=2 puts the tensor axis across slices '
+                     r'or processes.*keep it in mesh.tensor, or set dcn_mesh.allow_slow_axes'):
+    make_config(dcn_mesh__tensor=2)
+  with pytest.raises(ConfigError, match=r'dcn_mesh.context=0 must be >= 1'):
+    make_config(dcn_mesh__context=0)
+  assert make_config(dcn_mesh__tensor=2, dcn_mesh__allow_slow_axes=True).dcn_mesh.granules == 2
+  with pytest.raises(ConfigError, match=r'dcn_mesh multiplies to 2 granules, but the 1 '
+                     r'processes \(slices: 0\) do not split into 2 equal groups'):
+    mesh_lib.build(MeshConfig(data=-1), devices(8), DcnMeshConfig(data=2))
+  flat = mesh_lib.build(MeshConfig(data=2, tensor=4), devices(8), DcnMeshConfig())
+  assert mesh_lib.crossing_axes(flat) == []  # one process: nothing crosses

@@ -48,8 +48,13 @@ def _config(tree: dict, mesh: dict | None) -> Config:
 
 
 def _mesh(cfg: Config, devices):
+  mesh, dcn = cfg.mesh, cfg.dcn_mesh
+  if jax.process_count() == 1 and dcn.granules > 1:  # one process: the whole layout, flat
+    mesh = dataclasses.replace(mesh, **{a: getattr(mesh, a) * getattr(dcn, a) for a in
+                                        mesh_lib.AXES if getattr(mesh, a) != -1})
+    dcn = None
   try:
-    return mesh_lib.build(cfg.mesh, devices)
+    return mesh_lib.build(mesh, devices, dcn)
   except ConfigError as e:
     raise ConfigError(f'{e} (the run was laid out on mesh {dict(vars(cfg.mesh))}): pass '
                       '--fake_devices=N to match it on CPU, or --mesh=data=-1 to lay the '

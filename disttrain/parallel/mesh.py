@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
 
 from disttrain.config import MESH_AXES
 from disttrain.errors import ConfigError
@@ -46,12 +48,63 @@ def resolve_shape(cfg, num_devices: int) -> tuple[int, ...]:
   return tuple(sizes)
 
 
-def build(cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The mesh of a MeshConfig over `devices` (default: every device of every process)."""
+def build(cfg, devices: Sequence[jax.Device] | None = None, dcn=None) -> Mesh:
+  """The mesh of a MeshConfig over `devices` (default: every device of every process); with a
+  DcnMeshConfig of more than one granule, a hybrid mesh (`hybrid_devices`)."""
   devices = list(devices) if devices is not None else jax.devices()
-  # Auto axes: GSPMD propagates shardings from the ones we give to jit (in/out shardings).
-  return jax.make_mesh(resolve_shape(cfg, len(devices)), AXES,
-                       axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+  types = (AxisType.Auto,) * len(AXES)  # GSPMD propagates shardings from jit's in/out ones
+  if dcn is None or dcn.granules == 1:
+    return jax.make_mesh(resolve_shape(cfg, len(devices)), AXES, axis_types=types,
+                         devices=devices)
+  return Mesh(hybrid_devices(cfg, dcn, devices), AXES, axis_types=types)
+
+
+def granule_ids(devices: Sequence[jax.Device], count: int) -> dict[jax.Device, int]:
+  """Each device's granule, 0..count-1: its TPU slice where there are several slices, else its
+  process's block of consecutive processes (one process each when count equals the processes;
+  a node's processes when they are numbered node by node, as srun and torchrun do)."""
+  slices = sorted({getattr(d, 'slice_index', None) for d in devices}, key=str)
+  if len(slices) > 1 and None not in slices:
+    return {d: slices.index(d.slice_index) for d in devices}
+  processes = sorted({d.process_index for d in devices})
+  if len(processes) % count:
+    raise ConfigError(f'dcn_mesh multiplies to {count} granules, but the {len(processes)} '
+                      f'processes (slices: {len(slices) if None not in slices else 0}) do not '
+                      f'split into {count} equal groups; set dcn_mesh.* to multiply to the '
+                      'number of slices, nodes or processes')
+  block = len(processes) // count
+  return {d: processes.index(d.process_index) // block for d in devices}
+
+
+def hybrid_devices(cfg, dcn, devices: Sequence[jax.Device]) -> np.ndarray:
+  """Devices in the mesh's shape: axis a has dcn_mesh.a x mesh.a entries, the granules
+  outermost, so each granule's devices form the inner (mesh.*) block of every axis and the
+  collectives of the axes whose dcn_mesh size is 1 stay inside a granule (as jax's
+  create_hybrid_device_mesh lays them out; each granule's block by create_device_mesh, which
+  knows a TPU slice's physical links)."""
+  ids = granule_ids(devices, dcn.granules)
+  groups = [[d for d in devices if ids[d] == g] for g in range(dcn.granules)]
+  if len({len(g) for g in groups}) != 1:
+    raise ConfigError(f'dcn_mesh: the {dcn.granules} granules hold '
+                      f'{[len(g) for g in groups]} devices; every slice or node needs the same')
+  inner = resolve_shape(cfg, len(groups[0]))
+  outer = [getattr(dcn, a) for a in AXES]
+  blocks = [mesh_utils.create_device_mesh(inner, g, allow_split_physical_axes=True)
+            for g in groups]
+  grid = np.stack(blocks).reshape(*outer, *inner)  # granules in row-major order over dcn axes
+  n = len(AXES)
+  order = [axis for i in range(n) for axis in (i, n + i)]  # (dcn_0, mesh_0, dcn_1, mesh_1, ...)
+  return grid.transpose(order).reshape([o * i for o, i in zip(outer, inner)])
+
+
+def crossing_axes(mesh: Mesh, granules: int | None = None) -> list[str]:
+  """The mesh axes along which devices of different granules meet (run.json's dcn_axes);
+  granules: dcn_mesh's count, default one per process."""
+  devices = list(mesh.devices.flat)
+  ids = granule_ids(devices, granules or len({d.process_index for d in devices}))
+  grid = np.vectorize(ids.__getitem__)(mesh.devices)
+  return [a for i, a in enumerate(AXES)
+          if (np.moveaxis(grid, i, 0) != np.moveaxis(grid, i, 0)[:1]).any()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +114,9 @@ class Parallelism:
   mesh: Mesh
 
   @classmethod
-  def from_config(cls, cfg, devices: Sequence[jax.Device] | None = None) -> Parallelism:
-    return cls(build(cfg, devices))
+  def from_config(cls, cfg, devices: Sequence[jax.Device] | None = None,
+                  dcn=None) -> Parallelism:
+    return cls(build(cfg, devices, dcn))
 
   batch_axes = BATCH_AXES
   fsdp_axis, sequence_axis, stage_axis = FSDP_AXIS, SEQUENCE_AXIS, STAGE_AXIS

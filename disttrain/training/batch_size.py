@@ -129,7 +129,7 @@ def find(cfg: Config, *, limit: int | None = None, headroom: float = 0.1, multip
     raise ConfigError('data.name=prompts: a GRPO step also samples completions, which the '
                       'finder does not compile; find the batch of the same model on its '
                       'training data instead')
-  parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
+  parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices, cfg.dcn_mesh)
   parallel.check_batch_sizes(cfg)
   source = 'given' if limit else 'memory_limit_bytes' if cfg.memory_limit_bytes else 'device'
   limit = limit or run_lib.memory_limit(cfg, parallel.mesh)

@@ -80,7 +80,7 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
   config file's get_eval_extract()), default GSM8K's.
   """
   cfg = hf_config.from_directory(cfg)  # model.name='hf': the model restore_from's config.json
-  parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
+  parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices, cfg.dcn_mesh)
   parallel.check_batch_sizes(cfg)
   mesh = parallel.mesh
   check_workers(cfg.data.workers)
@@ -242,7 +242,7 @@ def plan(cfg: Config, spec: dict, devices: Sequence[jax.Device] | None = None, m
   """The steps of `cfg` for data of element spec `spec` ({field: ShapeDtypeStruct((1, ...))}),
   with an abstract state: the memory of a model too large to create on this host."""
   cfg = hf_config.from_directory(cfg)  # model.name='hf': the model restore_from's config.json
-  parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices)
+  parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices, cfg.dcn_mesh)
   parallel.check_batch_sizes(cfg)
   mesh = parallel.mesh
   model, task = _objective(cfg, model, task)
@@ -288,6 +288,11 @@ def run_info(run: Setup) -> dict:
   return {
       'config': cfg.to_dict(),
       'mesh': mesh_lib.axis_sizes(mesh),
+      # Axes whose devices span slices or processes (a hybrid mesh puts only dcn_mesh's there),
+      # and each mesh position's process.
+      'dcn_axes': mesh_lib.crossing_axes(mesh, cfg.dcn_mesh.granules if cfg.dcn_mesh.granules > 1
+                                         else None),
+      'mesh_process_index': np.vectorize(lambda d: d.process_index)(mesh.devices).tolist(),
       'num_devices': mesh.size,
       'num_processes': jax.process_count(),
       'step_mode': cfg.step_mode,
