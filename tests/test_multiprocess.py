@@ -161,6 +161,8 @@ def test_two_processes_match_one(runs, case):
   np.testing.assert_allclose([got[s] for s in steps[:10]], [want[s] for s in steps[:10]],
                              rtol=1e-4)
   np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-2)
+  # No false alarm: nothing stalled here (operating/stragglers.py).
+  assert [e for e in events.read(str(two)) if e['event'] == 'straggler'] == []
   (eval_two,), (eval_one,) = _records(two, 'eval'), _records(one, 'eval')
   # Every eval example counted once although 297 does not split over 2 processes x 64.
   assert eval_two['num_examples'] == eval_one['num_examples'] == DIGITS_EVAL
@@ -553,6 +555,44 @@ def test_supervisor_restarts_a_killed_job_to_the_uninterrupted_end(runs, tmp_pat
   assert report['seconds']['lost_steps'] > 0 and 0 < report['fractions']['productive'] < 1
   assert abs(sum(report['seconds'].values()) - report['wall_seconds']) < 0.05 * report['wall_seconds']
   assert not _job_processes(tmp_path), 'processes of the job remain'
+
+
+def test_a_process_stopped_again_and_again_is_named_the_straggler(tmp_path):
+  """Process 1 of a 2 x 4 job is SIGSTOPped for 0.4 s every 0.8 s for 8 s: the whole job slows
+  down (process 0 waits for it), and only process 1 is named, in the console, events.jsonl and
+  disttrain goodput."""
+  overrides = {**BASE, 'num_train_steps': 100_000, 'log_every_steps': 5,
+               'checkpoint_every_steps': 0}
+  proc, victim = _start_cluster(overrides, tmp_path), None
+  try:
+    deadline = time.monotonic() + 120
+    while _last_logged_step(tmp_path) < 10:  # training (compiled, both processes stepping)
+      assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+      time.sleep(0.1)
+    (victim,) = [p for p in _job_processes(tmp_path) if '--process_id=1' in p.cmdline()
+                 and 'local_cluster' not in ' '.join(p.cmdline())]
+    for _ in range(10):
+      victim.suspend()
+      time.sleep(0.4)
+      victim.resume()
+      time.sleep(0.4)
+    deadline = time.monotonic() + 30
+    while not [e for e in events.read(str(tmp_path)) if e['event'] == 'straggler']:
+      assert proc.poll() is None and time.monotonic() < deadline, 'no straggler named'
+      time.sleep(0.2)
+  finally:
+    if victim is not None and victim.is_running():
+      victim.resume()
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGINT)  # Ctrl-C: every process stops at an agreed step
+    out = proc.communicate(timeout=120)[0]
+  (named,) = [e for e in events.read(str(tmp_path)) if e['event'] == 'straggler']
+  assert named['process'] == 1 and named['stalled_fraction'] >= 0.2, named
+  assert named['others_max'] < 0.1, named
+  assert 'straggler: process 1 (' in out, out[-3000:]
+  report = goodput.report(str(tmp_path))
+  assert [(s['process'], s['step']) for s in report['stragglers']] == [(1, named['step'])]
+  assert 'straggler: attempt 1 process 1' in goodput.table(report)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Reads DIR/events.jsonl (disttrain/operating/events.py) and reports how the wall 
 attempt's start to the last one's end was spent: productive training (steps that count toward
 the final model), start-up and compilation, checkpoint blocking, data waits, evals, steps lost
 to restarts (trained after the last committed checkpoint, then trained again), idle time
-between attempts (backoff, the next process starting) and the rest. An attempt that ended
+between attempts (backoff, the next process starting) and the rest; and the stragglers the
+runs named (events' `straggler`, operating/stragglers.py). An attempt that ended
 normally or with an error reports its own time breakdown; one that was killed reports none, so
 its steps are costed at the run's mean step time and the rest of its time is `killed, other`.
 """
@@ -90,7 +91,10 @@ def report(workdir: str) -> dict:
       seconds['killed_other'] += max(a.ended - a.started - kept - lost, 0.0)
   last = runs[-1]
   wall = (last.ended if last.ended is not None else last.started) - runs[0].started
-  return {'wall_seconds': round(wall, 3),
+  stragglers = [{k: e.get(k) for k in ('attempt', 'process', 'host', 'step', 'stalled_fraction',
+                                         'others_max', 'seconds')}
+                for e in events_lib.read(workdir) if e.get('event') == 'straggler']
+  return {'wall_seconds': round(wall, 3), 'stragglers': stragglers,
           'seconds': {k: round(v, 3) for k, v in seconds.items()},
           'fractions': {k: round(v / wall, 4) if wall > 0 else 0.0 for k, v in seconds.items()},
           'mean_step_seconds': round(per_step, 6),
@@ -108,6 +112,10 @@ def table(result: dict) -> str:
   for name in CATEGORIES:
     lines.append(f'  {name.replace("_", " "):<24} {result["seconds"][name]:>9.1f}s '
                  f'{result["fractions"][name]:>7.1%}')
+  for s in result['stragglers']:  # operating/stragglers.py
+    lines.append(f'straggler: attempt {s["attempt"]} process {s["process"]} ({s["host"]}) '
+                 f'stalled {s["stalled_fraction"]:.0%} of {s["seconds"]:.1f}s by step '
+                 f'{s["step"]} (others at most {s["others_max"]:.0%})')
   return '\n'.join(lines)
 
 

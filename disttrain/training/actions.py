@@ -60,6 +60,7 @@ class TrainRecords:
     self.window: list = []  # [(first step, last step, metrics)] since the last record
     self.due = None  # the window of a record not yet written
     self._mark = None  # (step, active seconds, data seconds) at the previous record
+    self.stragglers = None  # operating.stragglers.Monitor of a multi-process job
 
   def variant(self, step_no: int) -> Variant:
     """Every metric on steps that end a record, the loss alone in between (full batches)."""
@@ -120,6 +121,8 @@ class TrainRecords:
   def _write(self, window: list) -> None:
     window = self._checked(window)
     at = window[-1][1]
+    if self.stragglers is not None:  # every process, at the same records
+      self.stragglers.note(at)
     first, active, waited = self._mark
     seconds = max(self.phases.active() - active, 1e-9)
     data_seconds = self.phases.seconds['data'] - waited

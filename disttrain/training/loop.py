@@ -15,7 +15,7 @@ from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.data.batches import TrainIterator
 from disttrain.hf import adapters, config as hf_config, saves, weights as hf
 from disttrain.operating import callbacks as callbacks_lib, events, lease as lease_lib, metrics
-from disttrain.operating import timing, tracking, watchdog
+from disttrain.operating import stragglers, timing, tracking, watchdog
 from disttrain.parallel import distributed, mesh as mesh_lib, sharding as sharding_lib
 from disttrain.parallel import state as state_lib
 from disttrain.storage import checkpoint, urls
@@ -149,6 +149,10 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
     acts = _Actions.build(run, workdir=workdir, ckpt=ckpt, batches=batches, signals=signals,
                           hooks=hooks, writer=writer, phases=phases, throughput=throughput,
                           hf_saves=hf_saves)
+    acts.records.stragglers = stragglers.Monitor.start(jax.process_count(), jax.process_index(),
+                                                       writer.print, log.emit)
+    if acts.records.stragglers is not None:
+      stack.callback(acts.records.stragglers.close)
     stack.callback(acts.profiler.close)  # a trace left open by an error
     mixed = getattr(run.train_data, 'scheduled', False)
     if mixed:

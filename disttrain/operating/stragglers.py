@@ -1,0 +1,115 @@
+"""Who is slow: each process's stalls, compared across the processes of a job at every record.
+
+A heartbeat thread in every process ticks every TICK seconds and counts the time between ticks
+beyond two ticks as stalled: the process did not run (stopped, swapped out, a stop-the-world
+pause, a starved CPU). The processes of a synchronous job all slow down when one stalls (they
+wait for it in the step's collectives), so step times cannot tell them apart; stalls can. At
+each train record every process publishes its stalled seconds since the previous record in
+jax.distributed's key-value store; process 0 reads the previous record's entries (one record
+late: nobody waits for them), and names a straggler when, over the last WINDOW_SECONDS of
+records, one process was stalled for at least MARGIN of the time and at least twice as long as
+any other plus MARGIN / 4: one console line and an events.jsonl `straggler` event (process,
+host, step, stalled fraction, the others' largest, the seconds compared); again only after it
+recovered. Single-process runs do nothing.
+"""
+
+import collections
+import socket
+import threading
+import time
+from typing import Callable
+
+TICK = 0.05
+MARGIN = 0.2  # a straggler stalled >= 20 % of the window
+WINDOW_SECONDS = 5.0
+_PREFIX = 'disttrain/stragglers'
+
+
+class Heartbeat:
+  """A daemon thread's count of the seconds this process did not run (gaps beyond 2 ticks)."""
+
+  def __init__(self, tick: float = TICK):
+    self.tick, self.stalled = tick, 0.0
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name='disttrain-heartbeat', daemon=True)
+    self._thread.start()
+
+  def _run(self) -> None:
+    last = time.monotonic()
+    while not self._stop.wait(self.tick):
+      now = time.monotonic()
+      self.stalled += max(now - last - 2 * self.tick, 0.0)
+      last = now
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join()
+
+
+class Monitor:
+  """note(step) at every train record, on every process (module doc)."""
+
+  def __init__(self, client, process: int, processes: int, say: Callable[[str], None],
+               emit: Callable[..., None]):
+    self.client, self.process, self.processes = client, process, processes
+    self.key, self.say, self.emit = _PREFIX, say, emit  # the store lives as long as the job
+    self.host = socket.gethostname()
+    self.heartbeat = Heartbeat()
+    self._sent = 0.0  # stalled seconds already published
+    self._previous = None  # the step noted last (process 0 reads it at the next note)
+    self.history = collections.deque()  # (time, {process: stalled seconds})
+    self.named: set[int] = set()
+
+  @classmethod
+  def start(cls, processes: int, process: int, say, emit) -> 'Monitor | None':
+    if processes < 2:
+      return None
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    client = distributed.global_state.client
+    return None if client is None else cls(client, process, processes, say, emit)
+
+  def note(self, step: int) -> None:
+    stalled = self.heartbeat.stalled
+    self.client.key_value_set(f'{self.key}/{step}/{self.process}',
+                              f'{stalled - self._sent:.4f} {self.host}')
+    self._sent = stalled
+    if self.process == 0 and self._previous is not None:
+      self._judge(self._previous)
+    self._previous = step
+
+  def _judge(self, step: int) -> None:
+    entries = dict(self.client.key_value_dir_get(f'{self.key}/{step}/'))
+    if len(entries) < self.processes:
+      return  # a process has not published yet: judge the windows that are complete
+    for key in entries:
+      self.client.key_value_delete(key)
+    now = time.monotonic()
+    values = {int(k.rsplit('/', 1)[1]): v.split(' ', 1) for k, v in entries.items()}
+    self.hosts = {p: host for p, (_, host) in values.items()}
+    self.history.append((now, {p: float(stalled) for p, (stalled, _) in values.items()}))
+    while len(self.history) > 2 and now - self.history[1][0] >= WINDOW_SECONDS:
+      self.history.popleft()
+    seconds = now - self.history[0][0]
+    if seconds < WINDOW_SECONDS / 2:
+      return
+    totals = collections.Counter()
+    for _, stalls in list(self.history)[1:]:  # stalls since the first entry's record
+      totals.update(stalls)
+    shares = {p: totals[p] / seconds for p in range(self.processes)}
+    for p, share in shares.items():
+      others = max(s for q, s in shares.items() if q != p)
+      slow = share >= MARGIN and share >= 2 * others + MARGIN / 4
+      if slow and p not in self.named:
+        self.named.add(p)
+        self.say(f'straggler: process {p} ({self.hosts[p]}) was stalled {share:.0%} of the last '
+                 f'{seconds:.1f}s (the others at most {others:.0%}) by step {step}')
+        self.emit('straggler', process=p, host=self.hosts[p], step=step,
+                  stalled_fraction=round(share, 4), others_max=round(others, 4),
+                  seconds=round(seconds, 3))
+      elif not slow and share < MARGIN / 2:
+        self.named.discard(p)  # recovered: a later stall is named again
+
+  def close(self) -> None:
+    self.heartbeat.close()
+
+

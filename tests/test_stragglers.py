@@ -1,0 +1,66 @@
+"""The straggler rule of operating/stragglers.py on a job emulated in one process: two
+processes' monitors share a key-value store, one process's heartbeat reports stalls."""
+
+import itertools
+
+from disttrain.operating import stragglers
+
+
+class _Store:
+  """jax.distributed's key-value client, in memory."""
+
+  def __init__(self):
+    self.values = {}
+
+  def key_value_set(self, key, value):
+    self.values[key] = value
+
+  def key_value_dir_get(self, prefix):
+    return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+  def key_value_delete(self, key):
+    del self.values[key]
+
+
+class _Clock:
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+def _job(monkeypatch, stalls_per_record: list[tuple[float, float]], seconds_per_record=0.5):
+  """Runs two monitors over the records; returns process 0's events and console lines."""
+  clock, store, said, emitted = _Clock(), _Store(), [], []
+  monkeypatch.setattr(stragglers.time, 'monotonic', clock)
+  monkeypatch.setattr(stragglers.Heartbeat, '__init__', lambda self, tick=0: setattr(
+      self, 'stalled', 0.0))
+  monkeypatch.setattr(stragglers.Heartbeat, 'close', lambda self: None)
+  monitors = [stragglers.Monitor(store, p, 2, said.append,
+                                 lambda event, **f: emitted.append((event, f))) for p in (0, 1)]
+  for step, stalls in zip(itertools.count(5, 5), stalls_per_record):
+    clock.now += seconds_per_record
+    for monitor, stall in zip(reversed(monitors), reversed(stalls)):  # process 0 notes last
+      monitor.heartbeat.stalled += stall
+      monitor.note(step)
+  return emitted, said
+
+
+def test_a_process_stalled_a_third_of_the_time_is_named_once(monkeypatch):
+  pattern = [(0.0, 0.4), (0.0, 0.0)] * 10  # process 1 stopped 0.4 s of every 1 s
+  emitted, said = _job(monkeypatch, pattern)
+  assert [(e, f['process']) for e, f in emitted] == [('straggler', 1)]
+  assert 0.3 <= emitted[0][1]['stalled_fraction'] <= 0.5 and emitted[0][1]['others_max'] == 0
+  assert len(said) == 1 and said[0].startswith('straggler: process 1 (')
+
+
+def test_no_alarm_for_small_or_shared_stalls(monkeypatch):
+  assert _job(monkeypatch, [(0.02, 0.05)] * 30)[0] == []  # small: under 20 %
+  assert _job(monkeypatch, [(0.2, 0.25)] * 30)[0] == []  # both stall alike: the host, not one
+
+
+def test_named_again_only_after_it_recovered(monkeypatch):
+  stalled, healthy = [(0.0, 0.4)] * 12, [(0.0, 0.0)] * 12
+  emitted, _ = _job(monkeypatch, stalled + healthy + stalled)
+  assert [f['process'] for _, f in emitted] == [1, 1]
