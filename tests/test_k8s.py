@@ -128,16 +128,21 @@ def test_emulated_gpu_pods_form_one_2x4_job_equal_to_1x8(tmp_path):
     host = f'{name}-{job["name"]}-0-0.{name}'  # what JobSet's headless service resolves
     assert env['JAX_COORDINATOR_ADDRESS'].startswith(f'{host}:')
     env['JAX_COORDINATOR_ADDRESS'] = f'127.0.0.1:{port}'  # the emulated service's answer
-    args = [a for a in container['args'] if not a.startswith(('--config=', '--workdir='))]
+    args = [a for a in container['args'] if not a.startswith(('--config', '--workdir='))]
+    fields = [a for a in container['args'] if a.startswith('--config.')]  # the manifest's own
     command = [sys.executable if c == 'python' else c for c in container['command']]
     procs.append(subprocess.Popen(
-        [*command, *args, '--config=launch/configs/mnist_mlp.py', f'--workdir={tmp_path}',
-         '--fake_devices=4', *(f'--config.{k}={v}' for k, v in overrides.items())],
+        [*command, *args, '--config=launch/configs/mnist_mlp.py', *fields,
+         f'--workdir={tmp_path}', '--fake_devices=4',
+         *(f'--config.{k}={v}' for k, v in overrides.items())],
         cwd=ROOT, env={**_clean_env(), **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True))
   outs = [p.communicate(timeout=300)[0] for p in procs]
   assert [p.returncode for p in procs] == [0] * pods, outs[0][-3000:] + outs[1][-3000:]
   assert 'disttrain: 8 devices' in outs[0]
+  # The manifest's dcn_mesh.data (= its pod count) puts data, and only data, across the pods.
+  info = json.loads((tmp_path / 'run.json').read_text())
+  assert info['config']['dcn_mesh']['data'] == pods and info['dcn_axes'] == ['data']
   cfg = config_lib.from_config_dict(helpers.override(
       helpers.config_file(ROOT / 'launch' / 'configs' / 'mnist_mlp.py'), overrides))
   one = disttrain.train(cfg, str(tmp_path / 'one'))
