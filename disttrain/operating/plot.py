@@ -18,9 +18,10 @@ from disttrain.storage import urls
 
 _OUT = flags.DEFINE_string('out', 'curves.png', 'Where the PNG goes.')
 _METRICS = flags.DEFINE_list('metrics', ['loss', 'accuracy', 'accuracy_norm', 'exact_match',
-                                         'mixture'],
+                                         'acc', 'acc_norm', 'mixture'],
                              'Record fields to plot, one panel each (a field no run has is left '
-                             'out); mixture: the data.mixture shares of the train records.')
+                             'out; acc, acc_norm: data.eval_harness tasks); mixture: the '
+                             'data.mixture shares of the train records.')
 _STYLES = ('-', '--', ':', '-.')  # one per mixture source
 
 
