@@ -151,7 +151,7 @@ class Downstream:
 
 def harness_names(cfg: Config) -> list[str]:
   """data.eval_harness's task names."""
-  return [t.strip() for t in cfg.data.eval_harness.split(',') if t.strip()]
+  return harness.names(cfg.data.eval_harness)
 
 
 def _row_tokens(cfg: Config, lm) -> int:

@@ -125,6 +125,11 @@ def _cut(text: str, until) -> str:
   return text
 
 
+def names(text: str) -> list[str]:
+  """'arc_easy, hellaswag' -> the task names (--tasks, data.eval_harness)."""
+  return [t.strip() for t in text.split(',') if t.strip()]
+
+
 def task_manager(tasks: list[str], include_path: str | None = None):
   """lm_eval's TaskManager (with the YAML tasks under include_path); a task it does not know is
   one ConfigError naming it."""
@@ -185,7 +190,7 @@ def main(argv) -> None:
   if len(argv) > 1:
     raise ConfigError(f'unexpected arguments {argv[1:]}; pass --tasks=a,b')
   f = flags.FLAGS
-  tasks = [t.strip() for t in f.tasks.split(',') if t.strip()]
+  tasks = names(f.tasks)
   manager = task_manager(tasks, f.include_path)  # before the model loads: a typo fails at once
   if f.fake_devices:
     jax.config.update('jax_platforms', 'cpu')

@@ -37,10 +37,10 @@ class Attempt:
   time: dict | None = None  # its phase breakdown (end event), None if killed
 
 
-def attempts(workdir: str) -> list[Attempt]:
-  """The run's attempts in order, from its event log."""
+def attempts(workdir: str, log: list[dict] | None = None) -> list[Attempt]:
+  """The run's attempts in order, from its event log (`log`: already read)."""
   out: list[Attempt] = []
-  for e in events_lib.read(workdir):
+  for e in events_lib.read(workdir) if log is None else log:
     kind = e.get('event')
     if kind == 'start':
       out.append(Attempt(number=e['attempt'], started=e['time']))
@@ -63,7 +63,8 @@ def attempts(workdir: str) -> list[Attempt]:
 
 def report(workdir: str) -> dict:
   """{'wall_seconds', 'seconds': {category: s}, 'fractions', 'attempts': [...]}."""
-  runs = attempts(workdir)
+  log = events_lib.read(workdir)  # once: on a bucket each read is a download
+  runs = attempts(workdir, log)
   if not runs:
     raise DataError(f'{workdir}/{events_lib.FILE} has no start event; pass the workdir of a run '
                     'started by disttrain (it writes the event log)')
@@ -93,7 +94,7 @@ def report(workdir: str) -> dict:
   wall = (last.ended if last.ended is not None else last.started) - runs[0].started
   stragglers = [{k: e.get(k) for k in ('attempt', 'process', 'host', 'step', 'stalled_fraction',
                                          'others_max', 'seconds')}
-                for e in events_lib.read(workdir) if e.get('event') == 'straggler']
+                for e in log if e.get('event') == 'straggler']
   return {'wall_seconds': round(wall, 3), 'stragglers': stragglers,
           'seconds': {k: round(v, 3) for k, v in seconds.items()},
           'fractions': {k: round(v / wall, 4) if wall > 0 else 0.0 for k, v in seconds.items()},

@@ -35,10 +35,10 @@ def _summary_writer(**kwargs):
   return SummaryWriter(**kwargs)
 
 
-_KEPT = ('metrics.jsonl', 'metrics.superseded.jsonl', 'progress.json')  # a bucket mirror's start
 # A bucket workdir's newest train step, uploaded within seconds (records go every 30 s): how far
 # an attempt killed between uploads trained, for the next one's restore event and goodput.
 PROGRESS = 'progress.json'
+_KEPT = ('metrics.jsonl', 'metrics.superseded.jsonl', PROGRESS)  # a bucket mirror's start
 
 
 class Writer:
