@@ -4,6 +4,7 @@
   python benchmarks/loop_cost.py --feature=profile    # a 3-step profiler window at step 200
   python benchmarks/loop_cost.py --feature=callbacks  # EarlyStopping + a record-reading callback
   python benchmarks/loop_cost.py --feature=bucket     # checkpoints to a local S3 server vs a dir
+  python benchmarks/loop_cost.py --feature=local_tier [--every=10]  # the fast checkpoint tier
 
 Runs the whole disttrain loop (grain data, metrics, evals off) on the seed-004 MLP, batch 128, on
 synthetic MNIST-shaped data, alternating runs with the feature and runs without, and reports the
@@ -17,6 +18,8 @@ checkpoints every --every steps to a local directory, and the whole workdir on a
 each kind's wall and CPU seconds per run, and the same saves outside the loop (the transfer
 itself). --server_cpus=1 runs the server on CPU 1 and training on the others, as a real store
 runs elsewhere: then the bucket's extra wall time splits into the client's CPU and waits.
+--feature=local_tier saves the fast tier (storage/local_tier.py) every --every steps into the
+run's temporary directory; one process, so without the peer copy's reshard.
 """
 
 import contextlib
@@ -33,11 +36,12 @@ import urllib.request
 from absl import app, flags, logging
 
 _FEATURE = flags.DEFINE_enum('feature', 'checkpoint', ['checkpoint', 'profile', 'callbacks',
-                                                          'bucket'],
+                                                          'bucket', 'local_tier'],
                              'What the measured runs add.')
 _FAKE_DEVICES = flags.DEFINE_integer('fake_devices', 1, 'CPU devices.')
 _STEPS = flags.DEFINE_integer('steps', 600, 'Train steps per run.')
-_EVERY = flags.DEFINE_integer('every', 100, 'checkpoint / bucket: checkpoint_every_steps.')
+_EVERY = flags.DEFINE_integer('every', 100, 'checkpoint / bucket: checkpoint_every_steps; '
+                              'local_tier: local_checkpoint_every_steps.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Runs of each kind, interleaved.')
 _JSON = flags.DEFINE_string('json', None, 'Write the result here.')
 _SERVER_CPUS = flags.DEFINE_list(
@@ -107,6 +111,9 @@ def _throughput(with_feature: bool, bucket: str = '', blocked: list | None = Non
   with tempfile.TemporaryDirectory() as workdir:
     if bucket:  # a new run in the bucket each time, as the local runs get a new directory
       workdir = f'{bucket}/{os.path.basename(workdir)}'
+    if with_feature and _FEATURE.value == 'local_tier':
+      cd.local_checkpoint_every_steps = _EVERY.value
+      cd.local_checkpoint_dir = os.path.join(workdir, 'fast')
     wall, cpu = time.perf_counter(), sum(psutil.Process().cpu_times()[:2])
     result = disttrain.train(disttrain.from_config_dict(cd), workdir, callbacks=callbacks)
     wall, cpu = time.perf_counter() - wall, sum(psutil.Process().cpu_times()[:2]) - cpu
@@ -177,8 +184,10 @@ def main(argv):
   result = {'feature': _FEATURE.value, 'devices': _FAKE_DEVICES.value, 'steps': _STEPS.value,
             'examples_per_sec_with': statistics.median(with_feature),
             'examples_per_sec_without': statistics.median(without), 'trace_counts': sorted(traces)}
-  if _FEATURE.value in ('checkpoint', 'bucket'):
+  if _FEATURE.value in ('checkpoint', 'bucket', 'local_tier'):
     result['every'] = _EVERY.value
+    result['checkpoint_blocking_seconds_with'] = statistics.median(
+        r['wait'] for r in blocked['local'])
   result['ratio'] = result['examples_per_sec_with'] / result['examples_per_sec_without']
   if in_bucket:
     result['examples_per_sec_bucket'] = statistics.median(in_bucket)
@@ -193,7 +202,8 @@ def main(argv):
   what = {'checkpoint': f'checkpoint every {_EVERY.value} steps',
           'profile': 'a 3-step profiler window (steps outside it)',
           'callbacks': 'EarlyStopping + a record-reading callback',
-          'bucket': f'checkpoint every {_EVERY.value} steps to a local directory'}[_FEATURE.value]
+          'bucket': f'checkpoint every {_EVERY.value} steps to a local directory',
+          'local_tier': f'the fast tier every {_EVERY.value} steps'}[_FEATURE.value]
   print(f'{what}: {result["examples_per_sec_with"]:,.0f} examples/s vs '
         f'{result["examples_per_sec_without"]:,.0f} without: ratio {result["ratio"]:.3f} '
         f'(cost {100 * (1 - result["ratio"]):.1f}%); trace counts {sorted(traces)}')

@@ -573,6 +573,12 @@ class Config:
   eval_every_steps: int = 0  # eval over every eval source every N steps; 0 = only at the end
   checkpoint_every_steps: int = 0  # async save into DIR/checkpoints every N steps; 0 = at the end
   max_to_keep: int = 3  # newest checkpoints kept (plus the best one if best_metric is set)
+  # The fast tier (storage/local_tier.py): each process's shards, and a copy of its peer's, on
+  # its own disk every N steps; a restart takes the newest step of either tier. 0 = off.
+  local_checkpoint_every_steps: int = 0
+  # Where the fast tier writes (a local disk, or /dev/shm for memory); '' = a directory under
+  # the system's temporary directory named for the workdir.
+  local_checkpoint_dir: str = ''
   # Language models: a Hugging Face directory (config.json, safetensors, tokenizer, chat
   # template) in DIR/hf/<step> every N steps and at the last step; 0 = none (disttrain export
   # writes one from any checkpoint). disttrain/hf/saves.py.
@@ -644,6 +650,14 @@ class Config:
     _positive('eval_every_steps', self.eval_every_steps, allow_zero=True)
     _positive('checkpoint_every_steps', self.checkpoint_every_steps, allow_zero=True)
     _positive('hf_save_every_steps', self.hf_save_every_steps, allow_zero=True)
+    _positive('local_checkpoint_every_steps', self.local_checkpoint_every_steps, allow_zero=True)
+    if self.local_checkpoint_every_steps and self.step_mode == 'pmap':
+      raise ConfigError('local_checkpoint_every_steps needs a mesh-sharded state, not '
+                        'step_mode=pmap; use step_mode=jit or shard_map, or leave it at 0')
+    if '://' in self.local_checkpoint_dir:
+      raise ConfigError(f'local_checkpoint_dir={self.local_checkpoint_dir!r} is a URL; the '
+                        "fast tier is each host's own disk or memory: pass a local path "
+                        '(e.g. /dev/shm/disttrain) or leave it empty')
     _one_of('hf_save_dtype', self.hf_save_dtype, ('float32', 'bfloat16'))
     _positive('max_to_keep', self.max_to_keep)
     _one_of('best_mode', self.best_mode, ('max', 'min'))
@@ -726,7 +740,8 @@ class Config:
       raise ConfigError(f'steps_per_dispatch={k} needs step_mode=jit or shard_map, not pmap; '
                         'use one of them or steps_per_dispatch=1')
     for name in ('num_train_steps', 'log_every_steps', 'eval_every_steps',
-                 'checkpoint_every_steps', 'hf_save_every_steps'):
+                 'checkpoint_every_steps', 'hf_save_every_steps',
+                 'local_checkpoint_every_steps'):
       if getattr(self, name) % k:
         raise ConfigError(f'{name}={getattr(self, name)} is not a multiple of '
                           f'steps_per_dispatch={k}; use a multiple of {k}')

@@ -12,7 +12,8 @@ the workdir. The exit status decides (disttrain/exitcodes.py): 0 done; 2 (bad in
 (Ctrl-C) end the supervisor with that status; 75 (preempted, saved) restarts at once without
 spending the failure budget (--max_preemptions bounds those); 3 (hang), a death by a signal and
 any other status restart after an exponential backoff with jitter and count as failures. The
-count goes back to 0 whenever an attempt advanced the committed checkpoint; --max_restarts
+count goes back to 0 whenever an attempt advanced the committed checkpoint (either tier:
+DIR/local_tier.json names the fast tier's newest step); --max_restarts
 failures in a row without progress end it with one line and the last status. SIGTERM and SIGINT
 are passed to the job, which saves and stops; the supervisor then stops too (a supervisor started
 with SIGINT ignored, in the background, leaves it ignored, and so does its job). Each attempt's end
@@ -30,7 +31,7 @@ from absl import app, flags
 
 from disttrain.exitcodes import Exit, Verdict, describe, shell_status, verdict
 from disttrain.operating import events
-from disttrain.storage import urls
+from disttrain.storage import local_tier, urls
 
 _MAX_RESTARTS = flags.DEFINE_integer(
     'max_restarts', 3, 'Failed attempts in a row, without a newer committed checkpoint, that are '
@@ -121,10 +122,12 @@ class Supervisor:
       started = time.monotonic()
       code = self._attempt(attempt)
       step = committed_step(self.workdir)
-      progressed, best = step > best, max(best, step)
+      fast = local_tier.newest_step(self.workdir)  # the fast tier counts as progress too
+      progressed, best = max(step, fast) > best, max(best, step, fast)
       kind = verdict(code)
       reason = describe(code)
       record = dict(exit_code=code, verdict=kind.value, reason=reason, committed_step=step,
+                    **({'local_step': fast} if fast else {}),
                     seconds=round(time.monotonic() - started, 3), supervisor_attempt=attempt)
       if kind is Verdict.DONE:
         return self._end(record, Exit.OK)
@@ -145,7 +148,9 @@ class Supervisor:
                            f'{self.max_restarts}); the last committed checkpoint is step {step}')
         wait = self.delay(failures)
       self.log.emit('exit', **record, restart_in=round(wait, 3))
-      self.say(f'supervise: attempt {attempt} {reason} at committed step {step}; restarting in '
+      tier = f' (fast tier: step {fast})' if fast > step else ''
+      self.say(f'supervise: attempt {attempt} {reason} at committed step {step}{tier}; '
+               f'restarting in '
                f'{wait:.1f}s ({kind.value}; failures in a row {failures}/{self.max_restarts}, '
                f'preemptions {preemptions}/{self.max_preemptions})')
       deadline = time.monotonic() + wait

@@ -3,7 +3,8 @@
 Reads DIR/events.jsonl (disttrain/operating/events.py) and reports how the wall time from the first
 attempt's start to the last one's end was spent: productive training (steps that count toward
 the final model), start-up and compilation, checkpoint blocking, data waits, evals, steps lost
-to restarts (trained after the last committed checkpoint, then trained again), idle time
+to restarts (trained after the last committed checkpoint, then trained again; per tier, fast
+or persistent, that the next attempt resumed from), idle time
 between attempts (backoff, the next process starting) and the rest; and the stragglers the
 runs named (events' `straggler`, operating/stragglers.py). An attempt that ended
 normally or with an error reports its own time breakdown; one that was killed reports none, so
@@ -33,6 +34,7 @@ class Attempt:
   first_step: int = 0  # the step it resumed from
   last_step: int | None = None  # the step it reached (end event), None if killed
   lost_steps: int = 0  # steps it trained past its last checkpoint, trained again by the next
+  resumed_from: str = ''  # the tier its first step came from: 'persistent', 'local' (fast) or ''
   exit: str = ''  # how it ended
   time: dict | None = None  # its phase breakdown (end event), None if killed
 
@@ -48,6 +50,7 @@ def attempts(workdir: str, log: list[dict] | None = None) -> list[Attempt]:
       continue
     elif kind == 'restore':
       out[-1].first_step = e['step']
+      out[-1].resumed_from = e.get('tier') or ''
       if e.get('trained_through') is not None and len(out) > 1:
         out[-2].lost_steps = max(e['trained_through'] - e['step'], 0)
         out[-2].last_step = out[-2].last_step or e['trained_through']
@@ -95,7 +98,12 @@ def report(workdir: str) -> dict:
   stragglers = [{k: e.get(k) for k in ('attempt', 'process', 'host', 'step', 'stalled_fraction',
                                          'others_max', 'seconds')}
                 for e in log if e.get('event') == 'straggler']
-  return {'wall_seconds': round(wall, 3), 'stragglers': stragglers,
+  by_tier = {}  # steps lost per tier: those past the checkpoint the next attempt resumed from
+  for a, b in zip(runs, runs[1:]):
+    if a.lost_steps:
+      tier = b.resumed_from or 'persistent'
+      by_tier[tier] = by_tier.get(tier, 0) + a.lost_steps
+  return {'wall_seconds': round(wall, 3), 'stragglers': stragglers, 'lost_steps_by_tier': by_tier,
           'seconds': {k: round(v, 3) for k, v in seconds.items()},
           'fractions': {k: round(v / wall, 4) if wall > 0 else 0.0 for k, v in seconds.items()},
           'mean_step_seconds': round(per_step, 6),
@@ -103,11 +111,16 @@ def report(workdir: str) -> dict:
 
 
 def table(result: dict) -> str:
-  lines = [f'{"attempt":>7} {"from step":>9} {"to step":>7} {"lost steps":>10} {"seconds":>8}  ended']
+  lines = [f'{"attempt":>7} {"from step":>9} {"tier":>10} {"to step":>7} {"lost steps":>10} '
+           f'{"seconds":>8}  ended']
   for a in result['attempts']:
     took = f'{a["ended"] - a["started"]:.1f}' if a['ended'] is not None else '?'
-    lines.append(f'{a["number"]:>7} {a["first_step"]:>9} {a["last_step"] or "?":>7} '
+    tier = {'local': 'fast', 'persistent': 'persistent'}.get(a['resumed_from'], '-')
+    lines.append(f'{a["number"]:>7} {a["first_step"]:>9} {tier:>10} {a["last_step"] or "?":>7} '
                  f'{a["lost_steps"]:>10} {took:>8}  {a["exit"]}')
+  if result['lost_steps_by_tier']:
+    lines.append('lost steps by the tier resumed from: ' + ', '.join(
+        f'{"fast" if k == "local" else k} {v}' for k, v in sorted(result['lost_steps_by_tier'].items())))
   lines.append(f'wall {result["wall_seconds"]:.1f}s, goodput '
                f'{result["fractions"]["productive"]:.1%}:')
   for name in CATEGORIES:

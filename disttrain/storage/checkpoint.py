@@ -28,7 +28,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 from disttrain.config import Config
 from disttrain.errors import CheckpointError, first_line
 from disttrain.parallel import sharding as sharding_lib, state as state_lib
-from disttrain.storage import urls
+from disttrain.storage import local_tier, urls
 
 ITEMS = ('state', 'data', 'meta')
 
@@ -106,6 +106,10 @@ class Checkpointer:
     getattr(self._manager, '_maybe_await_cleanup_tmp_directory', lambda: None)()
     self._started: list[int] = []  # steps whose save was started, oldest first
     self._need: int | None = None  # bytes a save needs at most (set by the first save)
+    self.local = (local_tier.LocalTier(cfg.local_checkpoint_dir, workdir,
+                                       cfg.local_checkpoint_every_steps)
+                  if cfg.local_checkpoint_every_steps else None)
+    self.restored_from = ''  # after restore_latest: 'persistent' or 'local' (the fast tier)
 
   def steps(self) -> list[int]:
     """Complete checkpoints, oldest first."""
@@ -126,15 +130,23 @@ class Checkpointer:
           state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
           meta=ocp.args.JsonSave(meta)), metrics=metrics, force=True)
 
+  def save_local(self, step: int, state: Any, data_state: dict, meta: dict) -> None:
+    """A fast-tier save (local_tier.py): the arrays reach host memory before it returns."""
+    self.local.save(step, state_lib.saved_part(state), {'data': data_state, 'meta': meta})
+
   def wait(self) -> None:
     """Blocks until every started save has committed; raises its error if one failed."""
     with self._named_failures():
       self._manager.wait_until_finished()
       self._manager.check_for_errors()
+    if self.local is not None:
+      self.local.wait()
 
   def close(self) -> None:
     self.wait()
     self._manager.close()
+    if self.local is not None:
+      self.local.close()
 
   def _check_space(self, step: int, state: Any) -> None:
     """A save that cannot fit is refused before orbax starts it (and fails noisily)."""
@@ -180,8 +192,22 @@ class Checkpointer:
     nothing is moved and the error is raised, so a relaunch never silently starts over.
     """
     abstract_state = state_lib.saved_part(abstract_state)  # restored without frozen inputs
+    persistent = self.steps()
+    if self.local is not None:
+      found = self.local.newest_complete(abstract_state)
+      if found is not None and found[0] >= max(persistent, default=0):
+        step, missing = found
+        state, extra = self.local.restore(step, missing, abstract_state)
+        self.local.forget_after(step)
+        self.restored_from = 'local'
+        if missing and jax.process_index() == 0:
+          print(f'fast tier: process(es) {missing} had no copy of step {step}; their shards '
+                'came from their peers\' copies', flush=True)
+        return state, extra['data'], extra['meta'], step
+      self.local.forget_after(max(persistent, default=0))
+    self.restored_from = 'persistent'
     failures = []
-    for step in reversed(self.steps()):
+    for step in reversed(persistent):
       check_fits(self._manager, step, abstract_state, self.directory)
       try:
         restored = self._manager.restore(step, args=ocp.args.Composite(

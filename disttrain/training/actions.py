@@ -241,7 +241,8 @@ def summary(result: dict) -> str:
 
 
 class Saver:
-  """Checkpoints every checkpoint_every_steps, at the end and at a stop; never a non-finite one."""
+  """Checkpoints every checkpoint_every_steps, at the end and at a stop, and into the fast tier
+  every local_checkpoint_every_steps; never a non-finite state."""
 
   def __init__(self, cfg: Config, ckpt: checkpoint.Checkpointer, steps: Steps,
                batches: TrainIterator, hooks: Callbacks, phases: timing.Phases,
@@ -261,7 +262,8 @@ class Saver:
                  evals: dict | None = None) -> bool:
     due = force or (self.cfg.checkpoint_every_steps
                     and step_no % self.cfg.checkpoint_every_steps == 0)
-    if not due:
+    local = self.cfg.local_checkpoint_every_steps
+    if not due and not (local and step_no % local == 0):
       return False
     with self.phases('checkpoint'):
       exported = self.steps.export(device_state)
@@ -273,6 +275,9 @@ class Saver:
         raise NonFiniteError(f'step {step_no}: the parameters are not finite (the losses up to '
                              f'here were); that state was not saved, {self.last_saved()}; lower '
                              'learning_rate')
+      if not due:  # the fast tier only: each process's own disk (storage/local_tier.py)
+        self.ckpt.save_local(step_no, exported, self.batches.get_state(), self.meta(step_no))
+        return False
       self.ckpt.save(step_no, exported, self.batches.get_state(), self.meta(step_no),
                      metrics=evals)
       self.sync()  # a bucket workdir's records reach the bucket with each checkpoint

@@ -136,7 +136,8 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
     # Records of steps after it, from an attempt killed before its next checkpoint, step aside.
     lost_through = writer.start(first_step)
     if first_step or lost_through is not None:
-      log.emit('restore', step=first_step, trained_through=lost_through)
+      log.emit('restore', step=first_step, trained_through=lost_through,
+               tier=ckpt.restored_from if first_step else None)
     device_state = run.steps.place(state)
     del state
     with phases('compile'):
@@ -191,7 +192,8 @@ def _restore_or_init(ckpt, run: Setup, batches, hooks, writer, before_weights=la
       restored_state = state_lib.with_frozen(restored_state, state.mutable[state_lib.FROZEN])
     batches.set_state(data_state)  # the data order continues exactly where it stopped
     hooks.restore(meta.get('callbacks', {}))
-    writer.print(f'resumed from step {at}: {ckpt.directory}/{at}')
+    writer.print(f'resumed from step {at}: {ckpt.directory}/{at}' if ckpt.restored_from !=
+                 'local' else f'resumed from step {at}: the fast tier in {ckpt.local.root}')
     if batches.changed:
       writer.print(batches.changed)
     return restored_state

@@ -1,0 +1,71 @@
+"""The fast checkpoint tier in one process (storage/local_tier.py) on 8 devices, fsdp x data:
+a resume from it equals the uninterrupted run bit for bit, bfloat16 optimizer state included;
+it is never restored into another layout or another run. The peer copy between processes and
+the restart supervisor: tests/test_multiprocess.py."""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import disttrain
+from disttrain import config as config_lib
+from disttrain.operating import events
+from tests import helpers
+from tests.conftest import ROOT
+
+BASE = {'model.hidden': 64, 'global_batch_size': 32, 'log_every_steps': 1, 'eval_every_steps': 0,
+        'mesh.data': 4, 'mesh.fsdp': 2, 'sharding': 'fsdp', 'fsdp_min_size': 1024,
+        'optimizer': 'adam', 'mu_dtype': 'bfloat16', 'checkpoint_every_steps': 100}
+
+
+def _config(**overrides) -> disttrain.Config:
+  return config_lib.from_config_dict(helpers.override(
+      helpers.config_file(ROOT / 'launch/configs/mnist_mlp.py'), {**BASE, **overrides}))
+
+
+def _leaves(result) -> list[np.ndarray]:
+  return [np.asarray(x) for x in jax.tree.leaves((result.state.params, result.state.opt_state))]
+
+
+def test_resume_from_the_fast_tier_is_exact_and_stays_in_its_run_and_layout(tmp_path, capfd):
+  want = _leaves(disttrain.train(_config(num_train_steps=10), str(tmp_path / 'ref')))
+  work, local = tmp_path / 'run', tmp_path / 'local'
+  fast = {'local_checkpoint_every_steps': 5, 'local_checkpoint_dir': str(local)}
+  disttrain.train(_config(num_train_steps=7, **fast), str(work))
+  assert sorted(p.name for p in (local / 'process_0').iterdir()) == ['5']
+  shutil.rmtree(work / 'checkpoints' / '7')  # the persistent tier lost its newest save
+  capfd.readouterr()
+  got = disttrain.train(_config(num_train_steps=10, **fast), str(work))
+  assert f'resumed from step 5: the fast tier in {local}' in capfd.readouterr().out
+  for a, b in zip(_leaves(got), want, strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert [(e['step'], e['tier']) for e in events.read(str(work)) if e['event'] == 'restore'] == [
+      (5, 'local')]
+  # Another layout: the fast tier's files hold other shards; the workdir's checkpoint is used.
+  disttrain.train(_config(num_train_steps=17, **fast), str(work))  # fast save at 15
+  shutil.rmtree(work / 'checkpoints' / '17')
+  capfd.readouterr()
+  again = disttrain.train(_config(num_train_steps=18, **fast, **{'mesh.data': 8, 'mesh.fsdp': 1}),
+                          str(work))
+  out = capfd.readouterr().out
+  assert 'fast tier: step 15' in out and 'was saved with another layout' in out, out
+  assert 'resumed from step 10: ' in out and again.step == 18
+  # A new run in a reused workdir never takes the old run's fast tier.
+  shutil.rmtree(work)
+  capfd.readouterr()
+  fresh = disttrain.train(_config(num_train_steps=2, **fast), str(work))
+  assert 'resumed' not in capfd.readouterr().out and fresh.step == 2
+
+
+@pytest.mark.parametrize('overrides,message', [
+    ({'local_checkpoint_every_steps': 5, 'step_mode': 'pmap'},
+     'local_checkpoint_every_steps needs a mesh-sharded state, not step_mode=pmap'),
+    ({'local_checkpoint_every_steps': 5, 'local_checkpoint_dir': 'gs://b/fast'},
+     "local_checkpoint_dir='gs://b/fast' is a URL"),
+    ({'local_checkpoint_every_steps': -1}, 'local_checkpoint_every_steps=-1'),
+])
+def test_bad_fast_tier_settings_are_one_line(overrides, message):
+  with pytest.raises(disttrain.ConfigError, match=message.replace('(', r'\(')):
+    _config(**{'mesh.data': 8, 'mesh.fsdp': 1, 'sharding': 'replicate', **overrides})
