@@ -86,6 +86,30 @@ def test_manifests_pass_the_jobset_and_kubernetes_schemas(path, validator):
       manifest['spec']['failurePolicy']['rules']
 
 
+def test_tpu_slices_agree_on_the_dcn_mesh():
+  """The multi-slice recipe: as many slices as MEGASCALE_NUM_SLICES and dcn_mesh.data, the
+  coordinator at slice 0's host 0 by the JobSet's host names, and a mesh that fills the slices."""
+  (manifest,) = list(yaml.safe_load_all((ROOT / 'launch' / 'k8s' / 'tpu-jobset.yaml').read_text()))
+  (job,) = manifest['spec']['replicatedJobs']
+  (container,) = job['template']['spec']['template']['spec']['containers']
+  env = {e['name']: e.get('value', e.get('valueFrom')) for e in container['env']}
+  flags = dict(a.removeprefix('--').split('=', 1) for a in container['args'] if '=' in a)
+  slices = job['replicas']
+  assert int(env['MEGASCALE_NUM_SLICES']) == int(flags['config.dcn_mesh.data']) == slices > 1
+  assert env['MEGASCALE_SLICE_ID'] == {
+      'fieldRef': {'fieldPath': "metadata.labels['jobset.sigs.k8s.io/job-index']"}}
+  name = manifest['metadata']['name']
+  assert manifest['spec']['network']['enableDNSHostnames']
+  assert env['MEGASCALE_COORDINATOR_ADDRESS'] == f'{name}-{job["name"]}-0-0.{name}'
+  chips = job['template']['spec']['completions'] * container['resources']['limits']['google.com/tpu']
+  overrides = {k.removeprefix('config.'): int(v) if v.isdigit() else v
+               for k, v in flags.items() if k.startswith('config.')}
+  cfg = config_lib.from_config_dict(helpers.override(
+      helpers.config_file(ROOT / flags['config']), overrides))
+  inside = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor * cfg.mesh.stage * cfg.mesh.context
+  assert inside * cfg.mesh.expert == chips  # mesh.* fills one slice, dcn_mesh.* spans them
+
+
 def test_the_schema_check_catches_mistakes(validator):
   (manifest,) = list(yaml.safe_load_all((ROOT / 'launch' / 'k8s' / 'gpu-jobset.yaml').read_text()))
   typo = copy.deepcopy(manifest)
