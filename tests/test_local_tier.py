@@ -6,6 +6,7 @@ the restart supervisor: tests/test_multiprocess.py."""
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -69,3 +70,29 @@ def test_resume_from_the_fast_tier_is_exact_and_stays_in_its_run_and_layout(tmp_
 def test_bad_fast_tier_settings_are_one_line(overrides, message):
   with pytest.raises(disttrain.ConfigError, match=message.replace('(', r'\(')):
     _config(**{'mesh.data': 8, 'mesh.fsdp': 1, 'sharding': 'replicate', **overrides})
+
+
+def test_peer_copy_moves_every_block_in_groups(monkeypatch):
+  """The ring moves in one process (its following devices are its own): in groups of one leaf
+  or all at once, every shard comes out under its key, and moved back it rebuilds the arrays;
+  with fsdp x data, replicated and split leaves, bfloat16 among them."""
+  from disttrain.storage import local_tier  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((4, 2), ('data', 'fsdp'))
+  specs = [jax.sharding.PartitionSpec('fsdp', None), jax.sharding.PartitionSpec(),
+           jax.sharding.PartitionSpec(None, ('data', 'fsdp'))]
+  arrays = [jax.device_put(np.arange(64 * 8, dtype=dtype).reshape(64, 8) * (k + 1),
+                           jax.sharding.NamedSharding(mesh, spec))
+            for k, (spec, dtype) in enumerate(zip(specs, [np.float32, jnp.bfloat16, np.int32]))]
+  own = local_tier._host_shards(arrays)
+  whole = local_tier._to_next(arrays, *local_tier._ring())
+  monkeypatch.setattr(local_tier, 'CHUNK_BYTES', 1)
+  grouped = local_tier._to_next(arrays, *local_tier._ring())
+  assert sorted(own) == sorted(whole) == sorted(grouped)
+  for name, data in own.items():
+    np.testing.assert_array_equal(whole[name], data)
+    np.testing.assert_array_equal(grouped[name], data)
+  abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in arrays]
+  back = local_tier._from_next(abstract, grouped, *local_tier._ring(), 0)
+  for x, y in zip(arrays, back, strict=True):
+    assert y.sharding == x.sharding
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))

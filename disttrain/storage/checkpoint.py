@@ -106,8 +106,7 @@ class Checkpointer:
     getattr(self._manager, '_maybe_await_cleanup_tmp_directory', lambda: None)()
     self._started: list[int] = []  # steps whose save was started, oldest first
     self._need: int | None = None  # bytes a save needs at most (set by the first save)
-    self.local = (local_tier.LocalTier(cfg.local_checkpoint_dir, workdir,
-                                       cfg.local_checkpoint_every_steps)
+    self.local = (local_tier.LocalTier(cfg.local_checkpoint_dir, workdir)
                   if cfg.local_checkpoint_every_steps else None)
     self.restored_from = ''  # after restore_latest: 'persistent' or 'local' (the fast tier)
 

@@ -20,6 +20,7 @@ supervisor that an attempt made progress.
 import concurrent.futures
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -38,6 +39,7 @@ from disttrain.storage import urls
 KEEP = 2  # the newest complete step and the one before it (a write torn by a kill is .tmp)
 MARKER = 'local_tier.json'  # in the workdir: {'run': id, 'step': process 0's newest local step}
 _SLOTS = 8  # newest steps each process reports when the processes agree on one
+CHUNK_BYTES = 2**28  # per device: the peer copy moves the state in groups of leaves this large
 
 
 def default_root(workdir: str) -> str:
@@ -93,46 +95,66 @@ def _unstack(data: np.ndarray, dtype) -> np.ndarray:
   return data if data.dtype == dtype else data.view(dtype)  # npz keeps bfloat16 & co as bytes
 
 
+def _groups(leaves: list) -> list[list[int]]:
+  """Leaf indices in groups of at most CHUNK_BYTES per device (one leaf at least): the peer
+  copy moves a group at a time, so its extra copies need little device memory."""
+  groups, size = [[]], 0
+  for i, x in enumerate(leaves):
+    if groups[-1] and size >= CHUNK_BYTES:
+      groups.append([])
+      size = 0
+    groups[-1].append(i)
+    size += math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+  return groups
+
+
 def _to_next(arrays: list, ring: Mesh, following: Mesh) -> dict[str, np.ndarray]:
   """The shards of the previous process, moved here: each device's shard becomes one block of a
   ring-sharded array, and the reshard onto the following devices moves every block, replicas
   too (a reshard of the state itself would leave a replica where it is)."""
-  where, moved = [], []
-  for x in arrays:
-    pieces = [s.data[None] for s in x.addressable_shards]
-    moved.append(jax.make_array_from_single_device_arrays(
-        (ring.size, *x.sharding.shard_shape(x.shape)), NamedSharding(ring, P('ring')), pieces))
-    where.append(x.sharding.devices_indices_map(x.shape))
-  moved = jax.device_put(moved, [NamedSharding(following, P('ring'))] * len(moved))
   shards = {}
-  for i, (x, blocks) in enumerate(zip(arrays, moved)):
-    for shard in blocks.addressable_shards:  # block k: the shard of ring device k
-      name = f'{i}|{_key(where[i][ring.devices[shard.index[0].start]], x.shape)}'
-      if name not in shards:
-        shard.data.copy_to_host_async()
-        shards[name] = shard.data
-  return {name: np.asarray(data)[0] for name, data in shards.items()}
+  for group in _groups(arrays):
+    blocks = [jax.make_array_from_single_device_arrays(
+        (ring.size, *arrays[i].sharding.shard_shape(arrays[i].shape)),
+        NamedSharding(ring, P('ring')), [s.data[None] for s in arrays[i].addressable_shards])
+              for i in group]
+    moved = jax.device_put(blocks, [NamedSharding(following, P('ring'))] * len(blocks))
+    on_device = {}
+    for i, got in zip(group, moved):
+      x = arrays[i]
+      where = x.sharding.devices_indices_map(x.shape)
+      for shard in got.addressable_shards:  # block k: the shard of ring device k
+        name = f'{i}|{_key(where[ring.devices[shard.index[0].start]], x.shape)}'
+        if name not in on_device:
+          shard.data.copy_to_host_async()
+          on_device[name] = shard.data
+    shards.update({name: np.asarray(data)[0] for name, data in on_device.items()})
+  return shards
 
 
 def _from_next(leaves: list, peer, ring: Mesh, following: Mesh, me: int) -> list:
   """The inverse of _to_next, for processes whose own files are gone: every process passes the
   copies it holds (`peer`; None: none that are needed), the blocks move back, and each device
   receives its shard."""
-  blocks = []
-  for i, x in enumerate(leaves):
-    where, shape = x.sharding.devices_indices_map(x.shape), x.sharding.shard_shape(x.shape)
-    pieces = []
-    for k, device in enumerate(following.devices):
-      if device.process_index == me:
-        host = (np.zeros(shape, x.dtype) if peer is None else
-                _unstack(peer[f'{i}|{_key(where[ring.devices[k]], x.shape)}'], x.dtype))
-        pieces.append(jax.device_put(host[None], device))
-    blocks.append(jax.make_array_from_single_device_arrays(
-        (ring.size, *shape), NamedSharding(following, P('ring')), pieces))
-  back = jax.device_put(blocks, [NamedSharding(ring, P('ring'))] * len(blocks))
-  return [jax.make_array_from_single_device_arrays(
-      x.shape, x.sharding, [s.data[0] for s in b.addressable_shards])
-          for x, b in zip(leaves, back)]
+  out = []
+  for group in _groups(leaves):
+    blocks = []
+    for i in group:
+      x = leaves[i]
+      where, shape = x.sharding.devices_indices_map(x.shape), x.sharding.shard_shape(x.shape)
+      pieces = []
+      for k, device in enumerate(following.devices):
+        if device.process_index == me:
+          host = (np.zeros(shape, x.dtype) if peer is None else
+                  _unstack(peer[f'{i}|{_key(where[ring.devices[k]], x.shape)}'], x.dtype))
+          pieces.append(jax.device_put(host[None], device))
+      blocks.append(jax.make_array_from_single_device_arrays(
+          (ring.size, *shape), NamedSharding(following, P('ring')), pieces))
+    back = jax.device_put(blocks, [NamedSharding(ring, P('ring'))] * len(blocks))
+    out += [jax.make_array_from_single_device_arrays(
+        leaves[i].shape, leaves[i].sharding, [s.data[0] for s in b.addressable_shards])
+            for i, b in zip(group, back)]
+  return out
 
 
 def _assemble(i: int, abstract: Any, shards) -> jax.Array:
@@ -156,8 +178,7 @@ def _broadcast_json(value: Any, source: bool) -> Any:
 class LocalTier:
   """One process's fast tier: save (host copy now, file writes in the background), restore."""
 
-  def __init__(self, root: str, workdir: str, every: int):
-    self.every = every
+  def __init__(self, root: str, workdir: str):
     self.n, self.p = jax.process_count(), jax.process_index()
     self.root = Path(root or default_root(workdir))
     self.dir = self.root / f'process_{self.p}'
@@ -165,7 +186,6 @@ class LocalTier:
     self.run = self._run_id()
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='local_tier')
     self._pending = None
-    self.seconds = 0.0  # background write time of the last save (benchmarks/loop_cost.py)
 
   def _run_id(self) -> str:
     """The run's id from DIR/local_tier.json, made by process 0 at the run's first start."""
@@ -186,7 +206,7 @@ class LocalTier:
     arrays = [x for _, x in paths_leaves]
     own = _host_shards(arrays)
     peer = {}
-    if self.n > 1:  # one collective: every process holds its predecessor's shards
+    if self.n > 1:  # collectives: every process gets its predecessor's shards
       peer = _to_next(arrays, *_ring())
     info = {'step': step, 'run': self.run, 'processes': self.n, 'extra': extra,
             'layout': _layout(arrays, [jax.tree_util.keystr(p) for p, _ in paths_leaves])}
