@@ -22,6 +22,7 @@ from disttrain.operating import events as events_lib
 
 _JSON = flags.DEFINE_string('json', '', 'Also write the report as JSON here.')
 
+TIERS = {'local': 'fast', 'persistent': 'persistent'}  # events' `tier` -> the report's word
 CATEGORIES = ('productive', 'startup_and_compile', 'checkpoint', 'data', 'eval', 'lost_steps',
               'idle_between_attempts', 'killed_other', 'other')
 
@@ -115,12 +116,12 @@ def table(result: dict) -> str:
            f'{"seconds":>8}  ended']
   for a in result['attempts']:
     took = f'{a["ended"] - a["started"]:.1f}' if a['ended'] is not None else '?'
-    tier = {'local': 'fast', 'persistent': 'persistent'}.get(a['resumed_from'], '-')
+    tier = TIERS.get(a['resumed_from'], '-')
     lines.append(f'{a["number"]:>7} {a["first_step"]:>9} {tier:>10} {a["last_step"] or "?":>7} '
                  f'{a["lost_steps"]:>10} {took:>8}  {a["exit"]}')
   if result['lost_steps_by_tier']:
     lines.append('lost steps by the tier resumed from: ' + ', '.join(
-        f'{"fast" if k == "local" else k} {v}' for k, v in sorted(result['lost_steps_by_tier'].items())))
+        f'{TIERS[k]} {v}' for k, v in sorted(result['lost_steps_by_tier'].items())))
   lines.append(f'wall {result["wall_seconds"]:.1f}s, goodput '
                f'{result["fractions"]["productive"]:.1%}:')
   for name in CATEGORIES:
