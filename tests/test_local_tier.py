@@ -3,6 +3,7 @@ a resume from it equals the uninterrupted run bit for bit, bfloat16 optimizer st
 it is never restored into another layout or another run. The peer copy between processes and
 the restart supervisor: tests/test_multiprocess.py."""
 
+import os
 import shutil
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 import disttrain
 from disttrain import config as config_lib
 from disttrain.operating import events
+from disttrain.storage import local_tier, shards
 from tests import helpers
 from tests.conftest import ROOT
 
@@ -76,23 +78,40 @@ def test_peer_copy_moves_every_block_in_groups(monkeypatch):
   """The ring moves in one process (its following devices are its own): in groups of one leaf
   or all at once, every shard comes out under its key, and moved back it rebuilds the arrays;
   with fsdp x data, replicated and split leaves, bfloat16 among them."""
-  from disttrain.storage import local_tier  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((4, 2), ('data', 'fsdp'))
   specs = [jax.sharding.PartitionSpec('fsdp', None), jax.sharding.PartitionSpec(),
            jax.sharding.PartitionSpec(None, ('data', 'fsdp'))]
   arrays = [jax.device_put(np.arange(64 * 8, dtype=dtype).reshape(64, 8) * (k + 1),
                            jax.sharding.NamedSharding(mesh, spec))
             for k, (spec, dtype) in enumerate(zip(specs, [np.float32, jnp.bfloat16, np.int32]))]
-  own = local_tier._host_shards(arrays)
-  whole = local_tier._to_next(arrays, *local_tier._ring())
-  monkeypatch.setattr(local_tier, 'CHUNK_BYTES', 1)
-  grouped = local_tier._to_next(arrays, *local_tier._ring())
+  own = shards.host_shards(arrays)
+  whole = shards.to_next(arrays, *shards.ring())
+  monkeypatch.setattr(shards, 'CHUNK_BYTES', 1)
+  grouped = shards.to_next(arrays, *shards.ring())
   assert sorted(own) == sorted(whole) == sorted(grouped)
   for name, data in own.items():
     np.testing.assert_array_equal(whole[name], data)
     np.testing.assert_array_equal(grouped[name], data)
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in arrays]
-  back = local_tier._from_next(abstract, grouped, *local_tier._ring(), 0)
+  back = shards.from_next(abstract, grouped, *shards.ring(), 0)
   for x, y in zip(arrays, back, strict=True):
     assert y.sharding == x.sharding
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+def test_a_fast_save_reaches_the_disk_before_the_rename_that_commits_it(tmp_path, monkeypatch):
+  """Each file of a step is fsynced before the rename of <step>.tmp, the directory after it: a
+  host's power loss leaves the step whole or absent, never renamed with torn files."""
+  calls, fsync, rename = [], os.fsync, os.rename
+  monkeypatch.setattr(os, 'fsync', lambda fd: (
+      calls.append(('fsync', os.readlink(f'/proc/self/fd/{fd}'))), fsync(fd))[1])
+  monkeypatch.setattr(os, 'rename', lambda a, b: (
+      calls.append(('rename', os.path.realpath(a))), rename(a, b))[1])
+  tier = local_tier.LocalTier(str(tmp_path / 'local'), str(tmp_path / 'run'))
+  split = jax.sharding.NamedSharding(jax.make_mesh((8,), ('fsdp',)),
+                                    jax.sharding.PartitionSpec('fsdp'))
+  tier.save(5, {'w': jax.device_put(np.ones((8, 4), np.float32), split)}, {'data': 1})
+  tier.close()
+  where = os.path.realpath(tmp_path / 'local' / 'process_0')
+  assert calls == [('fsync', f'{where}/5.tmp/own.npz'), ('fsync', f'{where}/5.tmp/info.json'),
+                   ('rename', f'{where}/5.tmp'), ('fsync', where)], calls

@@ -2,11 +2,11 @@
 its devices hold to its own disk (or a ramdisk such as /dev/shm), plus a copy of its peer's.
 
 Process p's peer copy is process p-1's shards (mod the process count), moved over the device
-network by one reshard: each device's shard is one block of an array over a ring of all
-devices, resharded onto that ring rotated by one process (every block moves, replicas too).
-A restart restores the newest step complete across processes, each process from its own files
-or, where a host lost them (a replacement host, a wiped disk), from the copy on process p+1,
-moved back by the inverse reshard; bit for bit, the data position and callbacks included.
+network by one reshard (storage/shards.py). A restart restores the newest step complete across
+processes, each process from its own files or, where a host lost them (a replacement host, a
+wiped disk), from the copy on process p+1, moved back by the inverse reshard; bit for bit, the
+data position and callbacks included. Files reach the disk (fsync) before the rename that
+commits their step, so a host's power loss leaves a step whole or absent.
 Orbax's emergency manager was not used: it is experimental, needs a second replica of the state
 along a slice axis to recover a lost host (a state split by fsdp over every process has none),
 and writes the persistent tier from one slice only; this tier works for any NamedSharding layout.
@@ -20,7 +20,6 @@ supervisor that an attempt made progress.
 import concurrent.futures
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -31,15 +30,13 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from disttrain.errors import CheckpointError
-from disttrain.storage import urls
+from disttrain.storage import shards, urls
 
 KEEP = 2  # the newest complete step and the one before it (a write torn by a kill is .tmp)
 MARKER = 'local_tier.json'  # in the workdir: {'run': id, 'step': process 0's newest local step}
 _SLOTS = 8  # newest steps each process reports when the processes agree on one
-CHUNK_BYTES = 2**28  # per device: the peer copy moves the state in groups of leaves this large
 
 
 def default_root(workdir: str) -> str:
@@ -55,115 +52,26 @@ def newest_step(workdir: str) -> int:
     return 0
 
 
-def _key(index: tuple, shape: tuple) -> str:
-  """A shard's place in its array, e.g. '0:4,0:64' (the same on every process)."""
-  return ','.join('%d:%d' % s.indices(n)[:2] for s, n in zip(index, shape))
-
-
-def _host_shards(arrays: list) -> dict[str, np.ndarray]:
-  """Each distinct shard this process holds, copied to host memory (replicas once)."""
-  shards = {}
-  for i, x in enumerate(arrays):
-    for shard in x.addressable_shards:
-      name = f'{i}|{_key(shard.index, x.shape)}'
-      if name not in shards:
-        shard.data.copy_to_host_async()
-        shards[name] = shard.data
-  return {name: np.asarray(data) for name, data in shards.items()}
-
-
 def _layout(arrays: list, paths: list[str]) -> list:
   return [[p, list(x.shape), str(x.dtype), str(x.sharding.spec),
            [[k, v] for k, v in x.sharding.mesh.shape.items()],
            [d.id for d in x.sharding.mesh.devices.flat]] for p, x in zip(paths, arrays)]
 
 
-def _ring() -> tuple[Mesh, Mesh]:
-  """Every device on one axis, process by process; and that axis with each device replaced by
-  the next process's device at the same place (the last process's by the first's)."""
-  by_process = {}
-  for d in sorted(jax.devices(), key=lambda d: d.id):
-    by_process.setdefault(d.process_index, []).append(d)
-  order = sorted(by_process)
-  devices = [d for p in order for d in by_process[p]]
-  following = [by_process[order[(j + 1) % len(order)]][i]
-               for j, p in enumerate(order) for i in range(len(by_process[p]))]
-  return Mesh(np.array(devices), ('ring',)), Mesh(np.array(following), ('ring',))
+def _synced(path: Path, write) -> None:
+  """Writes a file through `write(f)` and flushes it to the disk (before the step's rename)."""
+  with open(path, 'wb') as f:
+    write(f)
+    f.flush()
+    os.fsync(f.fileno())
 
 
-def _unstack(data: np.ndarray, dtype) -> np.ndarray:
-  return data if data.dtype == dtype else data.view(dtype)  # npz keeps bfloat16 & co as bytes
-
-
-def _groups(leaves: list) -> list[list[int]]:
-  """Leaf indices in groups of at most CHUNK_BYTES per device (one leaf at least): the peer
-  copy moves a group at a time, so its extra copies need little device memory."""
-  groups, size = [[]], 0
-  for i, x in enumerate(leaves):
-    if groups[-1] and size >= CHUNK_BYTES:
-      groups.append([])
-      size = 0
-    groups[-1].append(i)
-    size += math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-  return groups
-
-
-def _to_next(arrays: list, ring: Mesh, following: Mesh) -> dict[str, np.ndarray]:
-  """The shards of the previous process, moved here: each device's shard becomes one block of a
-  ring-sharded array, and the reshard onto the following devices moves every block, replicas
-  too (a reshard of the state itself would leave a replica where it is)."""
-  shards = {}
-  for group in _groups(arrays):
-    blocks = [jax.make_array_from_single_device_arrays(
-        (ring.size, *arrays[i].sharding.shard_shape(arrays[i].shape)),
-        NamedSharding(ring, P('ring')), [s.data[None] for s in arrays[i].addressable_shards])
-              for i in group]
-    moved = jax.device_put(blocks, [NamedSharding(following, P('ring'))] * len(blocks))
-    on_device = {}
-    for i, got in zip(group, moved):
-      x = arrays[i]
-      where = x.sharding.devices_indices_map(x.shape)
-      for shard in got.addressable_shards:  # block k: the shard of ring device k
-        name = f'{i}|{_key(where[ring.devices[shard.index[0].start]], x.shape)}'
-        if name not in on_device:
-          shard.data.copy_to_host_async()
-          on_device[name] = shard.data
-    shards.update({name: np.asarray(data)[0] for name, data in on_device.items()})
-  return shards
-
-
-def _from_next(leaves: list, peer, ring: Mesh, following: Mesh, me: int) -> list:
-  """The inverse of _to_next, for processes whose own files are gone: every process passes the
-  copies it holds (`peer`; None: none that are needed), the blocks move back, and each device
-  receives its shard."""
-  out = []
-  for group in _groups(leaves):
-    blocks = []
-    for i in group:
-      x = leaves[i]
-      where, shape = x.sharding.devices_indices_map(x.shape), x.sharding.shard_shape(x.shape)
-      pieces = []
-      for k, device in enumerate(following.devices):
-        if device.process_index == me:
-          host = (np.zeros(shape, x.dtype) if peer is None else
-                  _unstack(peer[f'{i}|{_key(where[ring.devices[k]], x.shape)}'], x.dtype))
-          pieces.append(jax.device_put(host[None], device))
-      blocks.append(jax.make_array_from_single_device_arrays(
-          (ring.size, *shape), NamedSharding(following, P('ring')), pieces))
-    back = jax.device_put(blocks, [NamedSharding(ring, P('ring'))] * len(blocks))
-    out += [jax.make_array_from_single_device_arrays(
-        leaves[i].shape, leaves[i].sharding, [s.data[0] for s in b.addressable_shards])
-            for i, b in zip(group, back)]
-  return out
-
-
-def _assemble(i: int, abstract: Any, shards) -> jax.Array:
-  """Leaf i as a global array from this process's own shards."""
-  sharding = abstract.sharding
-  pieces = [jax.device_put(_unstack(shards[f'{i}|{_key(index, abstract.shape)}'], abstract.dtype),
-                           device)
-            for device, index in sharding.addressable_devices_indices_map(abstract.shape).items()]
-  return jax.make_array_from_single_device_arrays(abstract.shape, sharding, pieces)
+def _sync_dir(path: Path) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
 
 
 def _broadcast_json(value: Any, source: bool) -> Any:
@@ -204,10 +112,10 @@ class LocalTier:
     self.wait()
     paths_leaves, _ = jax.tree_util.tree_flatten_with_path(state)
     arrays = [x for _, x in paths_leaves]
-    own = _host_shards(arrays)
+    own = shards.host_shards(arrays)
     peer = {}
     if self.n > 1:  # collectives: every process gets its predecessor's shards
-      peer = _to_next(arrays, *_ring())
+      peer = shards.to_next(arrays, *shards.ring())
     info = {'step': step, 'run': self.run, 'processes': self.n, 'extra': extra,
             'layout': _layout(arrays, [jax.tree_util.keystr(p) for p, _ in paths_leaves])}
     self._pending = self._pool.submit(self._write, step, own, peer, info)
@@ -216,12 +124,13 @@ class LocalTier:
     tmp, final = self.dir / f'{step}.tmp', self.dir / str(step)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    np.savez(tmp / 'own.npz', **own)
+    _synced(tmp / 'own.npz', lambda f: np.savez(f, **own))
     if peer:
-      np.savez(tmp / 'peer.npz', **peer)
-    (tmp / 'info.json').write_text(json.dumps(info))
+      _synced(tmp / 'peer.npz', lambda f: np.savez(f, **peer))
+    _synced(tmp / 'info.json', lambda f: f.write(json.dumps(info).encode()))
     shutil.rmtree(final, ignore_errors=True)  # a step of an abandoned trajectory
     os.rename(tmp, final)
+    _sync_dir(self.dir)  # the rename too: after a power loss a step is whole or absent
     for old in self._steps()[:-KEEP]:
       shutil.rmtree(self.dir / str(old), ignore_errors=True)
     if self.p == 0:
@@ -285,10 +194,11 @@ class LocalTier:
     mine = self.dir / str(step)
     if self.p not in missing:
       own = np.load(mine / 'own.npz')
-      arrays = [_assemble(i, x, own) for i, x in enumerate(leaves)]
+      arrays = [shards.assemble(i, x, own) for i, x in enumerate(leaves)]
     if missing:  # process p's shards come back from p+1's copy
       holds = (self.p - 1) % self.n in missing
-      moved = _from_next(leaves, np.load(mine / 'peer.npz') if holds else None, *_ring(), self.p)
+      moved = shards.from_next(leaves, np.load(mine / 'peer.npz') if holds else None,
+                               *shards.ring(), self.p)
       if self.p in missing:
         arrays = moved
     source = self.p == min(set(range(self.n)) - set(missing))
