@@ -520,57 +520,58 @@ def _kill_process_1_when(ready, overrides: dict, workdir, after_kill=lambda: Non
 
 def test_supervisor_restarts_a_killed_job_from_the_fast_tier_and_a_peer_copy(tmp_path):
   """Checkpoints in tiers (storage/local_tier.py): the fast tier every 5 steps on each process's
-  own disk, the persistent one every 50 (here: only at the end). Process 1 of a 2 x 4 job is
-  SIGKILLed after step 20's fast save (the OOM killer, say) and its fast tier is wiped (a
-  replacement host); local_cluster stops process 0 and exits 137, launch/supervise.py starts the
-  gang again, which resumes from step 20 (not 0): process 0 from its own files, process 1 from
-  the copy of its shards on process 0 (fsdp over all 8 devices: most of process 1's shards are
-  held by no other device). It ends with the uninterrupted run's losses and
+  own disk, the persistent one every 50 (in this 40-step job: only at the end). Process 1 of a
+  2 x 4 job is SIGKILLed at step ~33, after step 30's fast save (the OOM killer, say), and its
+  fast tier is wiped (a replacement host); local_cluster stops process 0 and exits 137,
+  launch/supervise.py starts the gang again, which resumes from step 30 (not 0): process 0 from
+  its own files, process 1 from the copy of its shards on process 0 (fsdp over all 8 devices:
+  most of process 1's shards are held by no other device). It ends with the uninterrupted run's losses and
   parameters (bitwise); metrics.jsonl and TensorBoard show each step once; events.jsonl has both
   attempts and goodput files the lost steps under the fast tier."""
   work, local, two = tmp_path / 'run', tmp_path / 'local', tmp_path / 'uninterrupted'
   split = {**BASE, 'mesh.data': 1, 'mesh.fsdp': 8, 'sharding': 'fsdp', 'fsdp_min_size': 1024,
-           'checkpoint_every_steps': 50}
+           'checkpoint_every_steps': 50, 'num_train_steps': 40}
+  steps = split['num_train_steps']
   _cluster(split, two)
   seen = []
 
-  def ready() -> bool:  # a step logged past the fast save of step 20 on both processes
+  def ready() -> bool:  # a step logged past the fast save of step 30 on both processes
     seen.append(_last_logged_step(work))
-    return seen[-1] >= 21 and all((local / f'process_{p}' / '20').is_dir() for p in (0, 1))
+    return seen[-1] >= 32 and all((local / f'process_{p}' / '30').is_dir() for p in (0, 1))
   overrides = {**split, 'local_checkpoint_every_steps': 5, 'local_checkpoint_dir': local}
   out = _kill_process_1_when(ready, overrides, work,
                              after_kill=lambda: shutil.rmtree(local / 'process_1'))
   logged_at_kill = seen[-1]
-  assert ('supervise: attempt 1 killed by SIGKILL at committed step 0 (fast tier: step 20); '
+  assert ('supervise: attempt 1 killed by SIGKILL at committed step 0 (fast tier: step 30); '
           'restarting') in out, out[-4000:]
-  assert f'[0] resumed from step 20: the fast tier in {local}' in out, out[-4000:]
-  assert "[0] fast tier: process(es) [1] had no copy of step 20; their shards came from their " \
+  assert f'[0] resumed from step 30: the fast tier in {local}' in out, out[-4000:]
+  assert "[0] fast tier: process(es) [1] had no copy of step 30; their shards came from their " \
       "peers' copies" in out
-  assert [r['step'] for r in _records(work, 'train')] == list(range(1, STEPS + 1))
+  assert [r['step'] for r in _records(work, 'train')] == list(range(1, steps + 1))
   assert _losses(work) == _losses(two)  # bitwise, every step
   assert helpers.tensorboard_scalars(work, 'train/loss') == \
       helpers.tensorboard_scalars(two, 'train/loss')
-  for a, b in zip(helpers.saved_params(work, STEPS), helpers.saved_params(two, STEPS)):
+  for a, b in zip(helpers.saved_params(work, steps), helpers.saved_params(two, steps)):
     np.testing.assert_array_equal(a, b)
-  assert urls.committed_steps(str(work / 'checkpoints')) == [STEPS]  # only the last, persistent
+  assert urls.committed_steps(str(work / 'checkpoints')) == [steps]  # only the last, persistent
   log = events.read(str(work))
   assert [(e['event'], e['attempt']) for e in log if e['event'] in ('start', 'exit')] == [
       ('start', 1), ('exit', 1), ('start', 2), ('exit', 2)]
-  assert [(e['step'], e['tier']) for e in log if e['event'] == 'restore'] == [(20, 'local')]
-  assert [e.get('step') for e in log if e['event'] == 'end' and e['attempt'] == 2] == [STEPS]
+  assert [(e['step'], e['tier']) for e in log if e['event'] == 'restore'] == [(30, 'local')]
+  assert [e.get('step') for e in log if e['event'] == 'end' and e['attempt'] == 2] == [steps]
   # Goodput: the steps attempt 1 logged past its fast save were lost (records are fetched one
   # step late, so one more may have been trained than the test saw), filed under the fast tier;
   # the gap between the attempts is the backoff plus the next gang's start-up.
   report = goodput.report(str(work))
   first, second = report['attempts']
-  assert first['first_step'] == 0 and second['first_step'] == 20 and second['last_step'] == STEPS
+  assert first['first_step'] == 0 and second['first_step'] == 30 and second['last_step'] == steps
   assert second['resumed_from'] == 'local'
-  assert logged_at_kill - 20 <= first['lost_steps'] <= logged_at_kill - 20 + 1, \
+  assert logged_at_kill - 30 <= first['lost_steps'] <= logged_at_kill - 30 + 1, \
       (first, logged_at_kill)
   assert report['lost_steps_by_tier'] == {'local': first['lost_steps']}
   assert 'lost steps by the tier resumed from: fast' in goodput.table(report)
   (exit_1,) = [e for e in log if e['event'] == 'exit' and e['attempt'] == 1]
-  assert exit_1['local_step'] == 20
+  assert exit_1['local_step'] == 30
   assert exit_1['restart_in'] <= report['seconds']['idle_between_attempts'] < exit_1['restart_in'] + 30
   assert report['seconds']['lost_steps'] > 0 and 0 < report['fractions']['productive'] < 1
   assert abs(sum(report['seconds'].values()) - report['wall_seconds']) < 0.05 * report['wall_seconds']
