@@ -2,6 +2,7 @@
 
   python benchmarks/peers.py                         # 1 device and 8 fake CPU devices, 4 layouts
   python benchmarks/peers.py --layouts=data8 --pairs=3 --json=peers.json
+  python benchmarks/peers.py --layouts=data8 --pairs=1 --profile   # + where each step's time goes
 
 Each side trains the same Llama (launch/configs/llama.py at --size; MaxText's llama2 decoder with
 the same widths, heads, SwiGLU, RMSNorm, RoPE, tied embeddings) on the same batch, sequence,
@@ -29,6 +30,7 @@ import time
 
 from absl import app, flags
 
+import op_profile
 from disttrain.parallel import xla_flags  # decides 'GPU' as the launcher does
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +69,10 @@ _PEER_XLA_FLAGS = flags.DEFINE_string(
     'data x fsdp x tensor runs aborted at 40 s.')
 _TIMEOUT = flags.DEFINE_integer('timeout', 900, 'Seconds one run may take.')
 _JSON = flags.DEFINE_string('json', None, 'Write {"results": [row per layout]} here.')
+_PROFILE = flags.DEFINE_bool('profile', False, "Trace 3 steps of each side's first run (10 "
+                             'steps after --warmup) and print where its step time goes, per '
+                             'kind of operation (benchmarks/op_profile.py).')
+_TRACED = 3
 
 _AXES = ('data', 'fsdp', 'tensor')
 _MAXTEXT_VERSION = '0.2.5'
@@ -144,7 +150,11 @@ def _run(cmd: list[str], env: dict, log: str) -> None:
                     + ' | '.join(line[:300] for line in fatal[:3]))
 
 
-def disttrain_run(sizes: dict, workdir: str, gpu: bool) -> float:
+def _trace_from() -> int:
+  return _WARMUP.value + 10
+
+
+def disttrain_run(sizes: dict, workdir: str, gpu: bool, profile: bool = False) -> float:
   """disttrain's steady-state tokens/s: its train records after --warmup, step-weighted."""
   devices = _devices(sizes)
   flag = lambda field, value: f'--config.{field}={value}'
@@ -158,6 +168,8 @@ def disttrain_run(sizes: dict, workdir: str, gpu: bool) -> float:
   cmd += [flag(f'mesh.{axis}', size) for axis, size in sizes.items()]
   if sizes.get('fsdp', 1) > 1:
     cmd.append(flag('sharding', 'fsdp'))
+  if profile:
+    cmd += [flag('profile.start_step', _trace_from()), flag('profile.num_steps', _TRACED)]
   if not gpu:
     cmd.append(f'--fake_devices={devices}')
   _run(cmd, _env(devices, gpu), os.path.join(workdir, 'log.txt'))
@@ -175,7 +187,7 @@ def disttrain_run(sizes: dict, workdir: str, gpu: bool) -> float:
   return steps * _BATCH.value * _SEQ.value / seconds
 
 
-def maxtext_run(python: str, sizes: dict, workdir: str, gpu: bool) -> float:
+def maxtext_run(python: str, sizes: dict, workdir: str, gpu: bool, profile: bool = False) -> float:
   """MaxText's steady-state tokens/s: its per-step times after --warmup (metrics_file)."""
   devices = _devices(sizes)
   model, (_, _, learning_rate) = llama_config.SIZES[_SIZE.value]
@@ -198,6 +210,9 @@ def maxtext_run(python: str, sizes: dict, workdir: str, gpu: bool) -> float:
       attention='dot_product', metrics_file=metrics, log_period=10**6, packing='false',
       ici_data_parallelism=sizes.get('data', 1), ici_fsdp_parallelism=sizes.get('fsdp', 1),
       ici_tensor_parallelism=sizes.get('tensor', 1))
+  if profile:
+    args.update(profiler='xplane', skip_first_n_steps_for_profiler=_trace_from(),
+                profiler_steps=_TRACED)
   cmd = [python, '-m', 'maxtext.trainers.pre_train.train', base] + [
       f'{k}={v}' for k, v in args.items()]
   env = _env(devices, gpu)
@@ -216,25 +231,30 @@ def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
   if _BATCH.value % _devices(sizes):
     raise PeerError(f'--global_batch_size={_BATCH.value} does not divide over {layout}\'s '
                     f'{_devices(sizes)} devices; pass a multiple', code=2)
-  ours, peers, failures = [], [], []
+  ours, peers, failures, profiles = [], [], [], {}
   for pair in range(_PAIRS.value):
     order = ('disttrain', 'peer') if pair % 2 == 0 else ('peer', 'disttrain')
     for side in order:
       workdir = tempfile.mkdtemp(prefix=f'{layout}_{side}_', dir=scratch)
-      start = time.time()
+      start, profile = time.time(), _PROFILE.value and pair == 0
       try:
         if side == 'disttrain':
-          ours.append(disttrain_run(sizes, workdir, gpu))
+          ours.append(disttrain_run(sizes, workdir, gpu, profile))
           value = ours[-1]
         else:
-          peers.append(maxtext_run(python, sizes, workdir, gpu))
+          peers.append(maxtext_run(python, sizes, workdir, gpu, profile))
           value = peers[-1]
-      except PeerError as e:  # the row says so; the other layouts still run
+        if profile:
+          profiles[side] = op_profile.summarize(workdir, _TRACED)
+      except (PeerError, FileNotFoundError, ValueError) as e:  # the row says so; the other layouts still run
         print(f'  {layout} pair {pair + 1}/{_PAIRS.value} {side} failed: {e}', flush=True)
         failures.append(f'{side}: {e}')
         continue
       print(f'  {layout} pair {pair + 1}/{_PAIRS.value} {side}: {value:,.0f} tokens/s '
             f'({time.time() - start:.0f} s run)', flush=True)
+  if len(profiles) == 2:
+    print(f'  {layout}, where the step time goes:')
+    print(op_profile.table(['disttrain', _PEER.value], [profiles['disttrain'], profiles['peer']]))
   ratios = [a / b for a, b in zip(ours, peers)]  # complete pairs only
   median = lambda values: statistics.median(values) if values else None
   return dict(layout=layout, devices=_devices(sizes), peer=_PEER.value,
@@ -242,7 +262,8 @@ def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
               ratio=median(ratios), ratios=ratios, failures=failures, size=_SIZE.value, global_batch_size=_BATCH.value,
               seq_len=_SEQ.value, precision=_PRECISION.value, steps=_STEPS.value,
               warmup=_WARMUP.value, remat=_REMAT.value, peer_remat=_PEER_REMAT.value,
-              data='synthetic', date=time.strftime('%Y-%m-%d'))
+              data='synthetic', date=time.strftime('%Y-%m-%d'),
+              profile={side: p['ms'] for side, p in profiles.items()})
 
 
 def main(argv):

@@ -1,4 +1,5 @@
-"""Smoke of benchmarks/throughput.py: every mode runs and writes the JSON schema (no timings)."""
+"""Smoke of benchmarks/throughput.py (every mode runs and writes the JSON schema, no timings),
+levers.py, baselines.py and op_profile.py."""
 
 import importlib.util
 import json
@@ -143,3 +144,35 @@ def test_levers_rows_and_a_variant_that_fails(tmp_path):
   bad = subprocess.run(cmd[:-1] + ['--variants=model.remot=full'], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300, check=False)
   assert bad.returncode == 2 and 'model.remot is no config field' in bad.stderr, bad.stderr[-2000:]
+
+
+def test_op_profile_files_a_traced_step_by_kind(tmp_path):
+  """benchmarks/op_profile.py on a real trace: a layer scan's gradient over 8 devices with its
+  data-parallel all-reduce is filed as matrix products, collectives and the scan's stacking
+  writes, per step and device; the scan's `while` event (which spans its body's) is not summed."""
+  sys.path.insert(0, str(ROOT / 'benchmarks'))
+  try:
+    op_profile = importlib.import_module('op_profile')
+  finally:
+    sys.path.remove(str(ROOT / 'benchmarks'))
+  mesh = jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
+  layer = lambda h, w: (jax.numpy.tanh(h @ w), None)
+  loss = lambda ws, x: jax.lax.scan(layer, x, ws)[0].sum()
+  step = jax.jit(jax.grad(loss), out_shardings=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()))  # replicated gradients: an all-reduce over 'data'
+  ws = np.full((4, 64, 64), 0.01, np.float32)
+  x = jax.device_put(np.ones((64, 64), np.float32), rows)
+  step(ws, x).block_until_ready()
+  jax.profiler.start_trace(str(tmp_path))
+  for _ in range(3):
+    step(ws, x).block_until_ready()
+  jax.profiler.stop_trace()
+  summary = op_profile.summarize(str(tmp_path), steps=3)
+  ms = summary['ms']
+  assert summary['devices'] == 8, summary
+  for kind in ('matrix products', 'collectives', 'stacking writes'):
+    assert ms[kind] > 0, (kind, summary)
+  assert not any(op.startswith('while') for op, _ in summary['top']), summary['top']
+  assert op_profile.kind('while.12') is None and op_profile.kind('all-reduce.69') == 'collectives'
+  assert '| collectives |' in op_profile.table(['a'], [summary])
