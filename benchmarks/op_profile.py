@@ -1,17 +1,17 @@
 """Where a compiled step's time goes, per kind of operation, from jax.profiler traces (XLA:CPU).
 
-  python benchmarks/op_profile.py --traced_steps=3 RUN_A/plugins/profile RUN_B/tensorboard/plugins/profile
+  python benchmarks/op_profile.py RUN_A/plugins/profile RUN_B/tensorboard/plugins/profile
 
 Reads each directory's newest `*.xplane.pb`, keeps the events of its busiest compiled module (the
 train step; a trace also holds the data pipeline's and the metrics' small programs) and sums
 their time by kind: matrix products, collectives, copies, zero-fills (broadcasts), the layer
 scan's stacking writes (dynamic-update-slice) and reads (dynamic-slice), the other fused
 elementwise work. Containers (a `while` loop's own event spans its body's events) are left out
-of the sums. Figures are milliseconds per step per device: the kinds' total over --traced_steps
-traced steps and the devices that ran the module; `wall per step` is the traced steps' span
-(the first operation's start to the last one's end) over their count, so its excess over the
-total is time a device sat between operations (the host's dispatch, the data, another step). On 8 CPU devices sharing 2 cores a collective's
-time is mostly waiting for the slowest device, so read it with the other rows.
+of the sums. Figures are milliseconds per step per device, over the module's whole executions
+in the trace (--traced_steps where a trace does not tell executions apart); `a step's span` is
+from its first operation's start to its last one's end on any device. On 8 CPU devices sharing
+2 cores an operation's time includes its thread's wait for a core, and a collective's is mostly
+waiting for the slowest device, so read each row with the others.
 benchmarks/peers.py --profile traces both trainers this way and prints the table.
 """
 
@@ -61,12 +61,15 @@ def newest_trace(directory: str) -> str:
 
 
 def summarize(directory: str, steps: int) -> dict:
-  """{'module', 'devices', 'ms': {kind: ms per step per device}, 'top': [(op, ms), ...],
-  'wall_ms': the traced steps' span (first operation's start to last one's end) per step}."""
+  """{'module', 'devices', 'steps', 'ms': {kind: ms per step per device}, 'top': [(op, ms), ...],
+  'wall_ms': a step's span, its first operation's start to its last one's end on any device}.
+
+  Steps are the module's whole executions in the trace (one cut by the trace's start or end has
+  fewer events, and a host that runs ahead has more executions in the window than it traced);
+  `steps` where the trace does not tell executions apart."""
   from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
   data = ProfileData.from_file(newest_trace(directory))
-  by_module = collections.defaultdict(lambda: collections.defaultdict(float))
-  devices, spans = collections.defaultdict(set), collections.defaultdict(list)
+  runs = collections.defaultdict(list)  # (module, execution) -> [(device, op, start, end)]
   for plane in data.planes:
     for line in plane.lines:
       for event in line.events:
@@ -74,21 +77,32 @@ def summarize(directory: str, steps: int) -> dict:
           warnings.simplefilter('ignore', DeprecationWarning)
           stats = dict(event.stats)
         if 'hlo_module' in stats:
-          by_module[stats['hlo_module']][event.name] += event.duration_ns / 1e6
-          devices[stats['hlo_module']].add(stats.get('device_ordinal', line.name))
-          spans[stats['hlo_module']] += [event.start_ns, event.end_ns]
-  if not by_module:
+          runs[stats['hlo_module'], stats.get('run_id')].append(
+              (stats.get('device_ordinal', line.name), event.name, event.start_ns, event.end_ns))
+  if not runs:
     raise ValueError(f'{directory}: the trace holds no compiled operations')
-  module = max(by_module, key=lambda m: sum(t for op, t in by_module[m].items() if kind(op)))
-  scale = 1 / (steps * len(devices[module]))
-  ms = dict.fromkeys(KINDS, 0.0)
-  for op, total in by_module[module].items():
-    if kind(op):
-      ms[kind(op)] += total * scale
-  top = sorted(((op, t * scale) for op, t in by_module[module].items() if kind(op)),
-               key=lambda pair: -pair[1])[:12]
-  wall = (max(spans[module]) - min(spans[module])) / 1e6 / steps
-  return dict(module=module, devices=len(devices[module]), ms=ms, top=top, wall_ms=wall)
+  busy = collections.Counter()
+  for (module, _), events in runs.items():
+    busy[module] += sum(end - start for _, op, start, end in events if kind(op))
+  module = max(busy, key=busy.get)
+  mine = {run: events for (m, run), events in runs.items() if m == module}
+  whole = max(len(events) for events in mine.values())
+  kept = [events for run, events in mine.items() if run is None or len(events) == whole]
+  devices = {event[0] for events in kept for event in events}
+  per_run = [len({event[0] for event in events}) for events in kept]
+  if None not in mine:  # executions (of all devices, or of one each) in device-steps
+    steps = sum(per_run) / len(devices)
+  ms, by_op = dict.fromkeys(KINDS, 0.0), collections.Counter()
+  for events in kept:
+    for _, op, start, end in events:
+      if kind(op):
+        by_op[op] += (end - start) / 1e6 / (steps * len(devices))
+  for op, t in by_op.items():
+    ms[kind(op)] += t
+  spans = [(max(e[3] for e in events) - min(e[2] for e in events)) / 1e6 for events in kept]
+  wall = spans[0] / steps if None in mine else sum(spans) / len(spans)
+  return dict(module=module, devices=len(devices), steps=steps, ms=ms,
+              top=by_op.most_common(12), wall_ms=wall)
 
 
 def table(names: list[str], summaries: list[dict]) -> str:
@@ -99,7 +113,7 @@ def table(names: list[str], summaries: list[dict]) -> str:
     lines.append(f'| {k} | ' + ' | '.join(f"{s['ms'][k]:.1f}" for s in summaries) + ' |')
   lines.append('| total | ' + ' | '.join(f"{sum(s['ms'].values()):.1f}" for s in summaries)
                + ' |')
-  lines.append('| wall per step | ' + ' | '.join(f"{s['wall_ms']:.1f}" for s in summaries) + ' |')
+  lines.append("| a step's span | " + ' | '.join(f"{s['wall_ms']:.1f}" for s in summaries) + ' |')
   return '\n'.join(lines)
 
 
@@ -114,7 +128,8 @@ def main(argv):
   except (FileNotFoundError, ValueError) as e:
     sys.exit(f'error: {e}')
   for d, s in zip(argv[1:], summaries):
-    print(f"{d}: module {s['module']} on {s['devices']} device(s); busiest operations (ms): "
+    print(f"{d}: module {s['module']}, {s['steps']:g} steps on {s['devices']} device(s); busiest "
+          "operations (ms): "
           + ', '.join(f'{op} {t:.1f}' for op, t in s['top']))
   print(table([os.path.basename(os.path.normpath(d)) for d in argv[1:]], summaries))
 

@@ -2,7 +2,7 @@
 
   python benchmarks/peers.py                         # 1 device and 8 fake CPU devices, 4 layouts
   python benchmarks/peers.py --layouts=data8 --pairs=3 --json=peers.json
-  python benchmarks/peers.py --layouts=data8 --pairs=1 --profile   # + where each step's time goes
+  python benchmarks/peers.py --layouts=data8 --profile   # + a traced run each: where the time goes
 
 Each side trains the same Llama (launch/configs/llama.py at --size; MaxText's llama2 decoder with
 the same widths, heads, SwiGLU, RMSNorm, RoPE, tied embeddings) on the same batch, sequence,
@@ -69,9 +69,10 @@ _PEER_XLA_FLAGS = flags.DEFINE_string(
     'data x fsdp x tensor runs aborted at 40 s.')
 _TIMEOUT = flags.DEFINE_integer('timeout', 900, 'Seconds one run may take.')
 _JSON = flags.DEFINE_string('json', None, 'Write {"results": [row per layout]} here.')
-_PROFILE = flags.DEFINE_bool('profile', False, "Trace 3 steps of each side's first run (10 "
-                             'steps after --warmup) and print where its step time goes, per '
-                             'kind of operation (benchmarks/op_profile.py).')
+_PROFILE = flags.DEFINE_bool('profile', False, 'After the pairs, one more run per side that '
+                             'traces 3 steps (10 after --warmup), kept out of the ratios; prints '
+                             'where the step time goes, per kind of operation '
+                             '(benchmarks/op_profile.py), and keeps the traces.')
 _TRACED = 3
 
 _AXES = ('data', 'fsdp', 'tensor')
@@ -232,28 +233,29 @@ def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
     raise PeerError(f'--global_batch_size={_BATCH.value} does not divide over {layout}\'s '
                     f'{_devices(sizes)} devices; pass a multiple', code=2)
   ours, peers, failures, profiles = [], [], [], {}
-  for pair in range(_PAIRS.value):
-    order = ('disttrain', 'peer') if pair % 2 == 0 else ('peer', 'disttrain')
-    for side in order:
-      workdir = tempfile.mkdtemp(prefix=f'{layout}_{side}_', dir=scratch)
-      start, profile = time.time(), _PROFILE.value and pair == 0
-      try:
-        if side == 'disttrain':
-          ours.append(disttrain_run(sizes, workdir, gpu, profile))
-          value = ours[-1]
-        else:
-          peers.append(maxtext_run(python, sizes, workdir, gpu, profile))
-          value = peers[-1]
-        if profile:
-          profiles[side] = op_profile.summarize(workdir, _TRACED)
-      except (PeerError, FileNotFoundError, ValueError) as e:  # the row says so; the other layouts still run
-        print(f'  {layout} pair {pair + 1}/{_PAIRS.value} {side} failed: {e}', flush=True)
-        failures.append(f'{side}: {e}')
-        continue
-      print(f'  {layout} pair {pair + 1}/{_PAIRS.value} {side}: {value:,.0f} tokens/s '
-            f'({time.time() - start:.0f} s run)', flush=True)
+  runs = [(pair, side) for pair in range(_PAIRS.value)
+          for side in (('disttrain', 'peer') if pair % 2 == 0 else ('peer', 'disttrain'))]
+  if _PROFILE.value:  # traced runs of their own: a trace's cost stays out of the pairs' ratios
+    runs += [('traced', 'disttrain'), ('traced', 'peer')]
+  for pair, side in runs:
+    workdir = tempfile.mkdtemp(prefix=f'{layout}_{side}_', dir=scratch)
+    start, traced = time.time(), pair == 'traced'
+    run = 'traced run' if traced else f'pair {pair + 1}/{_PAIRS.value}'
+    try:
+      value = (disttrain_run(sizes, workdir, gpu, traced) if side == 'disttrain' else
+               maxtext_run(python, sizes, workdir, gpu, traced))
+      if traced:
+        profiles[side] = op_profile.summarize(workdir, _TRACED)
+      else:
+        (ours if side == 'disttrain' else peers).append(value)
+    except (PeerError, FileNotFoundError, ValueError) as e:  # the row says so; the rest runs
+      print(f'  {layout} {run} {side} failed: {e}', flush=True)
+      failures.append(f'{side}: {e}')
+      continue
+    print(f'  {layout} {run} {side}: {value:,.0f} tokens/s ({time.time() - start:.0f} s run)'
+          + (f', trace in {workdir}' if traced else ''), flush=True)
   if len(profiles) == 2:
-    print(f'  {layout}, where the step time goes:')
+    print(f'  {layout}, where the step time goes (traced runs):')
     print(op_profile.table(['disttrain', _PEER.value], [profiles['disttrain'], profiles['peer']]))
   ratios = [a / b for a, b in zip(ours, peers)]  # complete pairs only
   median = lambda values: statistics.median(values) if values else None
@@ -283,8 +285,8 @@ def main(argv):
     scratch = tempfile.mkdtemp(prefix='peers_')
     for layout in layouts:
       rows.append(measure(layout, python, gpu, scratch))
-    if not any(r['failures'] for r in rows):
-      shutil.rmtree(scratch)  # a failed run's log stays for reading
+    if not _PROFILE.value and not any(r['failures'] for r in rows):
+      shutil.rmtree(scratch)  # a failed run's log stays for reading, and traces for TensorBoard
   except PeerError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(e.code)

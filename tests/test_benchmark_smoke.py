@@ -170,7 +170,7 @@ def test_op_profile_files_a_traced_step_by_kind(tmp_path):
   jax.profiler.stop_trace()
   summary = op_profile.summarize(str(tmp_path), steps=3)
   ms = summary['ms']
-  assert summary['devices'] == 8, summary
+  assert summary['devices'] == 8 and summary['steps'] == 3, summary
   for kind in ('matrix products', 'collectives', 'stacking writes'):
     assert ms[kind] > 0, (kind, summary)
   assert not any(op.startswith('while') for op, _ in summary['top']), summary['top']
