@@ -62,7 +62,8 @@ def newest_trace(directory: str) -> str:
 
 def summarize(directory: str, steps: int) -> dict:
   """{'module', 'devices', 'steps', 'ms': {kind: ms per step per device}, 'top': [(op, ms), ...],
-  'wall_ms': a step's span, its first operation's start to its last one's end on any device}.
+  'wall_ms': a step's span, its first operation's start to its last one's end on any device
+  (the whole window over `steps` where the trace does not name executions)}.
 
   Steps are the module's whole executions in the trace (one cut by the trace's start or end has
   fewer events, and a host that runs ahead has more executions in the window than it traced);
@@ -86,12 +87,16 @@ def summarize(directory: str, steps: int) -> dict:
     busy[module] += sum(end - start for _, op, start, end in events if kind(op))
   module = max(busy, key=busy.get)
   mine = {run: events for (m, run), events in runs.items() if m == module}
-  whole = max(len(events) for events in mine.values())
-  kept = [events for run, events in mine.items() if run is None or len(events) == whole]
+  named = list(mine) != [None]
+  if named:  # whole executions only (of all devices, or of one each), counted in device-steps
+    mine.pop(None, None)
+    whole = max(len(events) for events in mine.values())
+    kept = [events for events in mine.values() if len(events) == whole]
+  else:
+    kept = [mine[None]]
   devices = {event[0] for events in kept for event in events}
-  per_run = [len({event[0] for event in events}) for events in kept]
-  if None not in mine:  # executions (of all devices, or of one each) in device-steps
-    steps = sum(per_run) / len(devices)
+  if named:
+    steps = sum(len({event[0] for event in events}) for events in kept) / len(devices)
   ms, by_op = dict.fromkeys(KINDS, 0.0), collections.Counter()
   for events in kept:
     for _, op, start, end in events:
@@ -100,7 +105,7 @@ def summarize(directory: str, steps: int) -> dict:
   for op, t in by_op.items():
     ms[kind(op)] += t
   spans = [(max(e[3] for e in events) - min(e[2] for e in events)) / 1e6 for events in kept]
-  wall = spans[0] / steps if None in mine else sum(spans) / len(spans)
+  wall = sum(spans) / len(spans) if named else spans[0] / steps
   return dict(module=module, devices=len(devices), steps=steps, ms=ms,
               top=by_op.most_common(12), wall_ms=wall)
 

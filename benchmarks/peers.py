@@ -250,7 +250,7 @@ def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
         (ours if side == 'disttrain' else peers).append(value)
     except (PeerError, FileNotFoundError, ValueError) as e:  # the row says so; the rest runs
       print(f'  {layout} {run} {side} failed: {e}', flush=True)
-      failures.append(f'{side}: {e}')
+      failures.append(f"{'traced ' if traced else ''}{side}: {e}")
       continue
     print(f'  {layout} {run} {side}: {value:,.0f} tokens/s ({time.time() - start:.0f} s run)'
           + (f', trace in {workdir}' if traced else ''), flush=True)
@@ -265,7 +265,8 @@ def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
               seq_len=_SEQ.value, precision=_PRECISION.value, steps=_STEPS.value,
               warmup=_WARMUP.value, remat=_REMAT.value, peer_remat=_PEER_REMAT.value,
               data='synthetic', date=time.strftime('%Y-%m-%d'),
-              profile={side: p['ms'] for side, p in profiles.items()})
+              profile={side: dict(ms=p['ms'], span_ms=p['wall_ms'], steps=p['steps'])
+                       for side, p in profiles.items()})
 
 
 def main(argv):

@@ -168,7 +168,7 @@ def test_op_profile_files_a_traced_step_by_kind(tmp_path):
   for _ in range(3):
     step(ws, x).block_until_ready()
   jax.profiler.stop_trace()
-  summary = op_profile.summarize(str(tmp_path), steps=3)
+  summary = op_profile.summarize(str(tmp_path), steps=1)  # 1: what a trace without ids gets
   ms = summary['ms']
   assert summary['devices'] == 8 and summary['steps'] == 3, summary
   for kind in ('matrix products', 'collectives', 'stacking writes'):

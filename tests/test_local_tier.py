@@ -100,11 +100,15 @@ def test_peer_copy_moves_every_block_in_groups(monkeypatch):
 
 
 def test_a_fast_save_reaches_the_disk_before_the_rename_that_commits_it(tmp_path, monkeypatch):
-  """Each file of a step is fsynced before the rename of <step>.tmp, the directory after it: a
-  host's power loss leaves the step whole or absent, never renamed with torn files."""
+  """Each file of a step is fsynced once written in full, then <step>.tmp's entries, before the
+  rename that commits the step, and the process directory after it: a host's power loss leaves
+  the step whole or absent, never renamed with torn files."""
   calls, fsync, rename = [], os.fsync, os.rename
-  monkeypatch.setattr(os, 'fsync', lambda fd: (
-      calls.append(('fsync', os.readlink(f'/proc/self/fd/{fd}'))), fsync(fd))[1])
+
+  def synced(fd):
+    calls.append(('fsync', os.readlink(f'/proc/self/fd/{fd}'), os.fstat(fd).st_size))
+    return fsync(fd)
+  monkeypatch.setattr(os, 'fsync', synced)
   monkeypatch.setattr(os, 'rename', lambda a, b: (
       calls.append(('rename', os.path.realpath(a))), rename(a, b))[1])
   tier = local_tier.LocalTier(str(tmp_path / 'local'), str(tmp_path / 'run'))
@@ -113,5 +117,8 @@ def test_a_fast_save_reaches_the_disk_before_the_rename_that_commits_it(tmp_path
   tier.save(5, {'w': jax.device_put(np.ones((8, 4), np.float32), split)}, {'data': 1})
   tier.close()
   where = os.path.realpath(tmp_path / 'local' / 'process_0')
-  assert calls == [('fsync', f'{where}/5.tmp/own.npz'), ('fsync', f'{where}/5.tmp/info.json'),
-                   ('rename', f'{where}/5.tmp'), ('fsync', where)], calls
+  assert [c[:2] for c in calls] == [
+      ('fsync', f'{where}/5.tmp/own.npz'), ('fsync', f'{where}/5.tmp/info.json'),
+      ('fsync', f'{where}/5.tmp'), ('rename', f'{where}/5.tmp'), ('fsync', where)], calls
+  for name, (_, _, size) in zip(['own.npz', 'info.json'], calls):  # synced once complete
+    assert size == os.path.getsize(f'{where}/5/{name}') > 0, calls

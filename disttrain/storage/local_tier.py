@@ -18,6 +18,7 @@ supervisor that an attempt made progress.
 """
 
 import concurrent.futures
+import errno
 import hashlib
 import json
 import os
@@ -67,9 +68,13 @@ def _synced(path: Path, write) -> None:
 
 
 def _sync_dir(path: Path) -> None:
+  """Flushes a directory's entries; a file system that cannot (some network mounts) is skipped."""
   fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)
+  except OSError as e:
+    if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+      raise
   finally:
     os.close(fd)
 
@@ -128,6 +133,7 @@ class LocalTier:
     if peer:
       _synced(tmp / 'peer.npz', lambda f: np.savez(f, **peer))
     _synced(tmp / 'info.json', lambda f: f.write(json.dumps(info).encode()))
+    _sync_dir(tmp)  # the files' names
     shutil.rmtree(final, ignore_errors=True)  # a step of an abandoned trajectory
     os.rename(tmp, final)
     _sync_dir(self.dir)  # the rename too: after a power loss a step is whole or absent
