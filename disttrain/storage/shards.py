@@ -1,6 +1,6 @@
 """A state's shards on the host, and the peer copy: each process's shards moved to the next one.
 
-  host_shards(arrays) -> {'<leaf>|<slice key>': np.ndarray}   the distinct shards held here
+  host_shards(arrays) -> {name(leaf, index, shape): np.ndarray}   the distinct shards held here
   to_next(arrays, *ring()) -> the same for the previous process's shards (a collective)
   from_next(abstract, peer, *ring(), me) -> the arrays, shards of lost processes moved back
   assemble(i, abstract, shards) -> leaf i from this process's own shards
@@ -21,24 +21,25 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 CHUNK_BYTES = 2**28  # per device: the peer copy moves the state in groups of leaves this large
 
 
-def key(index: tuple, shape: tuple) -> str:
-  """A shard's place in its array, e.g. '0:4,0:64' (the same on every process)."""
-  return ','.join('%d:%d' % s.indices(n)[:2] for s, n in zip(index, shape))
+def name(leaf: int, index: tuple, shape: tuple) -> str:
+  """A shard's name: its leaf and its place in the array, e.g. '3|0:4,0:64' (the same on every
+  process)."""
+  return f'{leaf}|' + ','.join('%d:%d' % s.indices(n)[:2] for s, n in zip(index, shape))
 
 
 def _fetch(named) -> dict[str, np.ndarray]:
   """(name, device array) pairs to host memory, each name once, the copies started together."""
   on_device = {}
-  for name, data in named:
-    if name not in on_device:
+  for label, data in named:
+    if label not in on_device:
       data.copy_to_host_async()
-      on_device[name] = data
-  return {name: np.asarray(data) for name, data in on_device.items()}
+      on_device[label] = data
+  return {label: np.asarray(data) for label, data in on_device.items()}
 
 
 def host_shards(arrays: list) -> dict[str, np.ndarray]:
   """Each distinct shard this process holds, copied to host memory (replicas once)."""
-  return _fetch((f'{i}|{key(shard.index, x.shape)}', shard.data)
+  return _fetch((name(i, shard.index, x.shape), shard.data)
                 for i, x in enumerate(arrays) for shard in x.addressable_shards)
 
 
@@ -55,11 +56,11 @@ def ring() -> tuple[Mesh, Mesh]:
   return Mesh(np.array(devices), ('ring',)), Mesh(np.array(following), ('ring',))
 
 
-def unstack(data: np.ndarray, dtype) -> np.ndarray:
+def _unstack(data: np.ndarray, dtype) -> np.ndarray:
   return data if data.dtype == dtype else data.view(dtype)  # npz keeps bfloat16 & co as bytes
 
 
-def groups(leaves: list) -> list[list[int]]:
+def _groups(leaves: list) -> list[list[int]]:
   """Leaf indices in groups of at most CHUNK_BYTES per device (one leaf at least): the peer
   copy moves a group at a time, so its extra copies need little device memory."""
   out, size = [[]], 0
@@ -77,7 +78,7 @@ def to_next(arrays: list, ring: Mesh, following: Mesh) -> dict[str, np.ndarray]:
   ring-sharded array, and the reshard onto the following devices moves every block, replicas
   too (a reshard of the state itself would leave a replica where it is)."""
   shards = {}
-  for group in groups(arrays):
+  for group in _groups(arrays):
     blocks = [jax.make_array_from_single_device_arrays(
         (ring.size, *arrays[i].sharding.shard_shape(arrays[i].shape)),
         NamedSharding(ring, P('ring')), [s.data[None] for s in arrays[i].addressable_shards])
@@ -85,8 +86,8 @@ def to_next(arrays: list, ring: Mesh, following: Mesh) -> dict[str, np.ndarray]:
     moved = jax.device_put(blocks, [NamedSharding(following, P('ring'))] * len(blocks))
     where = {i: arrays[i].sharding.devices_indices_map(arrays[i].shape) for i in group}
     # Block k of a moved array is the shard of ring device k.
-    shards.update({name: data[0] for name, data in _fetch(
-        (f'{i}|{key(where[i][ring.devices[shard.index[0].start]], arrays[i].shape)}', shard.data)
+    shards.update({label: data[0] for label, data in _fetch(
+        (name(i, where[i][ring.devices[shard.index[0].start]], arrays[i].shape), shard.data)
         for i, got in zip(group, moved) for shard in got.addressable_shards).items()})
   return shards
 
@@ -96,7 +97,7 @@ def from_next(leaves: list, peer, ring: Mesh, following: Mesh, me: int) -> list:
   copies it holds (`peer`; None: none that are needed), the blocks move back, and each device
   receives its shard."""
   out = []
-  for group in groups(leaves):
+  for group in _groups(leaves):
     blocks = []
     for i in group:
       x = leaves[i]
@@ -105,7 +106,7 @@ def from_next(leaves: list, peer, ring: Mesh, following: Mesh, me: int) -> list:
       for k, device in enumerate(following.devices):
         if device.process_index == me:
           host = (np.zeros(shape, x.dtype) if peer is None else
-                  unstack(peer[f'{i}|{key(where[ring.devices[k]], x.shape)}'], x.dtype))
+                  _unstack(peer[name(i, where[ring.devices[k]], x.shape)], x.dtype))
           pieces.append(jax.device_put(host[None], device))
       blocks.append(jax.make_array_from_single_device_arrays(
           (ring.size, *shape), NamedSharding(following, P('ring')), pieces))
@@ -119,7 +120,7 @@ def from_next(leaves: list, peer, ring: Mesh, following: Mesh, me: int) -> list:
 def assemble(i: int, abstract: Any, shards) -> jax.Array:
   """Leaf i as a global array from this process's own shards."""
   sharding = abstract.sharding
-  pieces = [jax.device_put(unstack(shards[f'{i}|{key(index, abstract.shape)}'], abstract.dtype),
+  pieces = [jax.device_put(_unstack(shards[name(i, index, abstract.shape)], abstract.dtype),
                            device)
             for device, index in sharding.addressable_devices_indices_map(abstract.shape).items()]
   return jax.make_array_from_single_device_arrays(abstract.shape, sharding, pieces)
