@@ -6,8 +6,10 @@
 # against cuDNN's fused kernel, compiled memory of bf16 / cuDNN / remat, and Llama 3.2 1B.
 # Then the levers (issue 32: remat policies, scan unrolling, float8, XLA flags, the batch finder)
 # as A/B rows, and disttrain against MaxText when a MaxText venv was carried (the GPU host
-# reaches no registry). PART=base|levers|peers runs one part. Each run has its own time limit so
-# that one slow compile cannot take the others' time.
+# reaches no registry, so benchmarks/pack_peer.py packs what MaxText needs beyond the image into
+# .peer/maxtext.tar.xz: carry .peer and .whl). PART=base|levers|profile|ab|peers, or several
+# joined by ',', runs those parts. Each run has its own time limit so that one slow compile cannot
+# take the others' time.
 set -o pipefail
 OUT=${OUT:-/tmp/accelerator}
 mkdir -p "$OUT"
@@ -16,6 +18,7 @@ py=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -c 'import jax, flax, optax, orbax.checkpoint as o, grain; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'
 PART=${PART:-all}
+part() { [ "$PART" = all ] || [[ ",$PART," == *",$1,"* ]]; }
 bench() {  # name, limit in seconds, flags...
   local name=$1 limit=$2
   shift 2
@@ -24,7 +27,7 @@ bench() {  # name, limit in seconds, flags...
     2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tail -4
   $py -c 'import json, sys; r = json.load(open(sys.argv[1]))["results"][0]; print({k: r.get(k) for k in ("ratio", "tokens_per_sec", "mfu", "mfu_peak", "peak_flops_per_sec")})' "$OUT/$name.json" 2>/dev/null
 }
-if [ "$PART" = all ] || [ "$PART" = base ]; then
+if part base; then
 bench gpt2_xla 100 --model=gpt --size=gpt2_small --precision=bfloat16 --attention=xla
 bench gpt2_cudnn 100 --model=gpt --size=gpt2_small --precision=bfloat16 --attention=cudnn
 bench smollm2 120 --model=llama --size=smollm2_135m --precision=bfloat16
@@ -35,7 +38,7 @@ fi
 bench llama3_1b 200 --model=llama --size=llama3_1b --precision=bfloat16 --remat=full \
   --global_batch_size=8
 fi
-if [ "$PART" = all ] || [ "$PART" = levers ]; then
+if part levers; then
   # The levers as A/B rows of benchmarks/levers.py (one process per model, variants in turn, no
   # hand-written side): fits a 15-minute lease. LEVERS_SEC bounds the part; each run gets at most
   # what is left.
@@ -72,11 +75,54 @@ model.remat=dots_saveable;model.remat=full,model.scan_unroll=2;model.remat=minim
       2>&1 | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -8
   fi
 fi
-if [ "$PART" = all ] || [ "$PART" = peers ]; then
-  if [ -x "${PEER_VENV:-$HOME/.cache/disttrain/peers/maxtext}/bin/python" ]; then
-    timeout 500 $py benchmarks/peers.py --layouts=1 --size=tiny --precision=bfloat16 \
-      --json="$OUT/peers.json" ${PEER_VENV:+--peer_venv=$PEER_VENV} 2>&1 | tail -6
+if part profile; then
+  # Where GPT-2 small's step time goes on this GPU: 3 traced steps of the launcher's run (batch 64,
+  # remat minimal), per kind of operation and the busiest operations; the trace comes back too.
+  echo "== profile: gpt2_small, batch 64, bf16, remat minimal, steps 16-18 traced"
+  timeout 150 $py -m disttrain.launch.train --config=launch/configs/gpt.py:${GPT:-gpt2_small} \
+    --workdir=/tmp/profile_gpt2 --config.data.name=synthetic_tokens --config.global_batch_size=64 \
+    --config.precision.compute_dtype=bfloat16 --config.model.remat=minimal \
+    --config.num_train_steps=20 --config.log_every_steps=5 --config.eval_every_steps=0 \
+    --config.checkpoint_every_steps=0 --config.profile.start_step=16 --config.profile.num_steps=3 \
+    2>&1 | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -3
+  timeout 60 $py benchmarks/op_profile.py /tmp/profile_gpt2 2>&1 | tail -14
+  find /tmp/profile_gpt2 -name '*.xplane.pb' -size -16M -exec cp {} "$OUT/gpt2_profile.xplane.pb" \;
+fi
+if part ab; then
+  # A/B of what MaxText's GPU recipes set and disttrain does not: cuBLAS for every product instead
+  # of XLA's Triton GEMMs, and the whole [B, T, V] logits instead of the chunked loss.
+  flags=$($py -c 'from disttrain.parallel import xla_flags; print(xla_flags.merge("", True)[0])')
+  gpt=(--config=launch/configs/gpt.py:${GPT:-gpt2_small} --windows=4 --window_sec=0.75
+       --set=precision.compute_dtype=bfloat16,global_batch_size=64,model.remat=minimal)
+  for triton in true false; do
+    echo "== ab gpt2, triton_gemm=$triton: launcher flags + --xla_gpu_enable_triton_gemm=$triton"
+    XLA_FLAGS="$flags --xla_gpu_enable_triton_gemm=$triton" timeout 100 $py benchmarks/levers.py \
+      --json="$OUT/ab_gpt2_triton_$triton.json" "${gpt[@]}" \
+      --variants="model.loss_chunk=0;model.loss_chunk=-1" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -4
+  done
+  echo "== ab smollm2: chunked loss against whole logits"
+  XLA_FLAGS="$flags" timeout 120 $py benchmarks/levers.py --json="$OUT/ab_smollm2.json" \
+    --config=launch/configs/llama.py:${SMOL:-smollm2_135m} --windows=4 --window_sec=0.75 \
+    --set=precision.compute_dtype=bfloat16,global_batch_size=32,model.remat=minimal \
+    --variants="model.loss_chunk=0;model.loss_chunk=-1" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -4
+fi
+if part peers; then
+  venv=${PEER_VENV:-$HOME/.cache/disttrain/peers/maxtext}
+  if [ ! -x "$venv/bin/python" ] && [ -f .peer/maxtext.tar.xz ]; then  # benchmarks/pack_peer.py's
+    venv=/tmp/maxtext-peer
+    site=$venv/lib/$($py -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')/site-packages
+    mkdir -p "$site" "$venv/bin" && tar -xJf .peer/maxtext.tar.xz -C "$site"
+    printf '#!/bin/sh\nPYTHONPATH=%s:$PYTHONPATH exec %s "$@"\n' "$site" "$(realpath -s "$(command -v "$py")")" \
+      > "$venv/bin/python" && chmod +x "$venv/bin/python"
+  fi
+  if [ -x "$venv/bin/python" ]; then
+    # SmolLM2-135M (tied embeddings, as peers.py maps them), 32 x 2,048, each side's cuDNN attention
+    echo "== peers: disttrain against MaxText, ${PEER_SIZE:-smollm2_135m}, one GPU"
+    timeout ${PEER_SEC:-300} $py benchmarks/peers.py --peer_venv="$venv" --layouts=1 \
+      --size=${PEER_SIZE:-smollm2_135m} --global_batch_size=32 --seq_len=${PEER_SEQ:-2048} \
+      --precision=bfloat16 --remat=minimal --pairs=${PEER_PAIRS:-1} --steps=50 --warmup=15 \
+      --timeout=140 --json="$OUT/peers.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -8
   else
-    echo "== peers: unmeasured (no MaxText venv here; this host reaches no registry)"
+    echo "== peers: unmeasured (no MaxText venv and no .peer/maxtext.tar.xz; see pack_peer.py)"
   fi
 fi

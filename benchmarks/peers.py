@@ -57,6 +57,9 @@ _REMAT = flags.DEFINE_string('remat', 'auto', "disttrain's model.remat (auto: it
 _PEER_REMAT = flags.DEFINE_string('peer_remat', 'minimal_with_context',
                                   "MaxText's remat_policy (its fastest: saves every projection "
                                   'and the attention context).')
+_PEER_ATTENTION = flags.DEFINE_string(
+    'peer_attention', None, "MaxText's attention (default: dot_product on CPUs, cudnn_flash_jax "
+    "on GPUs: the cuDNN kernel disttrain's attention=auto picks there).")
 _PEER = flags.DEFINE_enum('peer', 'maxtext', ['maxtext'], 'The peer trainer.')
 _PEER_SPEC = flags.DEFINE_string('peer_spec', None, "pip requirement of the peer (default: "
                                  "maxtext[tpu]==0.2.5 on CPU hosts, maxtext[cuda12]==0.2.5 on GPUs)")
@@ -112,8 +115,12 @@ def ensure_maxtext(venv: str) -> str:
   """The python of a venv holding MaxText, made and installed on first use (~3 GB, minutes)."""
   python = os.path.join(venv, 'bin', 'python')
   probe = [python, '-c', 'import maxtext.trainers.pre_train.train']
-  if os.path.exists(python) and subprocess.run(probe, capture_output=True).returncode == 0:
-    return python
+  if os.path.exists(python):
+    found = subprocess.run(probe, capture_output=True, text=True)
+    if not found.returncode:
+      return python
+    if not os.path.exists(os.path.join(venv, 'pyvenv.cfg')):  # pack_peer.py's folder: never pip
+      raise PeerError(f'{python} cannot import MaxText: {found.stderr.strip()[-300:]}')
   extra = 'cuda12' if xla_flags.on_gpu(os.environ.get('JAX_PLATFORMS')) else 'tpu'
   spec = _PEER_SPEC.value or f'maxtext[{extra}]=={_MAXTEXT_VERSION}'
   print(f'installing {spec} into {venv} (its own venv; a few minutes, once)', flush=True)
@@ -208,7 +215,8 @@ def maxtext_run(python: str, sizes: dict, workdir: str, gpu: bool, profile: bool
       normalization_layer_epsilon=1e-5, dtype=_PRECISION.value, weight_dtype='float32',
       opt_type='adamw', adam_weight_decay=0.1, gradient_clipping_threshold=1.0,
       learning_rate=learning_rate, dropout_rate=0, enable_dropout='false', remat_policy=_PEER_REMAT.value,
-      attention='dot_product', metrics_file=metrics, log_period=10**6, packing='false',
+      attention=_PEER_ATTENTION.value or ('cudnn_flash_jax' if gpu else 'dot_product'),
+      metrics_file=metrics, log_period=10**6, packing='false',
       ici_data_parallelism=sizes.get('data', 1), ici_fsdp_parallelism=sizes.get('fsdp', 1),
       ici_tensor_parallelism=sizes.get('tensor', 1))
   if profile:
@@ -216,7 +224,7 @@ def maxtext_run(python: str, sizes: dict, workdir: str, gpu: bool, profile: bool
                 profiler_steps=_TRACED)
   cmd = [python, '-m', 'maxtext.trainers.pre_train.train', base] + [
       f'{k}={v}' for k, v in args.items()]
-  env = _env(devices, gpu)
+  env = dict(_env(devices, gpu), DECOUPLE_GCLOUD='TRUE')  # MaxText's own off-Google-Cloud stubs
   env['XLA_FLAGS'] = f"{env.get('XLA_FLAGS', '')} {_PEER_XLA_FLAGS.value}".strip()
   _run(cmd, env, os.path.join(workdir, 'log.txt'))
   with open(metrics) as f:
@@ -232,7 +240,7 @@ def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
   if _BATCH.value % _devices(sizes):
     raise PeerError(f'--global_batch_size={_BATCH.value} does not divide over {layout}\'s '
                     f'{_devices(sizes)} devices; pass a multiple', code=2)
-  ours, peers, failures, profiles = [], [], [], {}
+  ours, peers, failures, profiles = {}, {}, [], {}
   runs = [(pair, side) for pair in range(_PAIRS.value)
           for side in (('disttrain', 'peer') if pair % 2 == 0 else ('peer', 'disttrain'))]
   if _PROFILE.value:  # traced runs of their own: a trace's cost stays out of the pairs' ratios
@@ -247,7 +255,7 @@ def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
       if traced:
         profiles[side] = op_profile.summarize(workdir, _TRACED)
       else:
-        (ours if side == 'disttrain' else peers).append(value)
+        (ours if side == 'disttrain' else peers)[pair] = value
     except (PeerError, FileNotFoundError, ValueError) as e:  # the row says so; the rest runs
       print(f'  {layout} {run} {side} failed: {e}', flush=True)
       failures.append(f"{'traced ' if traced else ''}{side}: {e}")
@@ -257,10 +265,11 @@ def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
   if len(profiles) == 2:
     print(f'  {layout}, where the step time goes (traced runs):')
     print(op_profile.table(['disttrain', _PEER.value], [profiles['disttrain'], profiles['peer']]))
-  ratios = [a / b for a, b in zip(ours, peers)]  # complete pairs only
+  ratios = [ours[p] / peers[p] for p in sorted(ours) if p in peers]  # complete pairs only
   median = lambda values: statistics.median(values) if values else None
   return dict(layout=layout, devices=_devices(sizes), peer=_PEER.value,
-              disttrain_tokens_per_sec=median(ours), peer_tokens_per_sec=median(peers),
+              disttrain_tokens_per_sec=median(list(ours.values())),
+              peer_tokens_per_sec=median(list(peers.values())),
               ratio=median(ratios), ratios=ratios, failures=failures, size=_SIZE.value, global_batch_size=_BATCH.value,
               seq_len=_SEQ.value, precision=_PRECISION.value, steps=_STEPS.value,
               warmup=_WARMUP.value, remat=_REMAT.value, peer_remat=_PEER_REMAT.value,
