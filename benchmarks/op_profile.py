@@ -1,4 +1,4 @@
-"""Where a compiled step's time goes, per kind of operation, from jax.profiler traces (XLA:CPU).
+"""Where a compiled step's time goes, per kind of operation, from jax.profiler traces (CPU, GPU).
 
   python benchmarks/op_profile.py RUN_A/plugins/profile RUN_B/tensorboard/plugins/profile
 
@@ -24,8 +24,8 @@ import warnings
 
 from absl import app, flags
 
-KINDS = ('matrix products', 'collectives', 'copies', 'zero-fills', 'stacking writes',
-         'slice reads', 'other fused', 'other')
+KINDS = ('matrix products', 'attention', 'collectives', 'copies', 'zero-fills',
+         'stacking writes', 'slice reads', 'other fused', 'other')
 _CONTAINERS = ('while', 'call', 'conditional')
 _COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute',
                 'all-to-all')
@@ -33,13 +33,19 @@ _COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permut
 
 def kind(op: str) -> str | None:
   """The kind an HLO operation's event counts under; None for a container."""
-  name = re.sub(r'\.\d+$', '', op)
+  name = re.sub(r'\.\d+$', '', op).replace('_', '-')  # GPU kernels: loop_dynamic_update_slice_fusion
   if name in _CONTAINERS:
     return None
   if name.startswith(_COLLECTIVES):
     return 'collectives'
-  if name.startswith(('dot', 'ynn_fusion', 'onednn', 'convolution')) or 'gemm' in name:
+  # GPU traces name kernels: cuBLAS's nvjet/cutlass/xmma GEMMs, cuDNN's fused attention (sdpa)
+  if name.startswith(('dot', 'ynn-fusion', 'onednn', 'convolution', 'nvjet')) or any(
+      k in name for k in ('gemm', 'cutlass', 'xmma')):
     return 'matrix products'
+  if any(k in name for k in ('sdpa', 'fmha', 'cudnn::fusion')):
+    return 'attention'
+  if name.startswith(('nccl', 'ncclDevKernel')):
+    return 'collectives'
   if 'dynamic-update-slice' in name:
     return 'stacking writes'
   if 'dynamic-slice' in name:
@@ -48,7 +54,7 @@ def kind(op: str) -> str | None:
     return 'copies'
   if 'broadcast' in name:
     return 'zero-fills'
-  if 'fusion' in name or name.startswith('wrapped_'):
+  if 'fusion' in name or name.startswith('wrapped-'):
     return 'other fused'
   return 'other'
 

@@ -54,10 +54,20 @@ def test_chunked_loss_equals_full_loss_and_gradients(tied):
   want, got = values(full, variables['params']), values(chunked, variables['params'])
   np.testing.assert_allclose(got['loss'], want['loss'], rtol=1e-6)
   np.testing.assert_array_equal(got['accuracy'], want['accuracy'])
-  grad = lambda m: jax.grad(lambda p: values(m, p)['loss'].sum())(variables['params'])
-  want_g, got_g = to_numpy(grad(full)), to_numpy(grad(chunked))
-  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_g))
-  assert_trees_close(got_g, want_g, 1e-6, 1e-6 * scale, 'chunked loss gradients')
+  # Rows weighed alike (a batch mean: the gradients made in the forward pass) and unalike (the
+  # unembedding's gradient from remade logits), and the path that always remakes them (DPO's).
+  for row_weights in (np.ones(B), np.array([0.5, 2.0, 0.0])):
+    loss = lambda m, p: (values(m, p)['loss'] * row_weights).sum()
+    want_g = to_numpy(jax.jit(jax.grad(lambda p: loss(full, p)))(variables['params']))
+    got_g = to_numpy(jax.jit(jax.grad(lambda p: loss(chunked, p)))(variables['params']))
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_g))
+    assert_trees_close(got_g, want_g, 1e-6, 1e-6 * scale, f'chunked loss gradients {row_weights}')
+  remade = lambda p: (chunked_loss.sums(chunked.apply({'params': p}, batch, train=False,
+                                                      rng=None)[0], batch['targets'],
+                                        NextToken().token_weights(batch), fused=False)[0]
+                      * row_weights).sum()
+  assert_trees_close(to_numpy(jax.grad(remade)(variables['params'])), want_g, 1e-6, 1e-6 * scale,
+                     'remade chunked loss gradients')
 
 
 def test_auto_chunks_only_large_logits():

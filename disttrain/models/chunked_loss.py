@@ -95,9 +95,16 @@ def token_values(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
   return loss_BxT, correct_BxT
 
 
-def sums(features: Features, targets_BxT: jax.Array,
-         weights_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Per-row sums [B] of token_values over the sequence, one chunk of logits at a time."""
+def sums(features: Features, targets_BxT: jax.Array, weights_BxT: jax.Array,
+         fused: bool = True) -> tuple[jax.Array, jax.Array]:
+  """Per-row sums [B] of token_values over the sequence, one chunk of logits at a time.
+
+  fused: each chunk's gradients are made in the forward pass, while its logits exist (three
+  matmuls a chunk, as the whole logits take); the backward pass scales them by the rows'
+  cotangents. That is exact for the hidden states whatever the cotangents (rows are independent)
+  and for the unembedding when they are equal, as a mean over the batch makes them; otherwise
+  the backward pass remakes the logits (four matmuls a chunk, as fused=False always does).
+  """
   h, w = features.hidden_BxTxD, features.unembed
   b, t, d = h.shape
   n = -(-t // features.chunk)  # chunks
@@ -108,24 +115,51 @@ def sums(features: Features, targets_BxT: jax.Array,
     weights_BxT = jnp.pad(weights_BxT, ((0, 0), (0, pad)))
   # Chunk i holds tokens i, i + n, i + 2n, ...: a sequence split over `context` in contiguous
   # blocks stays split the same way within every chunk (a sum does not mind the order).
-  h_NxBxCxD = jnp.moveaxis(h.reshape(b, features.chunk, n, d), 2, 0)
-  targets_NxBxC = jnp.moveaxis(targets_BxT.reshape(b, features.chunk, n), 2, 0)
-  weights_NxBxC = jnp.moveaxis(weights_BxT.reshape(b, features.chunk, n), 2, 0)
+  split = lambda x: jnp.moveaxis(x.reshape(b, features.chunk, n, *x.shape[2:]), 2, 0)
   if w.dtype != jnp.float32:  # its gradient sums over chunks: keep that sum in float32
     w = w.astype(jnp.float32)
+  zeros = lambda: jnp.zeros((b,), jnp.float32)  # made inside: a custom_vjp closes over no tracer
 
-  @jax.checkpoint  # the backward pass remakes a chunk's logits instead of keeping them
-  def chunk(carry, xs):
-    h_BxCxD, targets_BxC, weights_BxC = xs
+  def values(h_BxCxD, w, targets_BxC, weights_BxC):
     logits_BxCxV = logits(h_BxCxD, w, features.tied, features.vocab_size, features.dtype,
                           features.softcap)
     loss_BxC, correct_BxC = token_values(logits_BxCxV, targets_BxC, weights_BxC)
-    return (carry[0] + loss_BxC.sum(-1), carry[1] + correct_BxC.sum(-1)), None
+    return loss_BxC.sum(-1), correct_BxC.sum(-1)
 
-  zeros = jnp.zeros((b,), jnp.float32)
-  (loss_B, correct_B), _ = jax.lax.scan(chunk, (zeros, zeros),
-                                        (h_NxBxCxD, targets_NxBxC, weights_NxBxC))
-  return loss_B, correct_B
+  def remade(h_NxBxCxD, w, targets_NxBxC, weights_NxBxC):
+    @jax.checkpoint  # the backward pass remakes a chunk's logits instead of keeping them
+    def chunk(carry, xs):
+      loss_B, correct_B = values(xs[0], w, *xs[1:])
+      return (carry[0] + loss_B, carry[1] + correct_B), None
+    return jax.lax.scan(chunk, (zeros(), zeros()), (h_NxBxCxD, targets_NxBxC, weights_NxBxC))[0]
+
+  @jax.custom_vjp
+  def gradients_ahead(h_NxBxCxD, w, targets_NxBxC, weights_NxBxC):
+    return remade(h_NxBxCxD, w, targets_NxBxC, weights_NxBxC)
+
+  def forward(h_NxBxCxD, w, targets_NxBxC, weights_NxBxC):
+    def chunk(carry, xs):
+      h_BxCxD, targets_BxC, weights_BxC = xs
+      loss_B, vjp, correct_B = jax.vjp(lambda h, w: values(h, w, targets_BxC, weights_BxC), h_BxCxD,
+                                       w, has_aux=True)
+      dh_BxCxD, dw = vjp(jnp.ones_like(loss_B))  # per row: d loss_B[b] / d h[b]; summed: w's
+      return (carry[0] + loss_B, carry[1] + correct_B, carry[2] + dw), dh_BxCxD
+    (loss_B, correct_B, dw), dh_NxBxCxD = jax.lax.scan(
+        chunk, (zeros(), zeros(), jnp.zeros_like(w)), (h_NxBxCxD, targets_NxBxC, weights_NxBxC))
+    return (loss_B, correct_B), (dh_NxBxCxD, dw, h_NxBxCxD, w, targets_NxBxC, weights_NxBxC)
+
+  def backward(saved, cotangents):
+    dh_NxBxCxD, dw, h_NxBxCxD, w, targets_NxBxC, weights_NxBxC = saved
+    g_B = cotangents[0]
+    dh = (dh_NxBxCxD * g_B[None, :, None, None]).astype(dh_NxBxCxD.dtype)
+    unweighted = lambda: jax.vjp(lambda w: remade(h_NxBxCxD, w, targets_NxBxC,
+                                                  weights_NxBxC)[0], w)[1](g_B)[0]
+    dw = jax.lax.cond(jnp.all(g_B == g_B[0]), lambda: dw * g_B[0], unweighted)
+    return dh, dw, None, None
+
+  gradients_ahead.defvjp(forward, backward)
+  parts = (split(h), w, split(targets_BxT), split(weights_BxT))
+  return gradients_ahead(*parts) if fused else remade(*parts)
 
 
 def token_losses(outputs: Any, targets_BxT: jax.Array, weights_BxT: jax.Array,

@@ -110,7 +110,7 @@ def sequence_logps(outputs: Any, flat: dict) -> jax.Array:
   if 'loss_mask' in flat:
     weights = weights * (flat['loss_mask'] != 0)
   if isinstance(outputs, chunked_loss.Features):
-    loss, _ = chunked_loss.sums(outputs, targets, weights)
+    loss, _ = chunked_loss.sums(outputs, targets, weights, fused=False)  # rows weigh differently
     return -loss
   loss, _ = chunked_loss.token_values(outputs.astype(jnp.float32), targets, weights)
   return -loss.sum(-1)
