@@ -1,11 +1,13 @@
 #!/bin/bash
 # The checks only an accelerator can make, in one run on one GPU host (results under $OUT):
-#   OUT=/tmp/acc bash benchmarks/accelerator.sh            # every part: about 25 minutes
+#   OUT=/tmp/acc bash benchmarks/accelerator.sh            # every part: about 30 minutes
 #   OUT=/tmp/acc PART=levers bash benchmarks/accelerator.sh  # the levers alone: under 9 minutes
+#   OUT=/tmp/acc PART=peers,ab,profile bash benchmarks/accelerator.sh  # about 5 minutes (2026-11-28)
 # GPT-2 small and SmolLM2-135M tokens/s and MFU against a hand-written step (bf16), XLA's attention
 # against cuDNN's fused kernel, compiled memory of bf16 / cuDNN / remat, and Llama 3.2 1B.
 # Then the levers (issue 32: remat policies, scan unrolling, float8, XLA flags, the batch finder)
-# as A/B rows, and disttrain against MaxText when a MaxText venv was carried (the GPU host
+# as A/B rows; the loss and Llama 3.2 1B (ab); where GPT-2 small's step goes (profile, its trace
+# back in $OUT); and disttrain against MaxText when a MaxText venv was carried (the GPU host
 # reaches no registry, so benchmarks/pack_peer.py packs what MaxText needs beyond the image into
 # .peer/maxtext.tar.xz: carry .peer and .whl). PART=base|levers|profile|ab|peers, or several
 # joined by ',', runs those parts. Each run has its own time limit so that one slow compile cannot
