@@ -121,12 +121,13 @@ if part peers; then
       > "$venv/bin/python" && chmod +x "$venv/bin/python"
   fi
   if [ -x "$venv/bin/python" ]; then
-    # SmolLM2-135M (tied embeddings, as peers.py maps them), 32 x 2,048, each side's cuDNN attention
+    # SmolLM2-135M (tied embeddings, as peers.py maps them), 32 x 2,048, each side's cuDNN attention;
+    # PEER_PROFILE=1 adds a traced run per side and their op_profile table (about 2 minutes)
     echo "== peers: disttrain against MaxText, ${PEER_SIZE:-smollm2_135m}, one GPU"
     timeout ${PEER_SEC:-300} $py benchmarks/peers.py --peer_venv="$venv" --layouts=1 \
       --size=${PEER_SIZE:-smollm2_135m} --global_batch_size=32 --seq_len=${PEER_SEQ:-2048} \
       --precision=bfloat16 --remat=minimal --pairs=${PEER_PAIRS:-1} --steps=50 --warmup=15 \
-      --timeout=140 --json="$OUT/peers.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -8
+      --timeout=140 --json="$OUT/peers.json" ${PEER_PROFILE:+--profile} 2>&1 | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -30
   else
     echo "== peers: unmeasured (no MaxText venv and no .peer/maxtext.tar.xz; see pack_peer.py)"
   fi
