@@ -113,22 +113,30 @@ if part ab; then
 fi
 if part peers; then
   venv=${PEER_VENV:-$HOME/.cache/disttrain/peers/maxtext}
-  if [ ! -x "$venv/bin/python" ] && [ -f .peer/maxtext.tar.xz ]; then  # benchmarks/pack_peer.py's
+  # benchmarks/pack_peer.py's archive for this host's CPython and machine (its compiled modules)
+  tag=$($py -c 'import os, sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{os.uname().machine}")')
+  pack=.peer/maxtext.$tag.tar.xz
+  if [ ! -x "$venv/bin/python" ] && [ -f "$pack" ]; then
     venv=/tmp/maxtext-peer
     site=$venv/lib/$($py -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')/site-packages
-    mkdir -p "$site" "$venv/bin" && tar -xJf .peer/maxtext.tar.xz -C "$site"
-    printf '#!/bin/sh\nPYTHONPATH=%s:$PYTHONPATH exec %s "$@"\n' "$site" "$(realpath -s "$(command -v "$py")")" \
-      > "$venv/bin/python" && chmod +x "$venv/bin/python"
+    if mkdir -p "$site" "$venv/bin" && tar -xJf "$pack" -C "$site"; then
+      printf '#!/bin/sh\nPYTHONPATH="%s:$PYTHONPATH" exec "%s" "$@"\n' "$site" \
+        "$(realpath -s "$(command -v "$py")")" > "$venv/bin/python" && chmod +x "$venv/bin/python"
+    else
+      echo "== peers: could not unpack $pack"
+    fi
+  elif [ ! -x "$venv/bin/python" ] && ls .peer/maxtext.*.tar.xz >/dev/null 2>&1; then
+    echo "== peers: .peer holds $(ls .peer) but this host is $tag: pack again for it"
   fi
   if [ -x "$venv/bin/python" ]; then
     # SmolLM2-135M (tied embeddings, as peers.py maps them), 32 x 2,048, each side's cuDNN attention;
     # PEER_PROFILE=1 adds a traced run per side and their op_profile table (about 2 minutes)
     echo "== peers: disttrain against MaxText, ${PEER_SIZE:-smollm2_135m}, one GPU"
-    timeout ${PEER_SEC:-300} $py benchmarks/peers.py --peer_venv="$venv" --layouts=1 \
+    timeout ${PEER_SEC:-$([ "$PEER_PROFILE" = 1 ] && echo 500 || echo 300)} $py benchmarks/peers.py --peer_venv="$venv" --layouts=1 \
       --size=${PEER_SIZE:-smollm2_135m} --global_batch_size=32 --seq_len=${PEER_SEQ:-2048} \
       --precision=bfloat16 --remat=minimal --pairs=${PEER_PAIRS:-1} --steps=50 --warmup=15 \
-      --timeout=140 --json="$OUT/peers.json" ${PEER_PROFILE:+--profile} 2>&1 | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -30
+      --timeout=140 --json="$OUT/peers.json" $([ "$PEER_PROFILE" = 1 ] && echo --profile) 2>&1 | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -30
   else
-    echo "== peers: unmeasured (no MaxText venv and no .peer/maxtext.tar.xz; see pack_peer.py)"
+    echo "== peers: unmeasured (no MaxText venv and no .peer/maxtext.$tag.tar.xz; see pack_peer.py)"
   fi
 fi

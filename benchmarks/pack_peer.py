@@ -1,6 +1,6 @@
 """Pack what MaxText imports, minus what a GPU image already has, for a host with no registry.
 
-  python benchmarks/pack_peer.py --out=.peer/maxtext.tar.xz      # then carry .peer to the host
+  python benchmarks/pack_peer.py   # writes .peer/maxtext.cp312-x86_64.tar.xz; carry .peer to the host
   # on the host, benchmarks/accelerator.sh unpacks it into a venv-shaped folder for peers.py
 
 The lent GPU machines reach no package registry and carry at most 64 MiB, so MaxText's own venv
@@ -14,6 +14,7 @@ One module is replaced by an empty one: xprof's kernel-statistics tool, which to
 its kernel benchmarks and which needs xprof's 80 MB plugin; MaxText's training never calls it.
 """
 
+import io
 import os
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from absl import app, flags
 
 _VENV = flags.DEFINE_string('peer_venv', os.path.expanduser('~/.cache/disttrain/peers/maxtext'),
                             "MaxText's venv (benchmarks/peers.py makes it).")
-_OUT = flags.DEFINE_string('out', '.peer/maxtext.tar.xz', 'The archive to write.')
+_OUT = flags.DEFINE_string('out', '.peer/maxtext.tar.xz', 'The archive to write; the name gains '
+                           'the Python and machine it runs on, e.g. maxtext.cp312-x86_64.tar.xz.')
 _WHOLE_MB = flags.DEFINE_float('whole_mb', 12, 'Larger packages travel as their imported files.')
 # Import names the GPU image holds (device README, KINDS.md's package list of 2026-11-17), and
 # what disttrain's own carried wheels (.whl) bring; libtpu is TPU-only.
@@ -97,29 +99,40 @@ def main(argv):
   roots = sorted({top(rel) for rel in files} - set(_HAVE.value))
   os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
   skip = lambda info: None if '__pycache__' in info.name or '/assets/' in info.name else info
-  with tarfile.open(_OUT.value, 'w:xz') as tar:
-    for root in roots:
-      path = os.path.join(site, root)
-      if os.path.isdir(path) and size_mb(path) <= _WHOLE_MB.value:
-        tar.add(path, root, filter=skip)
-      else:
-        for rel in files:
-          if top(rel) == root and rel not in _STUBS:
-            tar.add(os.path.join(site, rel), rel)
-    for entry in os.listdir(site):  # the metadata of what travels (importlib.metadata.version)
-      record = os.path.join(site, entry, 'RECORD')
-      if entry.endswith('.dist-info') and os.path.exists(record):
-        with open(record) as f:
-          if any(top(line.split(',')[0]) in roots for line in f):
-            tar.add(os.path.join(site, entry), entry, filter=skip)
-    for rel, text in _STUBS.items():
-      stub = os.path.join(os.path.dirname(_OUT.value) or '.', 'stub.py')
-      with open(stub, 'w') as f:
-        f.write(text)
-      tar.add(stub, rel)
-      os.remove(stub)
-  print(f'{_OUT.value}: {len(roots)} packages ({", ".join(roots)}), '
-        f'{os.path.getsize(_OUT.value) / 2**20:.1f} MiB')
+  packed = set()  # files that travel, relative to site
+  partial = lambda name, folder: f'{os.sep}assets' not in folder and '__pycache__' not in folder
+  # The archive's name says what it runs on: its compiled modules are this CPython's, this machine's.
+  tag = f'cp{sys.version_info[0]}{sys.version_info[1]}-{os.uname().machine}'
+  out = _OUT.value.replace('.tar.xz', f'.{tag}.tar.xz') if tag not in _OUT.value else _OUT.value
+  with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(out)), delete=False) as tmp:
+    with tarfile.open(tmp.name, 'w:xz') as tar:
+      for root in roots:
+        path = os.path.join(site, root)
+        # maxtext always whole: its configs (base.yml) are read, not imported; *.libs: wheels' .so
+        whole = [p for p in (path, path + '.libs') if os.path.isdir(p)]
+        if whole and (root == 'maxtext' or size_mb(path) <= _WHOLE_MB.value):
+          for top_dir in whole:
+            tar.add(top_dir, os.path.relpath(top_dir, site), filter=skip)
+            packed.update(os.path.relpath(os.path.join(d, f), site) for d, _, fs in
+                          os.walk(top_dir) for f in fs if partial(f, d))
+        else:
+          for rel in files:
+            if top(rel) == root and rel not in _STUBS:
+              tar.add(os.path.join(site, rel), rel)
+              packed.add(rel)
+      for entry in os.listdir(site):  # the metadata of what travels (importlib.metadata.version)
+        record = os.path.join(site, entry, 'RECORD')
+        if entry.endswith('.dist-info') and os.path.exists(record):
+          with open(record) as f:
+            if any(os.path.normpath(line.split(',')[0]) in packed for line in f):
+              tar.add(os.path.join(site, entry), entry, filter=skip)
+      for rel, text in _STUBS.items():
+        info = tarfile.TarInfo(rel)
+        info.size = len(text.encode())
+        tar.addfile(info, io.BytesIO(text.encode()))
+  os.replace(tmp.name, out)  # a failed pack leaves no archive to unpack
+  print(f'{out}: {len(roots)} packages ({", ".join(roots)}), '
+        f'{os.path.getsize(out) / 2**20:.1f} MiB')
 
 
 if __name__ == '__main__':

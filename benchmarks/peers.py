@@ -273,6 +273,7 @@ def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
               ratio=median(ratios), ratios=ratios, failures=failures, size=_SIZE.value, global_batch_size=_BATCH.value,
               seq_len=_SEQ.value, precision=_PRECISION.value, steps=_STEPS.value,
               warmup=_WARMUP.value, remat=_REMAT.value, peer_remat=_PEER_REMAT.value,
+              peer_attention=_PEER_ATTENTION.value or ('cudnn_flash_jax' if gpu else 'dot_product'),
               data='synthetic', date=time.strftime('%Y-%m-%d'),
               profile={side: dict(ms=p['ms'], span_ms=p['wall_ms'], steps=p['steps'])
                        for side, p in profiles.items()})

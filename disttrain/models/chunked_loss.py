@@ -102,9 +102,11 @@ def sums(features: Features, targets_BxT: jax.Array, weights_BxT: jax.Array,
 
   fused: each chunk's gradients are made in the forward pass, while its logits exist (three
   matmuls a chunk, as the whole logits take); the backward pass scales them by the rows'
-  cotangents. That is exact for the hidden states whatever the cotangents (rows are independent)
-  and for the unembedding when they are equal, as a mean over the batch makes them; otherwise
-  the backward pass remakes the logits (four matmuls a chunk, as fused=False always does).
+  cotangents. That holds for the hidden states whatever the cotangents (rows are independent;
+  kept in their dtype, so bf16 hidden states' gradients round once more than fused=False's) and
+  for the unembedding when they are equal, as a mean over the batch makes them; otherwise the
+  backward pass also remakes the logits for the unembedding's gradient (five matmuls a chunk,
+  against fused=False's four). Reverse mode only (a custom_vjp: no jvp).
   """
   h, w = features.hidden_BxTxD, features.unembed
   b, t, d = h.shape
