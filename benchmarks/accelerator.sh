@@ -9,7 +9,7 @@
 # as A/B rows; the loss and Llama 3.2 1B (ab); where GPT-2 small's step goes (profile, its trace
 # back in $OUT); and disttrain against MaxText when a MaxText venv was carried (the GPU host
 # reaches no registry, so benchmarks/pack_peer.py packs what MaxText needs beyond the image into
-# .peer/maxtext.tar.xz: carry .peer and .whl). PART=base|levers|profile|ab|peers, or several
+# .peer/maxtext.<cpython>-<machine>.tar.xz: carry .peer and .whl). PART=base|levers|profile|ab|peers, or several
 # joined by ',', runs those parts. Each run has its own time limit so that one slow compile cannot
 # take the others' time.
 set -o pipefail
