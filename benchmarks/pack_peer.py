@@ -81,9 +81,14 @@ def top(rel: str) -> str:
   return name.split('.')[0] if len(parts) == 1 else name
 
 
-def size_mb(path: str) -> float:  # what travels of a package: not its assets or caches
+def travels(path: str) -> bool:
+  """Whether a package's file goes in the archive: not its assets (tokenizers) or caches."""
+  return not {'__pycache__', 'assets'} & set(path.split(os.sep))
+
+
+def size_mb(path: str) -> float:  # what travels of a package
   return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
-             if '__pycache__' not in d and f'{os.sep}assets' not in d) / 2**20
+             if travels(os.path.join(d, f))) / 2**20
 
 
 def main(argv):
@@ -98,9 +103,8 @@ def main(argv):
     files = imported_files(python, site, scratch)
   roots = sorted({top(rel) for rel in files} - set(_HAVE.value))
   os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-  skip = lambda info: None if '__pycache__' in info.name or '/assets/' in info.name else info
+  skip = lambda info: info if travels(info.name) else None
   packed = set()  # files that travel, relative to site
-  partial = lambda name, folder: f'{os.sep}assets' not in folder and '__pycache__' not in folder
   # The archive's name says what it runs on: its compiled modules are this CPython's, this machine's.
   tag = f'cp{sys.version_info[0]}{sys.version_info[1]}-{os.uname().machine}'
   out = _OUT.value.replace('.tar.xz', f'.{tag}.tar.xz') if tag not in _OUT.value else _OUT.value
@@ -114,7 +118,7 @@ def main(argv):
           for top_dir in whole:
             tar.add(top_dir, os.path.relpath(top_dir, site), filter=skip)
             packed.update(os.path.relpath(os.path.join(d, f), site) for d, _, fs in
-                          os.walk(top_dir) for f in fs if partial(f, d))
+                          os.walk(top_dir) for f in fs if travels(os.path.join(d, f)))
         else:
           for rel in files:
             if top(rel) == root and rel not in _STUBS:

@@ -111,6 +111,10 @@ def _devices(sizes: dict) -> int:
   return n
 
 
+def peer_attention(gpu: bool) -> str:
+  return _PEER_ATTENTION.value or ('cudnn_flash_jax' if gpu else 'dot_product')
+
+
 def ensure_maxtext(venv: str) -> str:
   """The python of a venv holding MaxText, made and installed on first use (~3 GB, minutes)."""
   python = os.path.join(venv, 'bin', 'python')
@@ -215,7 +219,7 @@ def maxtext_run(python: str, sizes: dict, workdir: str, gpu: bool, profile: bool
       normalization_layer_epsilon=1e-5, dtype=_PRECISION.value, weight_dtype='float32',
       opt_type='adamw', adam_weight_decay=0.1, gradient_clipping_threshold=1.0,
       learning_rate=learning_rate, dropout_rate=0, enable_dropout='false', remat_policy=_PEER_REMAT.value,
-      attention=_PEER_ATTENTION.value or ('cudnn_flash_jax' if gpu else 'dot_product'),
+      attention=peer_attention(gpu),
       metrics_file=metrics, log_period=10**6, packing='false',
       ici_data_parallelism=sizes.get('data', 1), ici_fsdp_parallelism=sizes.get('fsdp', 1),
       ici_tensor_parallelism=sizes.get('tensor', 1))
@@ -273,7 +277,7 @@ def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
               ratio=median(ratios), ratios=ratios, failures=failures, size=_SIZE.value, global_batch_size=_BATCH.value,
               seq_len=_SEQ.value, precision=_PRECISION.value, steps=_STEPS.value,
               warmup=_WARMUP.value, remat=_REMAT.value, peer_remat=_PEER_REMAT.value,
-              peer_attention=_PEER_ATTENTION.value or ('cudnn_flash_jax' if gpu else 'dot_product'),
+              peer_attention=peer_attention(gpu),
               data='synthetic', date=time.strftime('%Y-%m-%d'),
               profile={side: dict(ms=p['ms'], span_ms=p['wall_ms'], steps=p['steps'])
                        for side, p in profiles.items()})
