@@ -96,6 +96,25 @@ def token_values(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
   return loss_BxT, correct_BxT
 
 
+def _chunks(features: Features, targets_BxT: jax.Array, weights_BxT: jax.Array):
+  """(hidden [N, B, C, D], unembedding in float32, targets [N, B, C], weights [N, B, C]): N chunks
+  of C tokens, the last padded with tokens of weight 0.
+
+  Chunk i holds tokens i, i + N, i + 2N, ...: a sequence split over `context` in contiguous blocks
+  stays split the same way within every chunk (a sum does not mind the order).
+  """
+  b, t, _ = features.hidden_BxTxD.shape
+  c = features.chunk
+  n = -(-t // c)
+
+  def split(x):
+    x = jnp.pad(x, ((0, 0), (0, n * c - t)) + ((0, 0),) * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(b, c, n, *x.shape[2:]), 2, 0)
+  # The unembedding's gradient sums over chunks: keep that sum in float32.
+  return (split(features.hidden_BxTxD), features.unembed.astype(jnp.float32), split(targets_BxT),
+          split(weights_BxT))
+
+
 def sums(features: Features, targets_BxT: jax.Array, weights_BxT: jax.Array,
          fused: bool = True) -> tuple[jax.Array, jax.Array]:
   """Per-row sums [B] of token_values over the sequence, one chunk of logits at a time.
@@ -108,19 +127,7 @@ def sums(features: Features, targets_BxT: jax.Array, weights_BxT: jax.Array,
   backward pass also remakes the logits for the unembedding's gradient (five matmuls a chunk,
   against fused=False's four). Reverse mode only (a custom_vjp: no jvp).
   """
-  h, w = features.hidden_BxTxD, features.unembed
-  b, t, d = h.shape
-  n = -(-t // features.chunk)  # chunks
-  pad = n * features.chunk - t
-  if pad:  # padded tokens weigh 0
-    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-    targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
-    weights_BxT = jnp.pad(weights_BxT, ((0, 0), (0, pad)))
-  # Chunk i holds tokens i, i + n, i + 2n, ...: a sequence split over `context` in contiguous
-  # blocks stays split the same way within every chunk (a sum does not mind the order).
-  split = lambda x: jnp.moveaxis(x.reshape(b, features.chunk, n, *x.shape[2:]), 2, 0)
-  if w.dtype != jnp.float32:  # its gradient sums over chunks: keep that sum in float32
-    w = w.astype(jnp.float32)
+  b = targets_BxT.shape[0]
   zeros = lambda: jnp.zeros((b,), jnp.float32)  # made inside: a custom_vjp closes over no tracer
 
   def values(h_BxCxD, w, targets_BxC, weights_BxC):
@@ -161,7 +168,7 @@ def sums(features: Features, targets_BxT: jax.Array, weights_BxT: jax.Array,
     return dh, dw, None, None
 
   gradients_ahead.defvjp(forward, backward)
-  parts = (split(h), w, split(targets_BxT), split(weights_BxT))
+  parts = _chunks(features, targets_BxT, weights_BxT)
   return gradients_ahead(*parts) if fused else remade(*parts)
 
 
@@ -172,17 +179,7 @@ def token_losses(outputs: Any, targets_BxT: jax.Array, weights_BxT: jax.Array,
   if not isinstance(outputs, Features):
     logits_BxTxV = outputs.astype(jnp.float32) / temperature
     return token_values(logits_BxTxV, targets_BxT, weights_BxT)[0]
-  h, w = outputs.hidden_BxTxD, outputs.unembed
-  b, t, d = h.shape
-  n = -(-t // outputs.chunk)
-  pad = n * outputs.chunk - t
-  if pad:
-    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-    targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
-    weights_BxT = jnp.pad(weights_BxT, ((0, 0), (0, pad)))
-  split = lambda x: jnp.moveaxis(x.reshape(b, outputs.chunk, n, *x.shape[2:]), 2, 0)
-  if w.dtype != jnp.float32:
-    w = w.astype(jnp.float32)
+  h_NxBxCxD, w, targets_NxBxC, weights_NxBxC = _chunks(outputs, targets_BxT, weights_BxT)
 
   @jax.checkpoint
   def chunk(_, xs):
@@ -191,5 +188,6 @@ def token_losses(outputs: Any, targets_BxT: jax.Array, weights_BxT: jax.Array,
                           outputs.softcap) / temperature
     return None, token_values(logits_BxCxV, targets_BxC, weights_BxC)[0]
 
-  _, loss_NxBxC = jax.lax.scan(chunk, None, (split(h), split(targets_BxT), split(weights_BxT)))
-  return jnp.moveaxis(loss_NxBxC, 0, 2).reshape(b, n * outputs.chunk)[:, :t]
+  _, loss_NxBxC = jax.lax.scan(chunk, None, (h_NxBxCxD, targets_NxBxC, weights_NxBxC))
+  b, t = targets_BxT.shape
+  return jnp.moveaxis(loss_NxBxC, 0, 2).reshape(b, -1)[:, :t]  # chunk i's j-th: token i + jN
