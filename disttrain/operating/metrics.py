@@ -4,6 +4,7 @@ Only process 0 writes; on the other processes a Writer is silent. metrics.jsonl 
 public interfaces (docs/outputs.md): add fields freely, rename or remove only with a deprecation.
 """
 
+import importlib
 import json
 import math
 import os
@@ -27,7 +28,7 @@ def _summary_writer(**kwargs):
     hidden = [name for name in _UNUSED_BY_TENSORBOARDX if name not in sys.modules]
     sys.modules.update(dict.fromkeys(hidden))
     try:
-      import tensorboardX  # pylint: disable=g-import-not-at-top,unused-import
+      importlib.import_module('tensorboardX')
     finally:
       for name in hidden:
         del sys.modules[name]

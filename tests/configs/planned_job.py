@@ -7,7 +7,6 @@ it) and exits with the status, or kills itself with signal -status when it is ne
 
 import json
 import os
-import signal
 import sys
 
 workdir = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('--workdir='))
