@@ -65,6 +65,11 @@ class Tokenizer:
       self.eos_id = self._impl.eos_id() if self._impl.eos_id() >= 0 else None
       self.bos_id = self._impl.bos_id() if self._impl.bos_id() >= 0 else None
 
+  def eos_within(self, vocab_size: int) -> int | None:
+    """The end-of-text id where a model of `vocab_size` ids can emit it, else None (the byte
+    tokenizer's 256 beyond a 256-id model)."""
+    return int(self.eos_id) if self.eos_id is not None and self.eos_id < vocab_size else None
+
   def _special(self, key: str) -> int | None:
     """A special token's id from tokenizer_config.json beside the file (eos: else usual names)."""
     config = os.path.join(os.path.dirname(self.file), 'tokenizer_config.json')

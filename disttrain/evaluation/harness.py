@@ -46,12 +46,12 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
     def __init__(self):
       super().__init__()
       self.tokenizer_ = tokenizer
-      eos = tokenizer.eos_id
-      if eos is None or eos >= vocab_size:
+      eos = tokenizer.eos_within(vocab_size)
+      if eos is None:
         raise ConfigError(f'the tokenizer {tokenizer.path or "(bytes)"!r} has no end-of-text '
                           f"token within the model's {vocab_size} ids, which lm-eval uses as the "
                           'empty context and a stop string; use a tokenizer that has one')
-      self.eos, self.scorer = int(eos), scorer
+      self.eos, self.scorer = eos, scorer
       self.max_length, self.max_gen_toks = scorer.max_len, max_gen_toks
       self.params, self.mutable = None, {}
 
@@ -152,9 +152,10 @@ def evaluate(trained, tasks: list[str], *, batch_size: int = 32, limit: int | No
   (hf.trained.Trained: model, parameters on its mesh, tokenizer, context)."""
   manager = manager or task_manager(tasks, include_path)
   window = min(max_length or trained.context, trained.context)
-  eos, vocab = trained.tokenizer.eos_id, trained.model.cfg.vocab_size
+  vocab = trained.model.cfg.vocab_size
+  eos = trained.tokenizer.eos_within(vocab)
   scorer = scoring.Scorer(trained.model, mesh_lib.batch_sharding(trained.mesh), batch_size,
-                          window, eos if eos is not None and eos < vocab else -1)
+                          window, -1 if eos is None else eos)
   lm = backend(scorer, trained.tokenizer, vocab)
   lm.params = trained.params
   return run(lm, tasks, manager, limit=limit, num_fewshot=num_fewshot, log_samples=log_samples)

@@ -186,8 +186,7 @@ class SampleAtEnd:
     self.context = self.model.cfg.learned_positions or cfg.model.max_seq_len or cfg.row_tokens
 
   def on_end(self, result) -> None:
-    eos = self.tokenizer.eos_id if (self.tokenizer.eos_id or 0) < self.model.cfg.vocab_size \
-        else None
+    eos = self.tokenizer.eos_within(self.model.cfg.vocab_size)
     out = generate(self.model, result.state.params,
                    [self.tokenizer.encode(p) for p in self.prompts],
                    max_new_tokens=self.max_new_tokens, eos_id=eos, context=self.context)
@@ -228,8 +227,7 @@ def main(argv) -> None:
     prompts = [lm.tokenizer.encode_whole([(template.render(
         [{'role': 'user', 'content': text}], True, example=f'--prompt={text!r}'), False)])[0]
                for text in f.prompt]
-  eos = lm.tokenizer.eos_id if lm.tokenizer.eos_id is not None and \
-      lm.tokenizer.eos_id < lm.model.cfg.vocab_size else None
+  eos = lm.tokenizer.eos_within(lm.model.cfg.vocab_size)
   result = generate(lm.model, lm.params, prompts, max_new_tokens=f.max_new_tokens,
                     temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
                     eos_id=eos, mesh=lm.mesh, context=lm.context)

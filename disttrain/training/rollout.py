@@ -136,8 +136,8 @@ class Rollout:
                         f'{type(policy).__name__} is not one (use a gpt, llama, qwen, mistral, '
                         'mixtral or gemma model)')
     vocab = policy.cfg.vocab_size
-    eos = self.tokenizer.eos_id
-    self.eos = int(eos) if eos is not None and eos < vocab else -1
+    eos = self.tokenizer.eos_within(vocab)
+    self.eos = -1 if eos is None else eos
     context = policy.cfg.learned_positions
     if context and self.prompt_len + self.new > context:
       raise ConfigError(f'data.seq_len={self.prompt_len} prompt tokens + grpo.max_new_tokens='
