@@ -114,11 +114,12 @@ fi
 if part peers; then
   venv=${PEER_VENV:-$HOME/.cache/disttrain/peers/maxtext}
   # benchmarks/pack_peer.py's archive for this host's CPython and machine (its compiled modules)
-  tag=$($py -c 'import os, sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{os.uname().machine}")')
+  read -r major minor machine < <($py -c 'import os, sys; print(*sys.version_info[:2], os.uname().machine)')
+  tag=cp$major$minor-$machine
   pack=.peer/maxtext.$tag.tar.xz
   if [ ! -x "$venv/bin/python" ] && [ -f "$pack" ]; then
     venv=/tmp/maxtext-peer
-    site=$venv/lib/$($py -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')/site-packages
+    site=$venv/lib/python$major.$minor/site-packages
     if mkdir -p "$site" "$venv/bin" && tar -xJf "$pack" -C "$site"; then
       printf '#!/bin/sh\nPYTHONPATH="%s:$PYTHONPATH" exec "%s" "$@"\n' "$site" \
         "$(realpath -s "$(command -v "$py")")" > "$venv/bin/python" && chmod +x "$venv/bin/python"
