@@ -300,6 +300,30 @@ def test_killed_worker_stops_the_job_without_orphans(tmp_path):
   assert not _job_processes(tmp_path), 'orphan processes of the job remain'
 
 
+@pytest.mark.parametrize('fail_at', ['setup', '6'])
+def test_a_process_that_fails_stops_the_others_at_once(tmp_path, fail_at):
+  """Process 1 meets bad data: in get_data while setting up, or on its 6th read while training.
+  Process 0, waiting for it in a collective, says why and exits with its status by itself
+  (disttrain/parallel/failures.py): well before the launcher's grace of 120 s would SIGKILL it,
+  as it had to before (and as a scheduler's timeout would, without a launcher that watches)."""
+  grace = 120
+  proc = _ops_cluster(tmp_path, {'FAIL_AT': fail_at}, {**BASE, 'num_train_steps': 1000}, grace)
+  start = time.monotonic()
+  try:
+    out, _ = proc.communicate(timeout=JOB_TIMEOUT + grace)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  elapsed = time.monotonic() - start
+  assert proc.returncode == 2, out[-3000:]
+  assert '[1] error: DataError: ' in out, out[-3000:]
+  assert ('[0] error: process 1 failed, so this process stops too (exit 2): DataError: '
+          in out), out[-3000:]
+  assert elapsed < grace - 20, (elapsed, out[-3000:])  # start-up and all: ~20 s here
+  time.sleep(0.5)
+  assert not _job_processes(tmp_path), 'orphan processes of the job remain'
+
+
 def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
   # SIGKILL leaves the launcher no time to stop anyone (a CI timeout, the OOM killer); the
   # workers, each in its own session, must die with it. Stand-in workers that only sleep.

@@ -22,6 +22,8 @@ from absl import app, flags, logging
 import ml_collections
 from ml_collections import config_flags
 
+from disttrain.exitcodes import Exit
+
 def _env_int(name: str) -> int | None:
   value = os.environ.get(name)
   return int(value) if value and value.isdigit() else None
@@ -102,12 +104,14 @@ def main(argv):
     # Must happen before the first backend use; on CPU this gives N devices in this process.
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', _FAKE_DEVICES.value)
-  from disttrain.parallel import distributed  # pylint: disable=g-import-not-at-top
+  from disttrain.parallel import distributed, failures  # pylint: disable=g-import-not-at-top
+  watch = None
   try:
     if _DISTRIBUTED.value or _COORDINATOR.value:
       distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                              init_timeout=_INIT_TIMEOUT.value,
                              heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
+    watch = failures.Watch()  # another process's failure ends this one (a no-op alone)
     if _FIND_BATCH.value:
       _find_batch_size(cfg)
     else:
@@ -117,6 +121,12 @@ def main(argv):
     sys.exit(e.exit_code)  # 75 (SIGTERM) or 130 (Ctrl-C): a checkpoint was saved; relaunch
   except disttrain.DisttrainError as e:
     _fail(f'{type(e).__name__}: {e}')
+  except Exception as e:  # a bug on one process: the others must not wait for it in a collective
+    failures.announce(f'{type(e).__name__}: {e}', Exit.FAILED, traceback=True)
+    raise
+  finally:
+    if watch is not None:
+      watch.close()
 
 
 def _find_batch_size(cfg) -> None:
@@ -298,8 +308,9 @@ def _config_load_error(argv: list[str], error: OSError) -> str:
 
 
 def _fail(message: str) -> NoReturn:
-  from disttrain.exitcodes import Exit  # pylint: disable=g-import-not-at-top
+  from disttrain.parallel import failures  # pylint: disable=g-import-not-at-top  (no jax import)
   print(f'error: {message}', file=sys.stderr, flush=True)
+  failures.announce(message, Exit.BAD_INPUT)  # in a multi-process job: the others stop too
   sys.exit(Exit.BAD_INPUT)
 
 

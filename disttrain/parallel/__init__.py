@@ -4,6 +4,7 @@
                context, tensor) and their roles; the batch sharding
   sharding     rules -> PartitionSpecs: param_rules regex, else Flax logical axes, then fsdp
   distributed  jax.distributed start-up (roll call, gloo on CPU), agreed stops (SIGTERM, Ctrl-C)
+  failures     one process's failure posted to the others, which stop with it at once
   state        TrainState(opt_state, params, mutable, rng, step), created directly sharded
   optim        clipping, optimizer (decay mask, mu dtype), schedule, EMA from the config
   step         the pure pieces of a step: Variant, Policy, loss and grads, micro-batches, update

@@ -4,6 +4,7 @@
   RAISE_IN=hook   a callback raises in that hook (on_train_record, on_eval, on_checkpoint)
   HANG_AFTER=N    process 1's data source sleeps forever from its read number N on
   SLOW_READS=S    every batch read sleeps S seconds (a slow data source)
+  FAIL_AT=setup|N process 1 fails with a DataError in get_data, or on its read number N
 """
 
 import os
@@ -62,6 +63,7 @@ class Reads:
     self.arrays, self.reads = arrays, 0
     self.hang_after = int(os.environ.get('HANG_AFTER', '-1'))
     self.slow = float(os.environ.get('SLOW_READS', '0'))
+    self.fail_at = int(os.environ.get('FAIL_AT', '-1').replace('setup', '-1'))
 
   def __len__(self):
     return len(self.arrays['label'])
@@ -73,10 +75,14 @@ class Reads:
     self.reads += 1
     if jax.process_index() == 1 and 0 <= self.hang_after <= self.reads:
       sleep_forever()
+    if jax.process_index() == 1 and self.reads == self.fail_at:
+      raise disttrain.DataError(f'read {self.reads} of process 1 failed (FAIL_AT)')
     time.sleep(self.slow)
     return [self[int(i)] for i in indices]
 
 
 def get_data(config):
+  if jax.process_index() == 1 and os.environ.get('FAIL_AT') == 'setup':
+    raise disttrain.DataError("process 1's data could not be read (FAIL_AT=setup)")
   digits = sources.build(config)
   return {'train_data': Reads(digits['train_data']), 'eval_data': digits['eval_data']}
