@@ -632,12 +632,35 @@ def test_a_process_stopped_again_and_again_is_named_the_straggler(tmp_path):
       proc.send_signal(signal.SIGINT)  # Ctrl-C: every process stops at an agreed step
     out = proc.communicate(timeout=120)[0]
   (named,) = [e for e in events.read(str(tmp_path)) if e['event'] == 'straggler']
-  assert named['process'] == 1 and named['stalled_fraction'] >= 0.2, named
+  assert named['process'] == 1 and named['cause'] == 'stalled', named
+  assert named['stalled_fraction'] >= 0.2, named
   assert named['others_max'] < 0.1, named
   assert 'straggler: process 1 (' in out, out[-3000:]
   report = goodput.report(str(tmp_path))
   assert [(s['process'], s['step']) for s in report['stragglers']] == [(1, named['step'])]
   assert 'straggler: attempt 1 process 1' in goodput.table(report)
+
+
+def test_a_process_whose_data_is_slow_is_named_by_its_data_waits(tmp_path):
+  """Slow while running: every batch read of process 1 takes 0.1 s (its storage, say) against
+  steps of a few ms. Process 0 waits for it inside the step, never for its own data: process 1
+  is named, by cause 'data', within the first 30 s of training, and nobody is named stalled."""
+  overrides = {**BASE, 'num_train_steps': 100_000, 'log_every_steps': 5,
+               'checkpoint_every_steps': 0}
+  proc = _ops_cluster(tmp_path, {'SLOW_READS': '0.1', 'SLOW_PROCESS': '1'}, overrides)
+  try:
+    deadline = time.monotonic() + 120
+    while not [e for e in events.read(str(tmp_path)) if e['event'] == 'straggler']:
+      assert proc.poll() is None and time.monotonic() < deadline, 'no straggler named'
+      time.sleep(0.2)
+  finally:
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGINT)  # Ctrl-C: every process stops at an agreed step
+    out = proc.communicate(timeout=120)[0]
+  named = [e for e in events.read(str(tmp_path)) if e['event'] == 'straggler']
+  assert [(e['process'], e['cause']) for e in named] == [(1, 'data')], named
+  assert named[0]['data_fraction'] >= 0.2 and named[0]['others_max'] < 0.1, named
+  assert 'straggler: process 1 (' in out and 'waited for its data' in out, out[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -96,8 +96,9 @@ def report(workdir: str) -> dict:
       seconds['killed_other'] += max(a.ended - a.started - kept - lost, 0.0)
   last = runs[-1]
   wall = (last.ended if last.ended is not None else last.started) - runs[0].started
-  stragglers = [{k: e.get(k) for k in ('attempt', 'process', 'host', 'step', 'stalled_fraction',
-                                         'others_max', 'seconds')}
+  stragglers = [{k: e.get(k, 'stalled' if k == 'cause' else None)  # logs before causes: stalls
+                 for k in ('attempt', 'process', 'host', 'step', 'cause', 'stalled_fraction',
+                           'data_fraction', 'others_max', 'seconds')}
                 for e in log if e.get('event') == 'straggler']
   by_tier = {}  # steps lost per tier: those past the checkpoint the next attempt resumed from
   for a, b in zip(runs, runs[1:]):
@@ -128,8 +129,9 @@ def table(result: dict) -> str:
     lines.append(f'  {name.replace("_", " "):<24} {result["seconds"][name]:>9.1f}s '
                  f'{result["fractions"][name]:>7.1%}')
   for s in result['stragglers']:  # operating/stragglers.py
+    what = 'stalled' if s['cause'] == 'stalled' else 'waited for data'
     lines.append(f'straggler: attempt {s["attempt"]} process {s["process"]} ({s["host"]}) '
-                 f'stalled {s["stalled_fraction"]:.0%} of {s["seconds"]:.1f}s by step '
+                 f'{what} {s[s["cause"] + "_fraction"]:.0%} of {s["seconds"]:.1f}s by step '
                  f'{s["step"]} (others at most {s["others_max"]:.0%})')
   return '\n'.join(lines)
 

@@ -122,7 +122,7 @@ class TrainRecords:
     window = self._checked(window)
     at = window[-1][1]
     if self.stragglers is not None:  # every process, at the same records
-      self.stragglers.note(at)
+      self.stragglers.note(at, self.phases.seconds['data'])
     first, active, waited = self._mark
     seconds = max(self.phases.active() - active, 1e-9)
     data_seconds = self.phases.seconds['data'] - waited

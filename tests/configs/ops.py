@@ -3,7 +3,8 @@
   STOP_AT=N       a callback asks to stop when it sees the train record of step N
   RAISE_IN=hook   a callback raises in that hook (on_train_record, on_eval, on_checkpoint)
   HANG_AFTER=N    process 1's data source sleeps forever from its read number N on
-  SLOW_READS=S    every batch read sleeps S seconds (a slow data source)
+  SLOW_READS=S    every batch read sleeps S seconds (a slow data source); with SLOW_PROCESS=P,
+                  only process P's reads
   FAIL_AT=setup|N process 1 fails with a DataError in get_data, or on its read number N
 """
 
@@ -63,6 +64,8 @@ class Reads:
     self.arrays, self.reads = arrays, 0
     self.hang_after = int(os.environ.get('HANG_AFTER', '-1'))
     self.slow = float(os.environ.get('SLOW_READS', '0'))
+    if os.environ.get('SLOW_PROCESS', str(jax.process_index())) != str(jax.process_index()):
+      self.slow = 0.0
     self.fail_at = int(os.environ.get('FAIL_AT', '-1').replace('setup', '-1'))
 
   def __len__(self):
