@@ -300,14 +300,16 @@ def test_killed_worker_stops_the_job_without_orphans(tmp_path):
   assert not _job_processes(tmp_path), 'orphan processes of the job remain'
 
 
-@pytest.mark.parametrize('fail_at', ['setup', '6'])
-def test_a_process_that_fails_stops_the_others_at_once(tmp_path, fail_at):
-  """Process 1 meets bad data: in get_data while setting up, or on its 6th read while training.
-  Process 0, waiting for it in a collective, says why and exits with its status by itself
-  (disttrain/parallel/failures.py): well before the launcher's grace of 120 s would SIGKILL it,
-  as it had to before (and as a scheduler's timeout would, without a launcher that watches)."""
-  grace = 120
-  proc = _ops_cluster(tmp_path, {'FAIL_AT': fail_at}, {**BASE, 'num_train_steps': 1000}, grace)
+@pytest.mark.parametrize('fail_at,failing', [('setup', 1), ('6', 1), ('6', 0)])
+def test_a_process_that_fails_stops_the_others_at_once(tmp_path, fail_at, failing):
+  """A process meets bad data: in get_data while setting up, or on its 6th read while training
+  (process 0 too, which hosts jax.distributed's store). The other, waiting for it in a
+  collective, says why and exits with its status by itself (disttrain/parallel/failures.py):
+  well before the launcher's grace of 120 s would SIGKILL it, as it had to before (and as a
+  scheduler's timeout would, without a launcher that watches)."""
+  grace, other = 120, 1 - failing
+  proc = _ops_cluster(tmp_path, {'FAIL_AT': fail_at, 'FAIL_PROCESS': str(failing)},
+                      {**BASE, 'num_train_steps': 1000}, grace)
   start = time.monotonic()
   try:
     out, _ = proc.communicate(timeout=JOB_TIMEOUT + grace)
@@ -316,10 +318,11 @@ def test_a_process_that_fails_stops_the_others_at_once(tmp_path, fail_at):
       proc.kill()
   elapsed = time.monotonic() - start
   assert proc.returncode == 2, out[-3000:]
-  assert '[1] error: DataError: ' in out, out[-3000:]
-  assert ('[0] error: process 1 failed, so this process stops too (exit 2): DataError: '
-          in out), out[-3000:]
-  assert elapsed < grace - 20, (elapsed, out[-3000:])  # start-up and all: ~20 s here
+  assert f'[{failing}] error: DataError: ' in out, out[-3000:]
+  assert (f'[{other}] error: process {failing} failed, so this process stops too (exit 2): '
+          'DataError: ' in out), out[-3000:]
+  assert 'Traceback' not in out, out[-3000:]
+  assert elapsed < grace - 20, (elapsed, out[-3000:])  # start-up and all: ~10 s here
   time.sleep(0.5)
   assert not _job_processes(tmp_path), 'orphan processes of the job remain'
 

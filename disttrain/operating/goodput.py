@@ -129,9 +129,9 @@ def table(result: dict) -> str:
     lines.append(f'  {name.replace("_", " "):<24} {result["seconds"][name]:>9.1f}s '
                  f'{result["fractions"][name]:>7.1%}')
   for s in result['stragglers']:  # operating/stragglers.py
-    what = 'stalled' if s['cause'] == 'stalled' else 'waited for data'
+    what = 'stalled' if s['cause'] == 'stalled' else 'waited for its data'
     lines.append(f'straggler: attempt {s["attempt"]} process {s["process"]} ({s["host"]}) '
-                 f'{what} {s[s["cause"] + "_fraction"]:.0%} of {s["seconds"]:.1f}s by step '
+                 f'{what} {s.get(s["cause"] + "_fraction") or 0:.0%} of {s["seconds"]:.1f}s by step '
                  f'{s["step"]} (others at most {s["others_max"]:.0%})')
   return '\n'.join(lines)
 

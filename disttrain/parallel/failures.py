@@ -23,21 +23,29 @@ POLL_SECONDS = 1.0  # a store read a second per process; the main thread may be 
 ACK_SECONDS = 10.0
 
 
-def _client() -> Any:
-  """jax.distributed's client in a multi-process job, else None."""
+_leaving = threading.Lock()  # one way out: the main thread's failure or the watch's
+
+
+def _state() -> Any:
+  """jax.distributed's state (client, process_id, num_processes) in a multi-process job, else
+  None; read without asking jax for devices (a client that failed to connect must not start a
+  backend)."""
   if 'jax' not in sys.modules:
     return None
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-  client = distributed.global_state.client
-  return client if client is not None and jax.process_count() > 1 else None
+  try:
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    state = distributed.global_state
+    return state if state.client is not None and (state.num_processes or 1) > 1 else None
+  except Exception:  # pylint: disable=broad-except  (a jax without this private state)
+    return None
 
 
 class Watch:
   """A daemon thread that ends this process when another has posted its failure."""
 
   def __init__(self, poll_seconds: float = POLL_SECONDS):
-    self._client = _client()
+    self._state = _state()
+    self._client = self._state and self._state.client
     self._stop = threading.Event()
     self._thread = None
     if self._client is not None:
@@ -52,46 +60,61 @@ class Watch:
       except Exception:  # pylint: disable=broad-except  (NOT_FOUND: nobody failed)
         continue
       failed = json.loads(posted)
-      print(f'error: process {failed["process"]} failed, so this process stops too (exit '
-            f'{failed["status"]}): {failed["line"]}', file=sys.stderr, flush=True)
-      _leave(self._client, failed['status'])
+      if _leaving.acquire(blocking=False):  # else this process is already leaving by itself
+        print(f'error: process {failed["process"]} failed, so this process stops too (exit '
+              f'{failed["status"]}): {failed["line"]}', file=sys.stderr, flush=True)
+        _leave(self._state, failed['status'])
 
   def close(self) -> None:
-    """Stops watching (before jax.distributed shuts down at a normal exit)."""
+    """Stops watching (before jax.distributed shuts down at a normal exit); a failing process
+    then counts this one as having acknowledged (it will not wait for it)."""
     self._stop.set()
     if self._thread is not None:
       self._thread.join()
+      try:
+        self._client.key_value_set(f'{ACKS}{self._state.process_id}', 'done')
+      except Exception:  # pylint: disable=broad-except  (already acknowledged, or no store)
+        pass
 
 
 def announce(line: str, status: int, traceback: bool = False) -> None:
   """Posts this process's failure and exits with `status` once the others have seen it; returns
   at once in a single-process run (the caller exits as usual). `traceback`: print the exception
   being handled first (the caller's raise would have)."""
-  client = _client()
-  if client is None:
+  state = _state()
+  if state is None:
     return
-  import jax  # pylint: disable=g-import-not-at-top
   if traceback:
     traceback_lib.print_exc()
+  if not _leaving.acquire(blocking=False):  # the watch is taking this process out already
+    while True:
+      time.sleep(60)
   line = line.splitlines()[0] if line else '(no message)'
-  post = json.dumps({'process': jax.process_index(), 'status': int(status), 'line': line})
+  post = json.dumps({'process': state.process_id, 'status': int(status), 'line': line})
   try:
-    client.key_value_set(KEY, post)
+    state.client.key_value_set(KEY, post)
   except Exception:  # pylint: disable=broad-except  (ALREADY_EXISTS: another failed first)
-    pass
-  _leave(client, status)
+    try:  # its failure is the job's (this one may only be the collective it broke): its status
+      status = json.loads(state.client.key_value_try_get(KEY))['status']
+    except Exception:  # pylint: disable=broad-except
+      pass
+  _leave(state, status)
 
 
-def _leave(client, status: int) -> None:
+def _leave(state, status: int) -> None:
   """Acknowledges, waits until every process has, and exits without jax.distributed's shutdown
   (its barrier would wait for processes that are leaving too)."""
-  import jax  # pylint: disable=g-import-not-at-top
   try:
-    client.key_value_set(f'{ACKS}{jax.process_index()}', '1')
+    state.client.key_value_set(f'{ACKS}{state.process_id}', '1')
+  except Exception:  # pylint: disable=broad-except  (acknowledged already)
+    pass
+  try:
     deadline = time.monotonic() + ACK_SECONDS
-    while (len(client.key_value_dir_get(ACKS)) < jax.process_count()
+    while (len(state.client.key_value_dir_get(ACKS)) < state.num_processes
            and time.monotonic() < deadline):
       time.sleep(0.1)
+    if state.process_id == 0:
+      time.sleep(0.5)  # the store goes with process 0: the others' last reads first
   except Exception:  # pylint: disable=broad-except  (the store went with process 0: leave now)
     pass
   sys.stdout.flush()

@@ -5,7 +5,7 @@
   HANG_AFTER=N    process 1's data source sleeps forever from its read number N on
   SLOW_READS=S    every batch read sleeps S seconds (a slow data source); with SLOW_PROCESS=P,
                   only process P's reads
-  FAIL_AT=setup|N process 1 fails with a DataError in get_data, or on its read number N
+  FAIL_AT=setup|N process 1 (FAIL_PROCESS) fails with a DataError in get_data, or on its read N
 """
 
 import os
@@ -78,14 +78,19 @@ class Reads:
     self.reads += 1
     if jax.process_index() == 1 and 0 <= self.hang_after <= self.reads:
       sleep_forever()
-    if jax.process_index() == 1 and self.reads == self.fail_at:
-      raise disttrain.DataError(f'read {self.reads} of process 1 failed (FAIL_AT)')
+    if _fails() and self.reads == self.fail_at:
+      raise disttrain.DataError(f'read {self.reads} of process {jax.process_index()} failed '
+                                '(FAIL_AT)')
     time.sleep(self.slow)
     return [self[int(i)] for i in indices]
 
 
+def _fails() -> bool:
+  return jax.process_index() == int(os.environ.get('FAIL_PROCESS', '1'))
+
+
 def get_data(config):
-  if jax.process_index() == 1 and os.environ.get('FAIL_AT') == 'setup':
-    raise disttrain.DataError("process 1's data could not be read (FAIL_AT=setup)")
+  if _fails() and os.environ.get('FAIL_AT') == 'setup':
+    raise disttrain.DataError("this process's data could not be read (FAIL_AT=setup)")
   digits = sources.build(config)
   return {'train_data': Reads(digits['train_data']), 'eval_data': digits['eval_data']}
