@@ -81,3 +81,10 @@ def test_a_process_waiting_for_its_data_is_named_by_that_cause(monkeypatch):
   assert 0.5 <= emitted[0][1]['data_fraction'] <= 0.7 and 'stalled_fraction' not in emitted[0][1]
   assert 'waited for its data 60% of the last' in said[0], said
   assert _job(monkeypatch, quiet, data_per_record=[(0.3, 0.3)] * 20)[0] == []
+
+
+def test_a_stall_inside_a_wait_for_data_is_named_once(monkeypatch):
+  """A process stopped while it waits for its batch: both counts grow by the stop; named once,
+  stalled."""
+  emitted, _ = _job(monkeypatch, [(0.0, 0.3)] * 20, data_per_record=[(0.0, 0.3)] * 20)
+  assert [(f['process'], f['cause']) for _, f in emitted] == [(1, 'stalled')]

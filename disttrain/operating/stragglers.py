@@ -106,6 +106,8 @@ class Monitor:
 
   def _name(self, cause: str, shares: dict[int, float], seconds: float, step: int) -> None:
     for p, share in shares.items():
+      if cause == 'data' and (p, 'stalled') in self.named:
+        continue  # a stop that fell inside a wait for data counts as both: name the stall
       others = max(s for q, s in shares.items() if q != p)
       slow = share >= MARGIN and share >= 2 * others + MARGIN / 4
       if slow and (p, cause) not in self.named:
