@@ -24,6 +24,7 @@ from ml_collections import config_flags
 
 from disttrain.exitcodes import Exit
 
+
 def _env_int(name: str) -> int | None:
   value = os.environ.get(name)
   return int(value) if value and value.isdigit() else None

@@ -130,9 +130,10 @@ def table(result: dict) -> str:
                  f'{result["fractions"][name]:>7.1%}')
   for s in result['stragglers']:  # operating/stragglers.py
     what = 'stalled' if s['cause'] == 'stalled' else 'waited for its data'
+    fraction = s.get(f'{s["cause"]}_fraction') or 0
     lines.append(f'straggler: attempt {s["attempt"]} process {s["process"]} ({s["host"]}) '
-                 f'{what} {s.get(s["cause"] + "_fraction") or 0:.0%} of {s["seconds"]:.1f}s by step '
-                 f'{s["step"]} (others at most {s["others_max"]:.0%})')
+                 f'{what} {fraction:.0%} of {s["seconds"]:.1f}s by step {s["step"]} (others at '
+                 f'most {s["others_max"]:.0%})')
   return '\n'.join(lines)
 
 

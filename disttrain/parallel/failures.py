@@ -45,10 +45,9 @@ class Watch:
 
   def __init__(self, poll_seconds: float = POLL_SECONDS):
     self._state = _state()
-    self._client = self._state and self._state.client
     self._stop = threading.Event()
     self._thread = None
-    if self._client is not None:
+    if self._state is not None:
       self._thread = threading.Thread(target=self._run, args=(poll_seconds,), daemon=True,
                                       name='disttrain-failures')
       self._thread.start()
@@ -56,7 +55,7 @@ class Watch:
   def _run(self, poll_seconds: float) -> None:
     while not self._stop.wait(poll_seconds):
       try:
-        posted = self._client.key_value_try_get(KEY)
+        posted = self._state.client.key_value_try_get(KEY)
       except Exception:  # pylint: disable=broad-except  (NOT_FOUND: nobody failed)
         continue
       failed = json.loads(posted)
@@ -72,7 +71,7 @@ class Watch:
     if self._thread is not None:
       self._thread.join()
       try:
-        self._client.key_value_set(f'{ACKS}{self._state.process_id}', 'done')
+        self._state.client.key_value_set(f'{ACKS}{self._state.process_id}', 'done')
       except Exception:  # pylint: disable=broad-except  (already acknowledged, or no store)
         pass
 
