@@ -42,6 +42,18 @@ def _eight_devices():
 
 
 @pytest.fixture(scope='session')
+def launcher():
+  """`launcher.run(*args, env={...})`: `python launch/train.py ARGS` as a fork of a process with
+  the libraries imported (tests/forked_launcher.py), for runs that stop before training."""
+  from tests import forked_launcher  # pylint: disable=g-import-not-at-top
+  server = forked_launcher.Launcher(ROOT, dict(os.environ, JAX_PLATFORMS='cpu',
+                                               PYTHONUNBUFFERED='1',
+                                               XLA_FLAGS=SUBPROCESS_XLA_FLAGS))
+  yield server
+  server.close()
+
+
+@pytest.fixture(scope='session')
 def mnist_dir():
   if not (MNIST_DIR / 't10k-images-idx3-ubyte.gz').exists():
     pytest.fail(f'real MNIST test set missing at {MNIST_DIR} (../shared/data/mnist)')

@@ -1,7 +1,8 @@
 """The launcher as a user runs it: one-line errors for bad input, and the outputs contract.
 
-Every test runs the launcher as a subprocess (one at a time), on tiny configs: bad input through
-`python launch/train.py`, the outputs' run through the installed `disttrain train`.
+Every test runs the launcher as a process of its own (one at a time), on tiny configs: bad input
+through `python launch/train.py` (each a fork of a process with its libraries imported:
+tests/forked_launcher.py), the outputs' run through the installed `disttrain train`.
 """
 
 import json
@@ -169,13 +170,13 @@ def bad_data(tmp_path):
 
 @pytest.mark.parametrize('args,needles,fix', [c[1:] for c in BAD_INPUTS],
                          ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input_is_one_line_error(args, needles, fix, bad_data, tmp_path):
+def test_bad_input_is_one_line_error(args, needles, fix, bad_data, tmp_path, launcher):
   args = [a.replace('{dir}', str(bad_data)) for a in args]
   workdir = [] if any(a.startswith('--workdir') for a in args) else [f'--workdir={tmp_path / "w"}']
   if any(a.startswith('--config=') for a in args):  # its own --config, where it puts it
-    result = launch(*args, *workdir, *TINY)
+    result = launcher.run(*args, *workdir, *TINY)
   else:  # the case's overrides last, so they win over TINY's
-    result = launch(f'--config={CONFIG}', *workdir, *TINY, *args)
+    result = launcher.run(f'--config={CONFIG}', *workdir, *TINY, *args)
   output = result.stdout + result.stderr
   assert 'Traceback' not in output, output
   assert result.returncode == 2, output
@@ -289,10 +290,10 @@ def test_run_json_fsdp_specs(tmp_path):
 
 
 @pytest.mark.parametrize('flag', ['config', 'workdir'])
-def test_missing_required_flag_is_one_line_error(flag, tmp_path):
+def test_missing_required_flag_is_one_line_error(flag, tmp_path, launcher):
   given = {'config': f'--config={CONFIG}', 'workdir': f'--workdir={tmp_path}'}
   del given[flag]
-  result = launch(*given.values())
+  result = launcher.run(*given.values())
   assert 'Traceback' not in result.stdout + result.stderr
   assert result.returncode == 2, result.stderr
   assert result.stderr.strip().splitlines() == [f'error: --{flag} is required; pass --{flag}='
