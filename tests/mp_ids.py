@@ -9,7 +9,6 @@ against the global batch of a 1-device iterator in the same process, and writes
 DIR/ids_<process>.json for tests/test_multiprocess.py to take the union over processes.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -17,6 +16,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import mp_job  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 BATCH = 64
 EVAL_EXAMPLES = 325  # digits: 1797 - 325 = 1472 = 23 x 64 train (no remainder); 325 = 5 x 64 + 5
@@ -65,26 +65,16 @@ def _layouts(jax, mesh_lib, config_lib):
 
 
 def main():
-  parser = argparse.ArgumentParser()
-  for name in ('coordinator_address', 'out'):
-    parser.add_argument(f'--{name}', required=True)
-  for name in ('fake_devices', 'num_processes', 'process_id'):
-    parser.add_argument(f'--{name}', type=int, required=True)
-  args = parser.parse_args()
+  args = mp_job.join()
 
   import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update('jax_platforms', 'cpu')
-  jax.config.update('jax_num_cpu_devices', args.fake_devices)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from disttrain import config as config_lib  # pylint: disable=g-import-not-at-top
   from disttrain import data  # pylint: disable=g-import-not-at-top
   from disttrain.data import sources  # pylint: disable=g-import-not-at-top
   from disttrain.data.records import ID, MASK, Records  # pylint: disable=g-import-not-at-top
-  from disttrain.parallel import distributed  # pylint: disable=g-import-not-at-top
   from disttrain.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
-  distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                         init_timeout=120)
   cd = config_lib.defaults()
   cd.data.eval_examples = EVAL_EXAMPLES
   digits = sources.build(config_lib.from_config_dict(cd))

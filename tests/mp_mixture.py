@@ -8,7 +8,6 @@ DIR/mixture.json: the global batches (gathered over the processes) and the itera
 them, which tests/test_mixture.py resumes in one process.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -16,6 +15,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import mp_job  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 BATCH, STEPS_BEFORE, STEPS = 16, 6, 12
 # A stage boundary before the resume point and one after it.
@@ -31,24 +31,15 @@ def mixture():
 
 
 def main():
-  parser = argparse.ArgumentParser()
-  for name in ('coordinator_address', 'out'):
-    parser.add_argument(f'--{name}', required=True)
-  for name in ('fake_devices', 'num_processes', 'process_id'):
-    parser.add_argument(f'--{name}', type=int, required=True)
-  args = parser.parse_args()
+  args = mp_job.join()
 
   import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update('jax_platforms', 'cpu')
-  jax.config.update('jax_num_cpu_devices', args.fake_devices)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from disttrain import config as config_lib  # pylint: disable=g-import-not-at-top
   from disttrain.data.batches import TrainIterator  # pylint: disable=g-import-not-at-top
   from disttrain.data.mixture import MixtureRecords  # pylint: disable=g-import-not-at-top
-  from disttrain.parallel import distributed, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
-  distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                         init_timeout=120)
   sharding = mesh_lib.batch_sharding(mesh_lib.build(config_lib.MeshConfig(data=-1),
                                                     jax.devices()))
   batches = TrainIterator(MixtureRecords(mixture(), BATCH, 0), BATCH, 0, sharding, workers=2)
