@@ -300,15 +300,18 @@ def test_killed_worker_stops_the_job_without_orphans(tmp_path):
   assert not _job_processes(tmp_path), 'orphan processes of the job remain'
 
 
-@pytest.mark.parametrize('fail_at,failing', [('setup', 1), ('6', 1), ('6', 0)])
+@pytest.mark.parametrize('fail_at,failing', [('setup', 1), ('6', 1), ('6', 0), ('exit', 1)])
 def test_a_process_that_fails_stops_the_others_at_once(tmp_path, fail_at, failing):
   """A process meets bad data: in get_data while setting up, or on its 6th read while training
-  (process 0 too, which hosts jax.distributed's store). The other, waiting for it in a
-  collective, says why and exits with its status by itself (disttrain/parallel/failures.py):
-  well before the launcher's grace of 120 s would SIGKILL it, as it had to before (and as a
-  scheduler's timeout would, without a launcher that watches)."""
+  (process 0 too, which hosts jax.distributed's store); or a callback of the user's calls
+  sys.exit(7) on it. The other, waiting for it in a collective, says why and exits with its
+  status by itself (disttrain/parallel/failures.py): well before the launcher's grace of 120 s
+  would SIGKILL it, as it had to before (and as a scheduler's timeout would, without a launcher
+  that watches)."""
   grace, other = 120, 1 - failing
-  proc = _ops_cluster(tmp_path, {'FAIL_AT': fail_at, 'FAIL_PROCESS': str(failing)},
+  env = ({'RAISE_IN': 'on_train_record', 'EXIT': '7'} if fail_at == 'exit' else
+         {'FAIL_AT': fail_at})
+  proc = _ops_cluster(tmp_path, {**env, 'FAIL_PROCESS': str(failing)},
                       {**BASE, 'num_train_steps': 1000}, grace)
   start = time.monotonic()
   try:
@@ -317,14 +320,23 @@ def test_a_process_that_fails_stops_the_others_at_once(tmp_path, fail_at, failin
     if proc.poll() is None:
       proc.kill()
   elapsed = time.monotonic() - start
-  assert proc.returncode == 2, out[-3000:]
-  assert f'[{failing}] error: DataError: ' in out, out[-3000:]
-  assert (f'[{other}] error: process {failing} failed, so this process stops too (exit 2): '
-          'DataError: ' in out), out[-3000:]
+  status, line = (7, 'sys.exit(7)') if fail_at == 'exit' else (2, 'DataError: ')
+  assert proc.returncode == status, out[-3000:]
+  assert fail_at == 'exit' or f'[{failing}] error: DataError: ' in out, out[-3000:]
+  assert (f'[{other}] error: process {failing} failed, so this process stops too (exit '
+          f'{status}): {line}' in out), out[-3000:]
   assert 'Traceback' not in out, out[-3000:]
   assert elapsed < grace - 20, (elapsed, out[-3000:])  # start-up and all: ~10 s here
   time.sleep(0.5)
   assert not _job_processes(tmp_path), 'orphan processes of the job remain'
+  # Process 0 closed its records as it left, also when it was the one taken out: the attempt's
+  # end names why, and the lease is free for the relaunch (else it waits out lease_seconds).
+  assert not (tmp_path / 'lease.json').exists()
+  if fail_at != 'setup':  # at set-up process 0 may not have started its event log yet
+    end = [json.loads(line) for line in (tmp_path / 'events.jsonl').read_text().splitlines()][-1]
+    assert end['event'] == 'end' and end['error'] == ('DataError' if failing == 0 else
+                                                      'PeerFailed'), end  # process 0 writes
+    assert failing == 0 or end['process'] == failing, end
 
 
 def test_workers_do_not_outlive_a_killed_launcher(tmp_path):

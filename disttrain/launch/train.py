@@ -125,6 +125,10 @@ def main(argv):
   except Exception as e:  # a bug on one process: the others must not wait for it in a collective
     failures.announce(f'{type(e).__name__}: {e}', Exit.FAILED, traceback=True)
     raise
+  except SystemExit as e:  # sys.exit(N) in a hook of the user's: the job's status too
+    if e.code not in (0, None):
+      failures.announce(f'sys.exit({e.code!r})', e.code if isinstance(e.code, int) else 1)
+    raise
   finally:
     if watch is not None:
       watch.close()
@@ -310,6 +314,7 @@ def _config_load_error(argv: list[str], error: OSError) -> str:
 
 def _fail(message: str) -> NoReturn:
   from disttrain.parallel import failures  # pylint: disable=g-import-not-at-top  (no jax import)
+  failures.hold_if_leaving()
   print(f'error: {message}', file=sys.stderr, flush=True)
   failures.announce(message, Exit.BAD_INPUT)  # in a multi-process job: the others stop too
   sys.exit(Exit.BAD_INPUT)

@@ -67,9 +67,9 @@ class Monitor:
   def start(cls, processes: int, process: int, say, emit) -> 'Monitor | None':
     if processes < 2:
       return None
-    from jax._src import distributed  # pylint: disable=g-import-not-at-top
-    client = distributed.global_state.client
-    return None if client is None else cls(client, process, processes, say, emit)
+    from disttrain.parallel import distributed  # pylint: disable=g-import-not-at-top
+    job = distributed.job()
+    return None if job is None else cls(job.client, process, processes, say, emit)
 
   def note(self, step: int, data_seconds: float = 0.0) -> None:
     """`data_seconds`: this process's total wait for batches so far."""

@@ -7,6 +7,7 @@ import socket
 import sys
 import threading
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -108,6 +109,18 @@ def _roll_call(address: str, num_processes: int, process_id: int, timeout: float
       f'process {process_id}: the coordinator (process 0 at {address}) did not start the job '
       f'within {timeout:.0f}s; start process 0 and every other process with the same '
       '--coordinator_address and --num_processes, or raise --distributed_init_timeout')
+
+
+def job() -> Any:
+  """jax.distributed's state (its key-value store `client`, `process_id`, `num_processes`) in a
+  multi-process job, else None. The one reader of jax's private state (the store has no public
+  handle); it asks jax for no devices (a client that failed to connect must not start a backend)."""
+  try:
+    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+    state = jax_distributed.global_state
+    return state if state.client is not None and (state.num_processes or 1) > 1 else None
+  except Exception:  # pylint: disable=broad-except  (a jax without this private state)
+    return None
 
 
 def free_port_pair() -> int:

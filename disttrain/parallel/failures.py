@@ -6,16 +6,19 @@ timeout ends them, with no word of the cause. The failing process posts its erro
 status to jax.distributed's key-value store; every other process watches for it, says it and
 exits with the same status (so a supervisor restarts, or not, as it would for the failure itself).
 Everyone acknowledges before exiting and waits (at most ACK_SECONDS) for every acknowledgement:
-process 0 hosts the store, and its exit takes the store from the rest.
+process 0 hosts the store, and its exit takes the store from the rest. A process taken out this
+way first runs what the loop registered with `on_leave` (its records, the attempt's end event,
+the workdir's lease): its exit skips `finally` blocks.
 """
 
+import contextlib
 import json
 import os
 import sys
 import threading
 import time
 import traceback as traceback_lib
-from typing import Any
+from typing import Any, Callable
 
 KEY = 'disttrain/failed'
 ACKS = 'disttrain/failed_ack/'
@@ -24,20 +27,26 @@ ACK_SECONDS = 10.0
 
 
 _leaving = threading.Lock()  # one way out: the main thread's failure or the watch's
+_on_leave: list[Callable[[int], None]] = []  # innermost last; see on_leave
 
 
 def _state() -> Any:
-  """jax.distributed's state (client, process_id, num_processes) in a multi-process job, else
-  None; read without asking jax for devices (a client that failed to connect must not start a
-  backend)."""
-  if 'jax' not in sys.modules:
+  if 'jax' not in sys.modules:  # nothing started jax.distributed (and this module imports no jax)
     return None
+  from disttrain.parallel import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.job()
+
+
+@contextlib.contextmanager
+def on_leave(fn: Callable[[int], None]):
+  """Within the block, `fn(process)` runs before another process's failure takes this one out:
+  that exit skips `finally` blocks, so what must be closed (the event log's end, the lease, a
+  bucket's uploads) is closed here. Innermost first; an error in one is printed, not raised."""
+  _on_leave.append(fn)
   try:
-    from jax._src import distributed  # pylint: disable=g-import-not-at-top
-    state = distributed.global_state
-    return state if state.client is not None and (state.num_processes or 1) > 1 else None
-  except Exception:  # pylint: disable=broad-except  (a jax without this private state)
-    return None
+    yield
+  finally:
+    _on_leave.remove(fn)
 
 
 class Watch:
@@ -62,6 +71,11 @@ class Watch:
       if _leaving.acquire(blocking=False):  # else this process is already leaving by itself
         print(f'error: process {failed["process"]} failed, so this process stops too (exit '
               f'{failed["status"]}): {failed["line"]}', file=sys.stderr, flush=True)
+        for fn in reversed(_on_leave):
+          try:
+            fn(failed['process'])
+          except Exception:  # pylint: disable=broad-except  (the others still need the ack)
+            traceback_lib.print_exc()
         _leave(self._state, failed['status'])
 
   def close(self) -> None:
@@ -76,6 +90,18 @@ class Watch:
         pass
 
 
+def leaving() -> bool:
+  """Another process's failure is taking this one out (the watch says so and exits)."""
+  return _leaving.locked()
+
+
+def hold_if_leaving() -> None:
+  """Blocks for good while the watch takes this process out: an error the main thread meets then
+  (a collective broken by the failed process's exit) is that failure's echo, not another one."""
+  while _leaving.locked():
+    time.sleep(60)
+
+
 def announce(line: str, status: int, traceback: bool = False) -> None:
   """Posts this process's failure and exits with `status` once the others have seen it; returns
   at once in a single-process run (the caller exits as usual). `traceback`: print the exception
@@ -83,11 +109,10 @@ def announce(line: str, status: int, traceback: bool = False) -> None:
   state = _state()
   if state is None:
     return
+  if not _leaving.acquire(blocking=False):
+    hold_if_leaving()
   if traceback:
     traceback_lib.print_exc()
-  if not _leaving.acquire(blocking=False):  # the watch is taking this process out already
-    while True:
-      time.sleep(60)
   line = line.splitlines()[0] if line else '(no message)'
   post = json.dumps({'process': state.process_id, 'status': int(status), 'line': line})
   try:

@@ -16,7 +16,8 @@ from disttrain.data.batches import TrainIterator
 from disttrain.hf import adapters, config as hf_config, saves, weights as hf
 from disttrain.operating import callbacks as callbacks_lib, events, lease as lease_lib, metrics
 from disttrain.operating import stragglers, timing, tracking, watchdog
-from disttrain.parallel import distributed, mesh as mesh_lib, sharding as sharding_lib
+from disttrain.parallel import distributed, failures, mesh as mesh_lib
+from disttrain.parallel import sharding as sharding_lib
 from disttrain.parallel import state as state_lib
 from disttrain.storage import checkpoint, urls
 from disttrain.training import actions, setup as run_lib
@@ -73,11 +74,19 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
   lease = lease_lib.Lease(workdir, cfg.lease_seconds if jax.process_index() == 0 else 0,
                           log.attempt)
   lease.acquire()
+
+  def peer_failed(process: int) -> None:  # its exit skips the handlers below: their work here
+    if log.started:
+      log.emit('end', error='PeerFailed', process=process)
+    lease.release()
   try:
-    result = _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step,
-                    train_data, eval_data, callbacks, rewards, eval_extract)
+    with failures.on_leave(peer_failed):
+      result = _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step,
+                      train_data, eval_data, callbacks, rewards, eval_extract)
   except BaseException as e:
-    if log.started:  # not for bad input found before the workdir was opened
+    # Not for bad input found before the workdir was opened, nor for the echo of another
+    # process's failure (a collective it broke): peer_failed says that one.
+    if log.started and not failures.leaving():
       log.emit('end', error=type(e).__name__, **({'step': e.step} if hasattr(e, 'step') else {}))
     raise
   finally:
@@ -110,6 +119,7 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
                                    *tracking.from_config(cfg, workdir, writer.local)])
   with contextlib.ExitStack() as stack:  # closed in reverse: saves commit before the writer goes
     stack.callback(writer.close)
+    stack.enter_context(failures.on_leave(lambda _: writer.close()))  # a bucket's records too
     ckpt = checkpoint.Checkpointer(workdir, cfg)
     stack.callback(ckpt.close)  # waits for async saves to commit (and raises their errors)
     sampler = run.rollout  # GRPO reads prompts, one batch a dispatch, whole on every device

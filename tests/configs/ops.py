@@ -1,7 +1,8 @@
 """launch/configs/mnist_mlp.py plus test hooks chosen by environment variables.
 
   STOP_AT=N       a callback asks to stop when it sees the train record of step N
-  RAISE_IN=hook   a callback raises in that hook (on_train_record, on_eval, on_checkpoint)
+  RAISE_IN=hook   a callback raises in that hook (on_train_record, on_eval, on_checkpoint); with
+                  EXIT=S, process FAIL_PROCESS calls sys.exit(S) there instead
   HANG_AFTER=N    process 1's data source sleeps forever from its read number N on
   SLOW_READS=S    every batch read sleeps S seconds (a slow data source); with SLOW_PROCESS=P,
                   only process P's reads
@@ -9,6 +10,7 @@
 """
 
 import os
+import sys
 import time
 
 import jax
@@ -38,6 +40,10 @@ class Boom(disttrain.Callback):
     setattr(self, hook, self._boom)
 
   def _boom(self, *args):
+    if os.environ.get('EXIT'):
+      if _fails():
+        sys.exit(int(os.environ['EXIT']))
+      return
     raise RuntimeError(f'boom with {type(args[0]).__name__}')
 
 
