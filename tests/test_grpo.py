@@ -82,6 +82,24 @@ def test_the_loss_ratios_clipping_and_kl_equal_a_numpy_reference():
       chunked_loss.token_losses(features, batch['targets'], jnp.asarray(w, jnp.float32), temp),
       chunked_loss.token_losses(features.logits(), batch['targets'], jnp.asarray(w, jnp.float32),
                                 temp), rtol=1e-6, atol=1e-6)
+  # So do the loss's sums and their gradients, made chunk by chunk ahead of the backward pass,
+  # for rows weighed alike (the unembedding's gradient made ahead too) and not (it is remade).
+  reference = chunked_loss.Features(hidden + 0.3, unembed, v, False, 3, jnp.float32)
+
+  def objective(h, u, row_weights, chunked):
+    policy = chunked_loss.Features(h, u, v, False, 3, jnp.float32)
+    outputs = ({'policy': policy, 'reference': reference} if chunked else
+               {'policy': policy.logits(), 'reference': reference.logits()})
+    out = task.per_example(outputs, batch)
+    return (out['loss'] * row_weights).sum(), out
+
+  for row_weights in (np.ones(b, np.float32), np.array([1, 2, 0, 1, 3, 1], np.float32)):
+    (_, got), got_g = jax.value_and_grad(objective, (0, 1), has_aux=True)(
+        hidden, unembed, row_weights, True)
+    (_, want), want_g = jax.value_and_grad(objective, (0, 1), has_aux=True)(
+        hidden, unembed, row_weights, False)
+    helpers.assert_trees_close(got, want, 1e-5, 1e-6, 'chunked GRPO values')
+    helpers.assert_trees_close(got_g, want_g, 1e-5, 1e-6, f'chunked GRPO gradients {row_weights}')
 
 
 def test_rows_train_the_completion_and_its_eos_after_a_left_padded_prompt():

@@ -53,19 +53,30 @@ class Grpo:
 
   def per_example(self, outputs: Any, batch: dict) -> dict[str, jax.Array]:
     policy = outputs['policy'] if self.beta else outputs
-    logp, weights = token_logprobs(policy, batch, self.temperature)
-    old = batch['old_logprobs'] if 'old_logprobs' in batch else jax.lax.stop_gradient(logp)
-    advantage = batch['advantages'].astype(jnp.float32)[:, None]
+    if isinstance(policy, dict) and 'logits' in policy:  # a mixture of experts
+      policy = policy['logits']
+    weights = (batch['targets'] >= 0).astype(jnp.float32) * (batch['loss_mask'] != 0)
+    per_token = {k: batch[k] for k in ('old_logprobs',) if k in batch}
+    if self.beta:  # the frozen reference's: no gradient, computed once
+      per_token['reference'] = token_logprobs(outputs['reference'], batch, self.temperature)[0]
+    # Token by token, so a chunked loss makes each chunk's gradients while its logits exist.
+    loss, (clip, kl) = chunked_loss.token_sums(
+        policy, batch['targets'], weights, self._token_terms, per_token,
+        {'advantages': batch['advantages'].astype(jnp.float32)}, self.temperature)
+    return {'loss': loss, 'clip_fraction': clip, **({'kl': kl} if self.beta else {})}
+
+  def _token_terms(self, logp, weights, per_token, per_row):
+    """(weighted loss, (weighted out-of-region flags, weighted kl)) per token."""
+    old = per_token.get('old_logprobs', jax.lax.stop_gradient(logp))
+    advantage = per_row['advantages'][:, None]
     ratio = jnp.exp(logp - old)
     clipped = jnp.clip(ratio, 1.0 - self.epsilon, 1.0 + self.epsilon_high)
     loss = -jnp.minimum(ratio * advantage, clipped * advantage)
     out_of_region = (((ratio < 1.0 - self.epsilon) & (advantage < 0))
                      | ((ratio > 1.0 + self.epsilon_high) & (advantage > 0)))
-    values = {'clip_fraction': (out_of_region * weights).sum(-1)}
+    kl = jnp.zeros_like(loss)
     if self.beta:
-      reference, _ = token_logprobs(outputs['reference'], batch, self.temperature)
-      log_ratio = reference - logp
+      log_ratio = per_token['reference'] - logp
       kl = jnp.exp(log_ratio) - log_ratio - 1.0
       loss = loss + self.beta * kl
-      values['kl'] = (kl * weights).sum(-1)
-    return {'loss': (loss * weights).sum(-1), **values}
+    return loss * weights, (out_of_region * weights, kl * weights)
