@@ -29,6 +29,7 @@ PRELOAD = ('jax', 'jax.numpy', 'flax.linen', 'optax', 'grain', 'orbax.checkpoint
 
 def _child(request: dict) -> None:
   os.environ.update(request['env'])
+  os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # not the server's requests
   for fd, path in ((1, request['out']), (2, request['err'])):
     os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
   sys.argv = [SCRIPT, *request['args']]
