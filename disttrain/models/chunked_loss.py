@@ -196,8 +196,7 @@ def token_sums(outputs: Any, targets_BxT: jax.Array, weights_BxT: jax.Array, fn:
   under logits / temperature. Returns (value sums [B], aux sums). With Features, chunk by chunk
   (`fused`: gradients made ahead, see _scan_sums); with full logits, at once."""
   if not isinstance(outputs, Features):
-    logp_BxT = -token_values(outputs.astype(jnp.float32) / temperature, targets_BxT,
-                             weights_BxT)[0]
+    logp_BxT = -token_losses(outputs, targets_BxT, weights_BxT, temperature)
     value_BxT, aux = fn(logp_BxT, weights_BxT, per_token, per_row)
     return value_BxT.sum(-1), tuple(a.sum(-1) for a in aux)
 

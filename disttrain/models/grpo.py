@@ -30,13 +30,23 @@ from disttrain.models import chunked_loss
 ROLLOUT_FIELDS = ('advantages', 'old_logprobs')
 
 
+def _logits(outputs: Any) -> Any:
+  """The logits (or chunked Features) of a model's outputs."""
+  if isinstance(outputs, dict) and 'logits' in outputs:  # a mixture of experts
+    return outputs['logits']
+  return outputs
+
+
+def _token_weights(batch: dict) -> jax.Array:
+  """[B, T]: 1 for the completion's tokens (its EOS included), 0 for the prompt and padding."""
+  return (batch['targets'] >= 0).astype(jnp.float32) * (batch['loss_mask'] != 0)
+
+
 def token_logprobs(outputs: Any, batch: dict, temperature: float) -> tuple[jax.Array, jax.Array]:
   """(log-probabilities [B, T] of the targets at `temperature`, counted-token weights [B, T])."""
-  if isinstance(outputs, dict) and 'logits' in outputs:  # a mixture of experts
-    outputs = outputs['logits']
-  targets = batch['targets']
-  weights = (targets >= 0).astype(jnp.float32) * (batch['loss_mask'] != 0)
-  return -chunked_loss.token_losses(outputs, targets, weights, temperature), weights
+  weights = _token_weights(batch)
+  return -chunked_loss.token_losses(_logits(outputs), batch['targets'], weights,
+                                    temperature), weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +58,11 @@ class Grpo:
   temperature: float = 1.0
 
   def weights(self, batch: dict) -> jax.Array:
-    weights = (batch['targets'] >= 0).astype(jnp.float32) * (batch['loss_mask'] != 0)
-    return weights.sum(-1) * batch[MASK]
+    return _token_weights(batch).sum(-1) * batch[MASK]
 
   def per_example(self, outputs: Any, batch: dict) -> dict[str, jax.Array]:
-    policy = outputs['policy'] if self.beta else outputs
-    if isinstance(policy, dict) and 'logits' in policy:  # a mixture of experts
-      policy = policy['logits']
-    weights = (batch['targets'] >= 0).astype(jnp.float32) * (batch['loss_mask'] != 0)
+    policy = _logits(outputs['policy'] if self.beta else outputs)
+    weights = _token_weights(batch)
     per_token = {k: batch[k] for k in ('old_logprobs',) if k in batch}
     if self.beta:  # the frozen reference's: no gradient, computed once
       per_token['reference'] = token_logprobs(outputs['reference'], batch, self.temperature)[0]
