@@ -36,6 +36,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 MNIST_DIR = ROOT.parent / 'shared' / 'data' / 'mnist'
 
 
+def subprocess_env(**extra: str) -> dict:
+  """The environment of a process a test starts: CPU only, output unbuffered (a test reads it as
+  it comes), the tests' XLA flags without the device count (--fake_devices decides), and `extra`."""
+  return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
+              XLA_FLAGS=SUBPROCESS_XLA_FLAGS, **extra)
+
+
 @pytest.fixture(scope='session', autouse=True)
 def _eight_devices():
   assert jax.device_count() == 8, f'tests need 8 fake CPU devices, got {jax.devices()}'
@@ -46,9 +53,7 @@ def launcher():
   """`launcher.run(*args, env={...})`: `python launch/train.py ARGS` as a fork of a process with
   the libraries imported (tests/forked_launcher.py), for runs that stop before training."""
   from tests import forked_launcher  # pylint: disable=g-import-not-at-top
-  server = forked_launcher.Launcher(ROOT, dict(os.environ, JAX_PLATFORMS='cpu',
-                                               PYTHONUNBUFFERED='1',
-                                               XLA_FLAGS=SUBPROCESS_XLA_FLAGS))
+  server = forked_launcher.Launcher(ROOT, subprocess_env())
   yield server
   server.close()
 

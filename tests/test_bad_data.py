@@ -11,15 +11,13 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 CONFIG = 'tests/configs/bad_data.py'
 
 
 def _env(case: str) -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', BAD_DATA=case)
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
-  return env
+  return subprocess_env(BAD_DATA=case)
 
 
 def _launch(workdir, case: str = 'good', *flags: str, config: str = CONFIG, launcher=None):

@@ -4,7 +4,6 @@ passes the memory pre-flight and 2b does not; the search against brute force; ba
 line and exit 2."""
 
 import dataclasses
-import os
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ from disttrain.data.batches import element_spec
 from disttrain.parallel.step import Variant
 from disttrain.training import batch_size, setup as run_lib
 from tests import helpers
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 LLAMA = ROOT / 'launch' / 'configs' / 'llama.py'
 # The tiny Llama cut to one narrow layer on 32-token rows: cheap compiles whose memory still grows
@@ -96,7 +95,7 @@ def test_search_finds_the_largest_candidate_that_fits(start, multiple):
 
 
 def _launch(*args: str) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+  env = subprocess_env()
   return subprocess.run([sys.executable, 'launch/train.py', '--find_batch_size', *ARGS, *args],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
                         check=False)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 SCRIPT = ROOT / 'benchmarks' / 'throughput.py'
 FIELDS = {'model': str, 'sharding': str, 'step_mode': str, 'devices': int,
@@ -23,7 +23,7 @@ HAS_KERAS = importlib.util.find_spec('keras') is not None
 
 def _run(tmp_path, *args: str) -> subprocess.CompletedProcess:
   """One benchmark process (never two at once: 8 fake devices on 2 cores)."""
-  env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)  # --fake_devices decides
+  env = subprocess_env()  # --fake_devices decides
   return subprocess.run([sys.executable, str(SCRIPT), '--steps=2', '--windows=3', *args],
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                         check=False)
@@ -130,7 +130,7 @@ def test_levers_rows_and_a_variant_that_fails(tmp_path):
          f'--config={ROOT}/launch/configs/llama.py:tiny', '--set=global_batch_size=8',
          '--windows=3', '--window_sec=0.02', f'--json={out}',
          '--variants=model.remat=full;model.remat=minimal,model.num_heads=3;model.remat=minimal']
-  env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+  env = subprocess_env()
   proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                         check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]

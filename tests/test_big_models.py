@@ -12,7 +12,6 @@ Memory figures are XLA's compiled memory analysis on CPU (per device; nothing is
 """
 
 import json
-import os
 import re
 import runpy
 import subprocess
@@ -30,7 +29,7 @@ from disttrain.parallel import spmd
 from disttrain.parallel.step import Variant
 from disttrain.training import setup as run_lib
 from tests import helpers
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 from tests.helpers import LAYOUTS, assert_trees_close, devices, to_numpy
 
 GPT = ROOT / 'launch' / 'configs' / 'gpt.py'
@@ -264,9 +263,7 @@ def test_gpt2_small_compiles_split_over_eight_devices():
 # The memory pre-flight.
 
 def _env() -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
-  return env
+  return subprocess_env()
 
 
 @pytest.mark.slow

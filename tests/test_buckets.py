@@ -19,7 +19,7 @@ from disttrain.errors import ConfigError
 from disttrain.operating import events as events_lib, goodput
 from disttrain.storage import urls
 from tests import buckets, helpers
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 LAUNCH = [sys.executable, str(ROOT / 'launch' / 'train.py'),
           f'--config={ROOT / "launch" / "configs" / "mnist_mlp.py"}', '--fake_devices=8',
@@ -42,9 +42,7 @@ def _nothing_left_loopback(servers):
 
 
 def _env() -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
-  return env
+  return subprocess_env()
 
 
 def _launch(workdir: str, *extra: str, env: dict | None = None) -> subprocess.Popen:

@@ -19,7 +19,7 @@ import disttrain
 from disttrain.data.records import ID
 from disttrain.errors import CheckpointError
 from disttrain.storage import checkpoint
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 from tests import helpers
 from tests.helpers import devices, make_config, metrics_records, tensorboard_scalars, to_numpy
 
@@ -36,9 +36,7 @@ EVALS = '--config.eval_every_steps=30'
 
 
 def _env():
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS  # --fake_devices sets the device count
-  return env
+  return subprocess_env()
 
 
 def _launch(workdir, *extra, steps: int = STEPS) -> subprocess.Popen:

@@ -7,7 +7,6 @@ Bad task input is one line, and exit status 2 through the launcher.
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -23,7 +22,7 @@ from disttrain.evaluation import downstream, metrics, scoring, tasks
 from disttrain.hf import export
 from disttrain.training import setup as setup_lib
 from tests import helpers
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 MAX_NEW = 12
 
@@ -207,7 +206,7 @@ def test_bad_pairs_and_models_are_one_line(tmp_path):
 def test_a_bad_task_file_through_the_launcher_exits_2(tmp_path):
   bad = tmp_path / 'bad.jsonl'
   bad.write_text('{"context": "a", "choices": ["b", "c"], "answer": 0}\n{"context": oops}\n')
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+  env = subprocess_env()
   proc = subprocess.run(
       [sys.executable, 'launch/train.py', '--config=launch/configs/llama.py',
        f'--workdir={tmp_path}/run', '--fake_devices=1', '--config.data.text.bytes=20000',

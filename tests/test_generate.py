@@ -6,7 +6,6 @@ over fsdp, loaded back onto that mesh by disttrain.hf.trained (the run's layout)
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ import disttrain.hf.generate as generate_lib
 from disttrain.models.decoder import Decoder
 from disttrain.hf import trained
 from tests import helpers
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 from tests.helpers import devices
 
 pytestmark = pytest.mark.slow  # each test needs the module's 20-step run on 8 devices
@@ -94,9 +93,7 @@ def test_sampling_settings(run_dir):
 
 
 def _env() -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
-  return env
+  return subprocess_env()
 
 
 def _cli(*args: str):

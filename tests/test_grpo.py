@@ -2,7 +2,6 @@
 a run on data x fsdp x tensor equal to 1 device, a SIGKILLed run resuming bit for bit, and the
 example config learning its sums."""
 
-import os
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ from disttrain.data.records import MASK
 from disttrain.models import chunked_loss, grpo
 from disttrain.training import rollout
 from tests import helpers
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 from tests.helpers import devices
 
 EXAMPLE = ROOT / 'launch' / 'configs' / 'grpo_sums.py'
@@ -143,7 +142,7 @@ def test_rewards_load_by_path_in_order_and_each_value_is_checked():
 def test_a_bad_reward_stops_the_launch_in_one_line(tmp_path, name, line):
   """Found at the first step, after compilation: one line naming the function and what it
   returned, exit status 2, no train record."""
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+  env = subprocess_env()
   proc = subprocess.run(
       [sys.executable, 'launch/train.py', f'--config={EXAMPLE}', f'--workdir={tmp_path}',
        f'--config.grpo.rewards=tests.configs.rewards.{name}', '--config.global_batch_size=16'],
@@ -247,7 +246,7 @@ def test_grpo_on_data_fsdp_tensor_equals_one_device_and_resumes_bitwise_after_si
   killed = tmp_path / 'killed'
   flags = [f'--config={EXAMPLE}', f'--workdir={killed}', '--fake_devices=8',
            *[f'--config.{k}={v}' for k, v in {**RUN, **LAYOUT}.items()]]
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+  env = subprocess_env()
   helpers.sigkill_after_checkpoint([sys.executable, 'launch/train.py', *flags], killed, 4, env,
                                   ROOT)
   out = subprocess.run([sys.executable, 'launch/train.py', *flags], cwd=ROOT, env=env,

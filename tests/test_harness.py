@@ -8,7 +8,6 @@ word perplexity, and the generated texts must agree.
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -24,7 +23,7 @@ from disttrain.errors import ConfigError
 from disttrain.evaluation import harness
 from disttrain.hf import trained as trained_lib
 from tests import helpers
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 
 MAX_LENGTH = 48  # scoring window: the rolling task's texts span several
@@ -138,7 +137,7 @@ def test_unknown_task_is_one_line_before_the_model_loads(setup, tmp_path):
   with pytest.raises(ConfigError, match=r"lm-eval knows no task 'local_mcq' \(its own tasks and "
                      r'those in .*\); list them with `lm_eval ls tasks`'):
     harness.task_manager(['local_mcq'], str(setup['task_dir']))
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+  env = subprocess_env()
   proc = subprocess.run(
       [sys.executable, '-m', 'disttrain', 'lm-eval', f'--hf_dir={tmp_path}/missing',
        '--tasks=definitely_not_a_task'], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -28,7 +28,7 @@ from disttrain.errors import CheckpointError, ConfigError
 from disttrain.hf import config as hf_config, tensorfiles, trained, weights as hf
 from disttrain.models import layers
 from tests import helpers, hf_round_trip
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 VOCAB = 99
 LLAMAS = [(1, False), (2, True), (4, False)]  # (K/V heads, tied embeddings)
@@ -223,9 +223,7 @@ def _train_and_export(tmp_path, name: str, tied: bool, dtype: str = 'float32') -
 
 
 def _env() -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
-  return env
+  return subprocess_env()
 
 
 @pytest.fixture(scope='module')

@@ -17,12 +17,12 @@ import pytest
 
 import disttrain
 from tests import helpers
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 from tests.helpers import devices
 
 
 def _compare(*args: str) -> tuple[subprocess.CompletedProcess, dict]:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+  env = subprocess_env()
   out = args[-1].split('=', 1)[1]
   proc = subprocess.run([sys.executable, '-m', 'disttrain', 'compare', *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300, check=False)

@@ -11,7 +11,6 @@ the coordinator's DNS name answered by 127.0.0.1, each process with 4 fake CPU d
 import copy
 import gzip
 import json
-import os
 import re
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from disttrain import config as config_lib
 from disttrain.exitcodes import Exit
 from disttrain.parallel import distributed
 from tests import helpers
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 MANIFESTS = sorted((ROOT / 'launch' / 'k8s').glob('*.yaml'))
 SCHEMA = ROOT / 'tests' / 'data' / 'jobset-v0.9.1-v1alpha2.schema.json.gz'
@@ -176,6 +175,4 @@ def test_emulated_gpu_pods_form_one_2x4_job_equal_to_1x8(tmp_path):
 
 
 def _clean_env() -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS  # --fake_devices gives each process its 4 devices
-  return env
+  return subprocess_env()

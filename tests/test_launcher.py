@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 CONFIG = 'launch/configs/mnist_mlp.py'
 TINY = ('--config.num_train_steps=4', '--config.model.hidden=32', '--config.global_batch_size=16')
@@ -23,7 +23,7 @@ DIGITS_EVAL = 297  # the held-out digits split
 
 def _env() -> dict:
   """The launcher decides the device count itself (--fake_devices), not conftest's XLA_FLAGS."""
-  return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+  return subprocess_env()
 
 
 def launch(*args: str, timeout: float = 120, script: bool = True) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ import pytest
 from disttrain.errors import ConfigError
 from disttrain.operating.lease import FILE, Lease
 from disttrain.storage import urls
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 from tests.helpers import metrics_records
 
 HOLD = ('import sys, time; from disttrain.operating.lease import Lease; '
@@ -110,8 +110,7 @@ def test_a_second_launch_into_a_live_run_refuses_and_leaves_it_alone(tmp_path):
              '--config.log_every_steps=1']
   # 0.2 s per read: the first run trains for 8 s after its first record, longer than a second
   # launcher takes to start and be refused on a slow day (it was not, with 3 s).
-  env = dict(os.environ, JAX_PLATFORMS='cpu', SLOW_READS='0.2')
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
+  env = subprocess_env(SLOW_READS='0.2')
   first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
   try:

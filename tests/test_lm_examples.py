@@ -12,12 +12,11 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 
 def _run(cwd, *args: str) -> str:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
+  env = subprocess_env()
   proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
                         text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -22,7 +22,7 @@ from disttrain.data.mixture import Mixture, MixtureRecords
 from disttrain.errors import ConfigError, DataError
 from disttrain.parallel import mesh as mesh_lib
 from tests import helpers, mp_mixture
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 
 def _rows(source: int, n: int) -> dict:
@@ -133,9 +133,7 @@ def test_bad_mixtures_are_one_line_config_or_data_errors(tmp_path):
 
 
 def _env() -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
-  return env
+  return subprocess_env()
 
 
 STEPS = 12

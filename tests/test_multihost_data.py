@@ -8,7 +8,6 @@ tests/test_multiprocess.py: rtol 1e-4 over 10 steps, 1e-2 over 30.
 """
 
 import json
-import os
 import runpy
 import socket
 import subprocess
@@ -21,7 +20,7 @@ import disttrain
 from disttrain import config as config_lib
 from disttrain.data import formats
 from tests import helpers
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 pytestmark = pytest.mark.slow  # a 2-process cluster and its 1 x 8 reference
 from tests.test_user_data import EVAL, _breast_cancer
@@ -63,11 +62,9 @@ def test_slurm_detected_two_processes_read_their_rows_and_match_one(tmp_path, mo
   two = tmp_path / 'two'
   procs = []
   for i in range(2):
-    env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', READS_DIR=str(tmp_path),
-               SLURM_JOB_ID=str(job), SLURM_NTASKS='2', SLURM_PROCID=str(i),
-               SLURM_LOCALID=str(i), SLURM_STEP_NODELIST=host, SLURM_STEP_NUM_NODES='1',
-               SLURM_NODELIST=host)
-    env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
+    env = subprocess_env(READS_DIR=str(tmp_path), SLURM_JOB_ID=str(job), SLURM_NTASKS='2',
+                         SLURM_PROCID=str(i), SLURM_LOCALID=str(i), SLURM_STEP_NODELIST=host,
+                         SLURM_STEP_NUM_NODES='1', SLURM_NODELIST=host)
     procs.append(subprocess.Popen(
         [sys.executable, 'launch/train.py', '--distributed', f'--config={CONFIG}',
          f'--workdir={two}', '--fake_devices=4', '--distributed_init_timeout=60',

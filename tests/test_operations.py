@@ -18,7 +18,7 @@ import pytest
 import disttrain
 from disttrain.data import sources
 from disttrain.parallel import distributed
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 from tests.helpers import devices, make_config, to_numpy
 
 OPS = 'tests/configs/ops.py'
@@ -32,9 +32,7 @@ def _mlp(**overrides):
 
 
 def _env(**extra) -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', **extra)
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
-  return env
+  return subprocess_env(**extra)
 
 
 def _launch(workdir, *flags, env=None, timeout=180):

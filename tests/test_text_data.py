@@ -20,14 +20,12 @@ from disttrain import data
 from disttrain.data import packing, sources, text, tokenizer as tokenizer_lib
 from disttrain.errors import DataError
 from tests import helpers
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 from tests.helpers import devices
 
 
 def _env() -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS
-  return env
+  return subprocess_env()
 
 
 def _cli(*args: str) -> str:

@@ -17,7 +17,7 @@ import pytest
 
 from disttrain.errors import ConfigError
 from disttrain.operating import tracking
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 from tests.helpers import make_config, metrics_records
 
 STEPS = 40
@@ -34,9 +34,7 @@ EXACT = {'train': ('loss', 'accuracy', 'grad_norm', 'learning_rate'),
 
 
 def _env(tmp_path) -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', WANDB_MODE='offline',
-             WANDB_SILENT='true', WANDB_DIR=str(tmp_path / 'wandb_default'))
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS  # --fake_devices sets the device count
+  env = subprocess_env(WANDB_MODE='offline', WANDB_SILENT='true', WANDB_DIR=str(tmp_path / 'wandb_default'))
   env.pop('WANDB_API_KEY', None)
   return env
 

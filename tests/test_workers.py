@@ -18,16 +18,14 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 STEPS = 75
 CONFIG = 'launch/configs/mnist_array_record.py'
 
 
 def _env() -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS  # --fake_devices decides
-  return env
+  return subprocess_env()
 
 
 @pytest.fixture(scope='module')
