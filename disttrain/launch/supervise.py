@@ -31,7 +31,7 @@ from absl import app, flags
 
 from disttrain.exitcodes import Exit, Verdict, describe, shell_status, verdict
 from disttrain.operating import events
-from disttrain.storage import local_tier, urls
+from disttrain.storage import progress
 
 _MAX_RESTARTS = flags.DEFINE_integer(
     'max_restarts', 3, 'Failed attempts in a row, without a newer committed checkpoint, that are '
@@ -42,15 +42,6 @@ _BACKOFF = flags.DEFINE_float(
     'backoff_seconds', 10, 'Delay before the first restart after a failure; doubles with each '
     'failure in a row (x0.5-1.5 jitter), at most --max_backoff_seconds.')
 _MAX_BACKOFF = flags.DEFINE_float('max_backoff_seconds', 300, 'Longest delay between attempts.')
-
-
-def committed_step(workdir: str) -> int:
-  """The newest complete checkpoint of the run, in a local directory or a bucket."""
-  try:
-    return max(urls.committed_steps(urls.join(urls.resolve(workdir), 'checkpoints')),
-               default=0)
-  except Exception:  # pylint: disable=broad-except  # storage down: progress unknown, not made
-    return 0
 
 
 def workdir_of(command: list[str]) -> str | None:
@@ -114,15 +105,15 @@ class Supervisor:
 
   def _run(self) -> int:
     failures = preemptions = 0
-    best = committed_step(self.workdir)
+    best = progress.committed_step(self.workdir)
     attempt = 0
     while True:
       attempt += 1
       self.log.attempt = events.next_attempt(self.workdir)  # the attempt the job will record
       started = time.monotonic()
       code = self._attempt(attempt)
-      step = committed_step(self.workdir)
-      fast = local_tier.newest_step(self.workdir)  # the fast tier counts as progress too
+      step = progress.committed_step(self.workdir)
+      fast = progress.local_step(self.workdir)  # the fast tier counts as progress too
       progressed, best = max(step, fast) > best, max(best, step, fast)
       kind = verdict(code)
       reason = describe(code)

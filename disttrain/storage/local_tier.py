@@ -33,24 +33,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from disttrain.errors import CheckpointError
-from disttrain.storage import shards, urls
+from disttrain.storage import progress, shards, urls
 
 KEEP = 2  # the newest complete step and the one before it (a write torn by a kill is .tmp)
-MARKER = 'local_tier.json'  # in the workdir: {'run': id, 'step': process 0's newest local step}
 _SLOTS = 8  # newest steps each process reports when the processes agree on one
 
 
 def default_root(workdir: str) -> str:
   digest = hashlib.sha1(urls.resolve(workdir).encode()).hexdigest()[:12]
   return os.path.join(tempfile.gettempdir(), 'disttrain-local', digest)
-
-
-def newest_step(workdir: str) -> int:
-  """Process 0's newest fast-tier step as DIR/local_tier.json records it (0 if none)."""
-  try:
-    return int(json.loads(urls.path(urls.join(urls.resolve(workdir), MARKER)).read_text())['step'])
-  except Exception:  # pylint: disable=broad-except  # no tier, or storage down: no progress known
-    return 0
 
 
 def _layout(arrays: list, paths: list[str]) -> list:
@@ -95,7 +86,7 @@ class LocalTier:
     self.n, self.p = jax.process_count(), jax.process_index()
     self.root = Path(root or default_root(workdir))
     self.dir = self.root / f'process_{self.p}'
-    self.marker = urls.path(urls.join(urls.resolve(workdir), MARKER))
+    self.marker = progress.local_marker(workdir)
     self.run = self._run_id()
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='local_tier')
     self._pending = None
