@@ -26,6 +26,7 @@ TICK = 0.05
 MARGIN = 0.2  # a straggler stalled >= 20 % of the window
 WINDOW_SECONDS = 5.0
 _PREFIX = 'disttrain/stragglers'
+_RUNS = collections.Counter()  # process -> monitors made: a program may train twice in a job
 
 
 class Heartbeat:
@@ -55,7 +56,10 @@ class Monitor:
   def __init__(self, client, process: int, processes: int, say: Callable[[str], None],
                emit: Callable[..., None]):
     self.client, self.process, self.processes = client, process, processes
-    self.key, self.say, self.emit = _PREFIX, say, emit  # the store lives as long as the job
+    # The store lives as long as the job: each run its own keys (the processes make their
+    # monitors in the same order).
+    _RUNS[process] += 1
+    self.key, self.say, self.emit = f'{_PREFIX}/{_RUNS[process]}', say, emit
     self.host = socket.gethostname()
     self.heartbeat = Heartbeat()
     self._sent = (0.0, 0.0)  # stalled and data seconds already published
