@@ -54,6 +54,18 @@ class Interrupted(Preempted):
     self.step = step
 
 
+def exit_status(error: BaseException) -> int:
+  """The status a process ends with for `error` (disttrain/exitcodes.py): 75 or 130 after a saved
+  stop, 2 for bad input, sys.exit's own, 130 for a raw Ctrl-C, else 1 (a traceback)."""
+  if isinstance(error, Preempted):
+    return error.exit_code
+  if isinstance(error, DisttrainError):
+    return Exit.BAD_INPUT
+  if isinstance(error, SystemExit):
+    return error.code if isinstance(error.code, int) else int(error.code is not None)
+  return Exit.INTERRUPTED if isinstance(error, KeyboardInterrupt) else Exit.FAILED
+
+
 def one_line_errors(main):
   """An absl main whose DisttrainError becomes one `error:` line on stderr and exit status 2."""
   def run(argv):

@@ -31,7 +31,7 @@ from disttrain.operating import events, goodput
 from disttrain.parallel import distributed
 from disttrain.storage import urls
 from tests import buckets, helpers
-from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
+from tests.conftest import ROOT, subprocess_env
 
 pytestmark = pytest.mark.slow  # each test starts a cluster of processes
 
@@ -59,9 +59,7 @@ JOB_TIMEOUT = 240
 
 
 def _env() -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env['XLA_FLAGS'] = SUBPROCESS_XLA_FLAGS  # the launcher gives each process --fake_devices
-  return env
+  return subprocess_env()
 
 
 def _cluster_cmd(*args: str, grace: float = 20) -> list[str]:
@@ -337,6 +335,43 @@ def test_a_process_that_fails_stops_the_others_at_once(tmp_path, fail_at, failin
     assert end['event'] == 'end' and end['error'] == ('DataError' if failing == 0 else
                                                       'PeerFailed'), end  # process 0 writes
     assert failing == 0 or end['process'] == failing, end
+
+
+@pytest.mark.parametrize('failing', [1, 0])
+def test_a_program_of_the_users_stops_with_a_failing_process(tmp_path, failing):
+  """No launcher: each process runs the user's program (tests/mp_train_api.py), which joins the
+  job and calls disttrain.train twice; in the second run one process meets bad data. It raises as
+  a Python program does (traceback, exit 1); the other, waiting for it in a collective, says why
+  and exits 2 by itself, and both are gone within seconds: before, the other waited for jax's
+  heartbeat timeout (100 s) and the failing one, at its exit, in jax's shutdown barrier for it."""
+  port = distributed.free_port_pair()
+  start = time.monotonic()
+  procs = [subprocess.Popen(
+      [sys.executable, 'tests/mp_train_api.py', f'--coordinator_address=127.0.0.1:{port}',
+       '--num_processes=2', f'--process_id={i}', '--fake_devices=4', f'--out={tmp_path}'],
+      cwd=ROOT, env={**_env(), 'FAIL_AT': '6', 'FAIL_PROCESS': str(failing)},
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+  try:
+    outs = [p.communicate(timeout=JOB_TIMEOUT)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  elapsed = time.monotonic() - start
+  failed, other = outs[failing], outs[1 - failing]
+  assert all('first run ended at step 3' in out for out in outs), outs
+  assert procs[failing].returncode == 1, failed[-3000:]
+  assert 'Traceback' in failed and f'DataError: read 6 of process {failing} failed' in failed
+  assert procs[1 - failing].returncode == 2, other[-3000:]
+  assert (f'error: process {failing} failed, so this process stops too (exit 2): DataError: read '
+          f'6 of process {failing}') in other, other[-3000:]
+  assert 'Traceback' not in other and not any('Check failure' in out for out in outs), outs
+  assert elapsed < 60, (elapsed, outs)  # start-up and two runs: ~16 s here
+  second = tmp_path / 'second'
+  assert not (second / 'lease.json').exists()
+  end = [json.loads(line) for line in (second / 'events.jsonl').read_text().splitlines()][-1]
+  assert end['event'] == 'end' and end['error'] == ('DataError' if failing == 0 else
+                                                    'PeerFailed'), end
 
 
 def test_workers_do_not_outlive_a_killed_launcher(tmp_path):

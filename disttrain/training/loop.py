@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import disttrain
+from disttrain import errors
 from disttrain.config import Config
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.data.batches import TrainIterator
@@ -63,8 +64,29 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
   Resumes from the newest complete checkpoint in `workdir` if there is one. `devices` defaults to every device
   of every process. Raises NonFiniteError on a NaN/Inf loss or gradient norm, Preempted after
   saving on SIGTERM and Interrupted after saving on Ctrl-C. `workdir` is a local directory or a
-  bucket URL (gs://BUCKET/PATH, s3://BUCKET/PATH; disttrain/storage/urls.py).
+  bucket URL (gs://BUCKET/PATH, s3://BUCKET/PATH; disttrain/storage/urls.py). In a multi-process
+  job, an error on one process is posted to the others before it is raised; they exit with the
+  launcher's status for it (disttrain/parallel/failures.py).
   """
+  # In a multi-process program of the user's, another process's failure ends this one, and this
+  # one's reaches the others before it is raised (`disttrain train`'s watch covers its whole run).
+  watch = None if failures.watching() else failures.Watch()
+  try:
+    return _in_workdir(cfg, workdir, model, task, devices, tx, train_step, eval_step, train_data,
+                       eval_data, callbacks, rewards, eval_extract)
+  except BaseException as e:
+    failures.hold_if_leaving()  # the echo of another's failure: the watch is taking this out
+    if watch is not None and not isinstance(e, disttrain.Preempted):  # all stop alike on those
+      failures.post(f'{type(e).__name__}: {e}', errors.exit_status(e))
+    raise
+  finally:
+    if watch is not None:
+      watch.close()
+
+
+def _in_workdir(cfg, workdir, model, task, devices, tx, train_step, eval_step, train_data,
+                eval_data, callbacks, rewards, eval_extract) -> Result:
+  """train() within its workdir: the lease, the attempt's events, the run."""
   cfg = hf_config.from_directory(cfg)  # model.name='hf': the model restore_from's config.json
   workdir = urls.resolve(workdir)
   if urls.is_bucket(workdir) and jax.process_index() == 0:
