@@ -22,6 +22,7 @@ from absl import app, flags, logging
 import ml_collections
 from ml_collections import config_flags
 
+from disttrain import errors
 from disttrain.exitcodes import Exit
 
 
@@ -123,11 +124,11 @@ def main(argv):
   except disttrain.DisttrainError as e:
     _fail(f'{type(e).__name__}: {e}')
   except Exception as e:  # a bug on one process: the others must not wait for it in a collective
-    failures.announce(f'{type(e).__name__}: {e}', Exit.FAILED, traceback=True)
+    failures.announce(f'{type(e).__name__}: {e}', errors.exit_status(e), traceback=True)
     raise
   except SystemExit as e:  # sys.exit(N) in a hook of the user's: the job's status too
     if e.code not in (0, None):
-      failures.announce(f'sys.exit({e.code!r})', e.code if isinstance(e.code, int) else 1)
+      failures.announce(f'sys.exit({e.code!r})', errors.exit_status(e))
     raise
   finally:
     if watch is not None:
@@ -209,8 +210,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if _FIND_BATCH.value:  # nothing is written
       return rest
     _fail('--workdir is required; pass --workdir=DIR')
-  from disttrain import errors  # pylint: disable=g-import-not-at-top
-  from disttrain.storage import urls
+  from disttrain.storage import urls  # pylint: disable=g-import-not-at-top
   try:
     bucket = urls.is_bucket(urls.resolve(workdir))  # a bad URL or a missing extra: now
   except errors.DisttrainError as e:

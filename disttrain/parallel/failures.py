@@ -93,9 +93,7 @@ class Watch:
         _acknowledged(self._state, self._acks)
         if failed.get('goes_on'):  # its exit runs jax.distributed's shutdown barrier: meet it
           _shut_down()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(int(failed['status']))  # pylint: disable=protected-access  (as announce does)
+        _exit(failed['status'])
 
   def close(self) -> None:
     """Stops watching (before jax.distributed shuts down at a normal exit); a failing process
@@ -144,10 +142,7 @@ def announce(line: str, status: int, traceback: bool = False) -> None:
   key, acks = _keys()
   status = _post(state, key, line, status, goes_on=False)
   _acknowledged(state, acks)
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(int(status))  # pylint: disable=protected-access  (jax.distributed's shutdown barrier
-  # would wait for processes that are leaving too)
+  _exit(status)
 
 
 def post(line: str, status: int) -> None:
@@ -191,6 +186,14 @@ def _shut_down() -> None:
     jax.distributed.shutdown()
   except Exception:  # pylint: disable=broad-except  (the failed process left first: nothing to meet)
     pass
+
+
+def _exit(status: int) -> None:
+  """Ends this process now: a normal exit would wait in jax.distributed's shutdown barrier for
+  processes that are leaving too (or already gone)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(int(status))  # pylint: disable=protected-access
 
 
 def _acknowledged(state, acks: str) -> None:
