@@ -374,6 +374,29 @@ def test_a_program_of_the_users_stops_with_a_failing_process(tmp_path, failing):
                                                     'PeerFailed'), end
 
 
+def test_a_nan_on_every_process_reaches_every_program(tmp_path):
+  """A NaN loss is every process's (the loss is global): each program gets the NonFiniteError
+  and goes on, even one process behind (its reads slow). Posted as a failure, it took that
+  process out before it raised, and the first one's exit hung for good on its last dispatched
+  step, a collective the other never joined."""
+  port = distributed.free_port_pair()
+  procs = [subprocess.Popen(
+      [sys.executable, 'tests/mp_train_api.py', f'--coordinator_address=127.0.0.1:{port}',
+       '--num_processes=2', f'--process_id={i}', '--fake_devices=4', f'--out={tmp_path}'],
+      cwd=ROOT, env={**_env(), 'DIVERGE_LR': '1e30', 'SLOW_READS': '2', 'SLOW_PROCESS': '1'},
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+  try:
+    outs = [p.communicate(timeout=JOB_TIMEOUT)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+    assert 'second run raised NonFiniteError: step 2: loss=nan' in out, out[-3000:]
+    assert 'so this process stops too' not in out, out[-3000:]
+
+
 def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
   # SIGKILL leaves the launcher no time to stop anyone (a CI timeout, the OOM killer); the
   # workers, each in its own session, must die with it. Stand-in workers that only sleep.

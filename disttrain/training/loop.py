@@ -66,7 +66,8 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
   saving on SIGTERM and Interrupted after saving on Ctrl-C. `workdir` is a local directory or a
   bucket URL (gs://BUCKET/PATH, s3://BUCKET/PATH; disttrain/storage/urls.py). In a multi-process
   job, an error on one process is posted to the others before it is raised; they exit with the
-  launcher's status for it (disttrain/parallel/failures.py).
+  launcher's status for it (disttrain/parallel/failures.py). Every process raises a
+  NonFiniteError or a Preempted itself, at the same step.
   """
   # In a multi-process program of the user's, another process's failure ends this one, and this
   # one's reaches the others before it is raised (`disttrain train`'s watch covers its whole run).
@@ -76,7 +77,10 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
                        eval_data, callbacks, rewards, eval_extract)
   except BaseException as e:
     failures.hold_if_leaving()  # the echo of another's failure: the watch is taking this out
-    if watch is not None and not isinstance(e, disttrain.Preempted):  # all stop alike on those
+    # Not for a stop every process makes at the same step: a NaN in the global loss, a
+    # preemption. Posted, it could take out a process still on its way to raising it, leaving
+    # this one's last dispatched step (a collective) unmatched: its exit then hangs for good.
+    if watch is not None and not isinstance(e, (disttrain.Preempted, errors.NonFiniteError)):
       failures.post(f'{type(e).__name__}: {e}', errors.exit_status(e))
     raise
   finally:
