@@ -337,6 +337,23 @@ def test_a_process_that_fails_stops_the_others_at_once(tmp_path, fail_at, failin
     assert failing == 0 or end['process'] == failing, end
 
 
+def _users_program(tmp_path, **env) -> tuple[list, list[str]]:
+  """tests/mp_train_api.py on two processes of 4 devices, started without a launcher: the
+  processes (ended) and their outputs."""
+  port = distributed.free_port_pair()
+  procs = [subprocess.Popen(
+      [sys.executable, 'tests/mp_train_api.py', f'--coordinator_address=127.0.0.1:{port}',
+       '--num_processes=2', f'--process_id={i}', '--fake_devices=4', f'--out={tmp_path}'],
+      cwd=ROOT, env={**_env(), **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True) for i in (0, 1)]
+  try:
+    return procs, [p.communicate(timeout=JOB_TIMEOUT)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+
+
 @pytest.mark.parametrize('failing', [1, 0])
 def test_a_program_of_the_users_stops_with_a_failing_process(tmp_path, failing):
   """No launcher: each process runs the user's program (tests/mp_train_api.py), which joins the
@@ -344,19 +361,8 @@ def test_a_program_of_the_users_stops_with_a_failing_process(tmp_path, failing):
   a Python program does (traceback, exit 1); the other, waiting for it in a collective, says why
   and exits 2 by itself, and both are gone within seconds: before, the other waited for jax's
   heartbeat timeout (100 s) and the failing one, at its exit, in jax's shutdown barrier for it."""
-  port = distributed.free_port_pair()
   start = time.monotonic()
-  procs = [subprocess.Popen(
-      [sys.executable, 'tests/mp_train_api.py', f'--coordinator_address=127.0.0.1:{port}',
-       '--num_processes=2', f'--process_id={i}', '--fake_devices=4', f'--out={tmp_path}'],
-      cwd=ROOT, env={**_env(), 'FAIL_AT': '6', 'FAIL_PROCESS': str(failing)},
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
-  try:
-    outs = [p.communicate(timeout=JOB_TIMEOUT)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+  procs, outs = _users_program(tmp_path, FAIL_AT='6', FAIL_PROCESS=str(failing))
   elapsed = time.monotonic() - start
   failed, other = outs[failing], outs[1 - failing]
   assert all('first run ended at step 3' in out for out in outs), outs
@@ -379,18 +385,7 @@ def test_a_nan_on_every_process_reaches_every_program(tmp_path):
   and goes on, even one process behind (its reads slow). Posted as a failure, it took that
   process out before it raised, and the first one's exit hung for good on its last dispatched
   step, a collective the other never joined."""
-  port = distributed.free_port_pair()
-  procs = [subprocess.Popen(
-      [sys.executable, 'tests/mp_train_api.py', f'--coordinator_address=127.0.0.1:{port}',
-       '--num_processes=2', f'--process_id={i}', '--fake_devices=4', f'--out={tmp_path}'],
-      cwd=ROOT, env={**_env(), 'DIVERGE_LR': '1e30', 'SLOW_READS': '2', 'SLOW_PROCESS': '1'},
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
-  try:
-    outs = [p.communicate(timeout=JOB_TIMEOUT)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+  procs, outs = _users_program(tmp_path, DIVERGE_LR='1e30', SLOW_READS='2', SLOW_PROCESS='1')
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
     assert 'second run raised NonFiniteError: step 2: loss=nan' in out, out[-3000:]
