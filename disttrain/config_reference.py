@@ -1,4 +1,4 @@
-"""The config reference, generated from disttrain/config.py: its field comments are the source.
+"""The config reference, generated from disttrain/config/: its field comments are the source.
 
   python -m disttrain.config_reference          # the reference as Markdown, on stdout
 
@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import inspect
 import io
+import sys
 import tokenize
 import typing
 
@@ -33,9 +34,11 @@ def _comments(source: str) -> dict[int, str]:
           if tok.type == tokenize.COMMENT}
 
 
-def _field_docs(cls: type, tree: ast.Module, lines: list[str],
-                comments: dict[int, str]) -> dict[str, str]:
-  """Field name -> its comment block above and its comment on the line (class `cls`)."""
+def _field_docs(cls: type) -> dict[str, str]:
+  """Field name -> its comment block above and its comment on the line (class `cls`, read from
+  the source of its own module)."""
+  source = inspect.getsource(sys.modules[cls.__module__])
+  tree, lines, comments = ast.parse(source), source.split('\n'), _comments(source)
   node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
   docs = {}
   for stmt in node.body:
@@ -53,13 +56,11 @@ def _field_docs(cls: type, tree: ast.Module, lines: list[str],
 def _reference() -> tuple[list[Field], dict[str, str]]:
   """Every leaf field of Config, depth first in definition order, with its documentation; and
   each group's path ('' for the top level) -> its class docstring's first paragraph."""
-  source = inspect.getsource(config_lib)
-  tree, lines, comments = ast.parse(source), source.split('\n'), _comments(source)
   fields_out, groups_out = [], {}
 
   def walk(cls, prefix):
     groups_out[prefix[:-1]] = _first_paragraph(cls)
-    docs, hints = _field_docs(cls, tree, lines, comments), typing.get_type_hints(cls)
+    docs, hints = _field_docs(cls), typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
       hint = hints[f.name]
       if dataclasses.is_dataclass(hint):

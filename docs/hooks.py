@@ -1,4 +1,4 @@
-"""MkDocs hooks: the landing page is README.md, the config reference is generated from config.py."""
+"""MkDocs hooks: the landing page is README.md, the config reference is generated from config/."""
 
 import pathlib
 import re
@@ -6,7 +6,7 @@ import re
 from disttrain import config_reference
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
-_CONFIG_MARKER = '<!-- config fields: generated from disttrain/config.py -->'
+_CONFIG_MARKER = '<!-- config fields: generated from disttrain/config/ -->'
 
 
 def on_page_read_source(page, config):

@@ -1,0 +1,97 @@
+"""How a run is laid out over devices: the mesh within a slice or process, the hybrid mesh across
+them, the sharding and step styles, and tensor-parallel rules naming mesh axes."""
+
+import dataclasses
+import math
+
+from disttrain.errors import ConfigError
+
+SHARDINGS = ('replicate', 'fsdp')
+STEP_MODES = ('jit', 'shard_map', 'pmap')
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh shape, one size per axis (disttrain/parallel/mesh.py says what each is for); at
+  most one axis may be -1, the devices left over. Their product is the number of devices."""
+  data: int = -1  # data parallelism: each slice of the batch on its own replica of the state
+  # Pipeline stages: a language model's layers split into this many stages (it must divide
+  # model.num_layers); grad_accum_steps >= it are the micro-batches; step_mode=jit.
+  stage: int = 1
+  fsdp: int = 1  # splits the batch, and with sharding=fsdp each large parameter and its state
+  # Splits mixture-of-experts experts (it must divide model.num_experts), and the batch elsewhere;
+  # step_mode=jit.
+  expert: int = 1
+  # Context parallelism: splits each sequence's positions (language models; it must divide
+  # data.seq_len); step_mode=jit.
+  context: int = 1
+  tensor: int = 1  # tensor parallelism: the dimensions param_rules / logical_rules map to 'tensor'
+
+  def __post_init__(self):
+    sizes = dataclasses.asdict(self)
+    if list(sizes.values()).count(-1) > 1:
+      raise ConfigError(f'mesh {sizes} has more than one -1 axis; give at most one axis -1 (fill)')
+    for axis, size in sizes.items():
+      if size != -1 and size < 1:
+        raise ConfigError(f'mesh.{axis}={size} must be >= 1 or -1 (fill); set it to a positive '
+                          'size or -1')
+
+
+# The axes' names, outermost first; parallel/mesh.py's Parallelism spells each role.
+MESH_AXES = tuple(f.name for f in dataclasses.fields(MeshConfig))
+# Axes whose collectives run in every layer (activations): across slices or nodes they are slow.
+LAYER_AXES = ('expert', 'context', 'tensor')
+
+
+@dataclasses.dataclass(frozen=True)
+class DcnMeshConfig:
+  """Axis sizes across slices (TPU: devices' slice_index) or, elsewhere, across processes (each
+  process a granule): the whole mesh is mesh.<axis> x dcn_mesh.<axis>, mesh.* within each
+  granule on its fastest links (parallel/mesh.py). Default 1: one granule, a flat mesh."""
+  data: int = 1  # data parallelism across slices or processes (the usual choice)
+  stage: int = 1  # pipeline stages across them (one activation send per micro-batch)
+  fsdp: int = 1  # fsdp across them: parameter all-gathers cross the slow links every step
+  expert: int = 1  # refused unless allow_slow_axes: all-to-alls in every layer
+  context: int = 1  # refused unless allow_slow_axes: exchanges in every attention layer
+  tensor: int = 1  # refused unless allow_slow_axes: all-reduces in every layer
+  allow_slow_axes: bool = False  # accept expert, context or tensor across slices or processes
+
+  def __post_init__(self):
+    for axis in MESH_AXES:
+      if getattr(self, axis) < 1:
+        raise ConfigError(f'dcn_mesh.{axis}={getattr(self, axis)} must be >= 1 (no -1 here: '
+                          'mesh.* fills within a slice or process)')
+    slow = [a for a in LAYER_AXES if getattr(self, a) > 1]
+    if slow and not self.allow_slow_axes:
+      raise ConfigError(f'dcn_mesh.{slow[0]}={getattr(self, slow[0])} puts the {slow[0]} axis '
+                        'across slices or processes, whose links are the slowest, with '
+                        'collectives in every layer; keep it in mesh.' + slow[0] + ', or set '
+                        'dcn_mesh.allow_slow_axes=true if you mean it')
+
+  @property
+  def granules(self) -> int:
+    return math.prod(getattr(self, a) for a in MESH_AXES)
+
+
+def check_rules(param_rules, logical_rules) -> None:
+  """param_rules and logical_rules are well formed and name only mesh axes (or None)."""
+  for rule in param_rules:
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
+            and isinstance(rule[1], (tuple, list))):
+      raise ConfigError(f'param_rules entry {rule!r} must be (regex, (axis or None, ...)); pass '
+                        'e.g. --config.param_rules="((\'Dense_0/kernel\', (None, \'tensor\')),)"')
+    _check_axes(f'param_rules {rule[0]!r}', rule[1])
+  for rule in logical_rules:
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ConfigError(f'logical_rules entry {rule!r} must be (logical name, mesh axis or None); '
+                        'pass e.g. --config.logical_rules="((\'hidden\', \'tensor\'),)"')
+    _check_axes(f'logical_rules {rule[0]!r}', (rule[1],))
+
+
+def _check_axes(where: str, spec) -> None:
+  for entry in spec:
+    for axis in (entry if isinstance(entry, (tuple, list)) else (entry,)):
+      if axis is not None and axis not in MESH_AXES:
+        raise ConfigError(
+            f'{where} names mesh axis {axis!r}, which is not one of {MESH_AXES}; use one of them '
+            'or None')
