@@ -73,6 +73,25 @@ class DcnMeshConfig:
     return math.prod(getattr(self, a) for a in MESH_AXES)
 
 
+def check_step_mode(mesh: MeshConfig, step_mode: str, sharding: str) -> None:
+  """The mesh axes each step style can carry: pmap is data parallel only, shard_map splits the
+  batch, and the axes that split work inside one program (context, stage, expert) need jit."""
+  if step_mode == 'pmap' and (mesh.fsdp != 1 or mesh.tensor != 1 or sharding != 'replicate'):
+    raise ConfigError(
+        f'step_mode=pmap is data parallel only, got mesh.fsdp={mesh.fsdp} '
+        f'mesh.tensor={mesh.tensor} sharding={sharding}; use step_mode=jit or '
+        'shard_map for fsdp/tensor layouts')
+  for axis, what in (('context', 'splits sequences'), ('stage', 'pipelines layers'),
+                     ('expert', 'splits experts')):
+    if getattr(mesh, axis) != 1 and step_mode != 'jit':
+      raise ConfigError(f'mesh.{axis}={getattr(mesh, axis)} {what} inside the jit step, not '
+                        f'step_mode={step_mode}; use step_mode=jit')
+  if step_mode == 'shard_map' and mesh.tensor != 1:
+    raise ConfigError(
+        f'step_mode=shard_map splits the batch only, got mesh.tensor={mesh.tensor}; use '
+        'step_mode=jit for tensor parallelism')
+
+
 def check_rules(param_rules, logical_rules) -> None:
   """param_rules and logical_rules are well formed and name only mesh axes (or None)."""
   for rule in param_rules:

@@ -6,7 +6,8 @@ import re
 
 from disttrain.config.checks import one_of, positive
 from disttrain.config.data import DataConfig
-from disttrain.config.layout import SHARDINGS, STEP_MODES, DcnMeshConfig, MeshConfig, check_rules
+from disttrain.config.layout import (SHARDINGS, STEP_MODES, DcnMeshConfig, MeshConfig,
+                                     check_rules, check_step_mode)
 from disttrain.config.model import ModelConfig, PrecisionConfig
 from disttrain.config.post_training import DpoConfig, GrpoConfig, LoraConfig
 from disttrain.errors import ConfigError
@@ -223,33 +224,12 @@ class Config:
       raise ConfigError(f'profile.start_step={self.profile.start_step} profile.num_steps='
                         f'{self.profile.num_steps}: set both (> 0) to trace, or both 0 for no '
                         'trace')
-    if self.step_mode == 'pmap' and (self.mesh.fsdp != 1 or self.mesh.tensor != 1
-                                     or self.sharding != 'replicate'):
-      raise ConfigError(
-          f'step_mode=pmap is data parallel only, got mesh.fsdp={self.mesh.fsdp} '
-          f'mesh.tensor={self.mesh.tensor} sharding={self.sharding}; use step_mode=jit or '
-          'shard_map for fsdp/tensor layouts')
-    if self.mesh.context != 1 and self.step_mode != 'jit':
-      raise ConfigError(
-          f'mesh.context={self.mesh.context} splits sequences inside the jit step, not '
-          f'step_mode={self.step_mode}; use step_mode=jit')
-    if self.mesh.stage != 1 and self.step_mode != 'jit':
-      raise ConfigError(
-          f'mesh.stage={self.mesh.stage} pipelines layers inside the jit step, not '
-          f'step_mode={self.step_mode}; use step_mode=jit')
+    check_step_mode(self.mesh, self.step_mode, self.sharding)
     if self.mesh.stage > 1 and self.grad_accum_steps < self.mesh.stage:
       raise ConfigError(
           f'mesh.stage={self.mesh.stage} needs at least as many micro-batches as stages, got '
           f'grad_accum_steps={self.grad_accum_steps}; set grad_accum_steps >= '
           f'{self.mesh.stage} (more cut the pipeline bubble, (S - 1) / (M + S - 1))')
-    if self.mesh.expert != 1 and self.step_mode != 'jit':
-      raise ConfigError(
-          f'mesh.expert={self.mesh.expert} splits experts inside the jit step, not '
-          f'step_mode={self.step_mode}; use step_mode=jit')
-    if self.step_mode == 'shard_map' and self.mesh.tensor != 1:
-      raise ConfigError(
-          f'step_mode=shard_map splits the batch only, got mesh.tensor={self.mesh.tensor}; use '
-          'step_mode=jit for tensor parallelism')
     if self.precision.matmul == 'float8' and self.step_mode != 'jit':
       raise ConfigError(
           f"precision.matmul='float8' scales each tensor by its amax over the whole batch, which "
