@@ -357,10 +357,10 @@ _DOCS = tempfile.TemporaryDirectory(prefix='throughput_docs_')  # removed at exi
 def _packed_documents(cd) -> None:
   """--model=llama --with_data: the standard library's modules as JSON-lines documents,
   tokenized (bytes) at start-up and packed whole into rows by best fit (data.packing)."""
-  from disttrain.data import sources  # pylint: disable=g-import-not-at-top
+  from disttrain.data import in_memory  # pylint: disable=g-import-not-at-top
   path = os.path.join(_DOCS.name, 'docs.jsonl')
   with open(path, 'w', encoding='utf-8') as f:
-    for name in sources.text_files('')[:_DOCUMENTS.value]:
+    for name in in_memory.text_files('')[:_DOCUMENTS.value]:
       with open(name, encoding='utf-8', errors='replace') as src:
         f.write(json.dumps({'text': src.read()}) + '\n')
   cd.data.name, cd.data.train_files, cd.data.tokenizer = 'documents', path, ''

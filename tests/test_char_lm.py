@@ -8,7 +8,7 @@ import pytest
 
 import disttrain
 from disttrain import models
-from disttrain.data import sources
+from disttrain.data import in_memory, sources
 from disttrain.errors import DataError
 from disttrain.parallel import mesh as mesh_lib, optim, sharding, state as state_lib
 from tests.conftest import ROOT
@@ -37,7 +37,7 @@ def test_text_windows_are_next_byte_targets_of_the_stdlib_source():
   cfg = _config(**{'data.seq_len': 64, 'data.text.bytes': 100_000})
   data = sources.build(cfg)
   train, held_out = data['train_data'], data['eval_data']
-  files = sources.text_files('')
+  files = in_memory.text_files('')
   assert files == sorted(files) and all(f.endswith('.py') for f in files)
   with open(files[0], 'rb') as f:
     head = np.frombuffer(f.read(65), np.uint8)
@@ -102,7 +102,7 @@ def test_loss_falls_well_below_the_unigram_entropy(tmp_path):
   # (31 s; 250 took 47 s) end at train 2.598 = 0.825 x entropy, eval 2.600 = 0.826 x, so the
   # 0.85 bound keeps a margin of 0.08 nats (3 %); 100 steps end at 0.867 x, 250 at 0.756 x.
   cfg = _config(num_train_steps=150, log_every_steps=25)
-  entropy = sources.unigram_entropy(sources.build(cfg)['train_data']['targets'])
+  entropy = in_memory.unigram_entropy(sources.build(cfg)['train_data']['targets'])
   result = disttrain.train(cfg, str(tmp_path), devices=devices(1))
   train = [r['loss'] for r in result.records if r['split'] == 'train']
   assert train[0] > entropy  # it starts above the unigram model ...

@@ -77,7 +77,7 @@ BAD_INPUTS = [
     ('mnist_pair_incomplete', ['--fake_devices=8', '--config.data.name=mnist',
                                '--config.data.dir={dir}/half'],
      ['t10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte'], r'add the missing file'),
-    # The message names the files that must be there but no imperative (see data/sources.py).
+    # The message names the files that must be there but no imperative (see data/in_memory.py).
     ('mnist_dir_empty', ['--fake_devices=8', '--config.data.name=mnist',
                          '--config.data.dir={dir}/empty'],
      ['empty', 'no MNIST files'], r'put t10k-images-idx3-ubyte'),

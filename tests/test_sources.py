@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from disttrain import config as config_lib
-from disttrain.data import sources
+from disttrain.data import in_memory, sources
 from disttrain.errors import DataError
 
 
@@ -71,7 +71,7 @@ def test_digits_shapes_ranges_and_split():
 
 def test_digits_read_from_the_file_equal_sklearns_loader():
   from sklearn import datasets  # pylint: disable=g-import-not-at-top
-  images, labels = sources.digits()
+  images, labels = in_memory.digits()
   raw = datasets.load_digits()
   np.testing.assert_array_equal(images, raw.images)
   np.testing.assert_array_equal(labels, raw.target)

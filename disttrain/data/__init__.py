@@ -8,6 +8,7 @@
   packing     tokenize once into token files; concat windows, best-fit document packing
   schedule    which source each row of a mixture comes from (a smooth weighted round robin)
   mixture     data.mixture: weighted, staged sources whose rows resume exactly
+  in_memory   the built-in sets held as numpy arrays: digits, mnist, synthetic, text
   sources     data.name -> the train and eval sources a config names
   transforms  example grain transformations for images
   batches     the grain stream of per-process rows -> global jax.Arrays on a batch sharding

@@ -112,8 +112,8 @@ def _documents(out: str) -> str:
 
 def _jsonl(out: str) -> str:
   """--format=jsonl: text files as {"text"} documents, or docstring prompt/completion pairs."""
-  from disttrain.data import sources  # pylint: disable=g-import-not-at-top
-  files = sources.text_files(_DATA_DIR.value)
+  from disttrain.data import in_memory  # pylint: disable=g-import-not-at-top
+  files = in_memory.text_files(_DATA_DIR.value)
   records = [{'text': _read(path)} for path in files] if _SOURCE.value == 'text' else [
       pair for path in files for pair in _docstring_pairs(path)]
   held_out = _EVAL_DOCUMENTS.value
@@ -157,7 +157,7 @@ def _docstring_pairs(path: str) -> list[dict]:
 
 def convert() -> str:
   """Writes the files; returns the flags that train on them."""
-  from disttrain.data import formats, sources  # pylint: disable=g-import-not-at-top
+  from disttrain.data import formats, in_memory  # pylint: disable=g-import-not-at-top
   out = _OUT.value
   if _SOURCE.value == 'documents' or _FORMAT.value == 'jsonl':
     if (_SOURCE.value, _FORMAT.value) not in (('documents', 'tokens'), ('text', 'jsonl'),
@@ -169,7 +169,7 @@ def convert() -> str:
     if _SOURCE.value != 'text':
       raise DataError(f'--format=tokens writes token ids of text, not --source={_SOURCE.value}; '
                       'use --format=array_record')
-    ids = sources.text_bytes(_DATA_DIR.value, _TEXT_BYTES.value)
+    ids = in_memory.text_bytes(_DATA_DIR.value, _TEXT_BYTES.value)
     if len(ids) <= 2 * _EVAL_TOKENS.value:
       raise DataError(f'the text has {len(ids)} bytes, not more than twice --eval_tokens='
                       f'{_EVAL_TOKENS.value}; read more (--text_bytes) or hold out fewer')
