@@ -4,8 +4,9 @@
 
 1. The GPT config's default size (launch/configs/gpt.py: 4 x 128, batch 32 x 128 tokens) on one
    device, where activations dominate: float32, grad_accum_steps=4, model.remat=full, bf16.
-   `kept` is what the forward pass keeps for the backward pass (run.saved_activation_bytes):
-   XLA:CPU computes bf16 dots in float32, so its temp bytes cannot show what bf16 saves.
+   `kept` is what the forward pass keeps for the backward pass
+   (training.memory.saved_activation_bytes): XLA:CPU computes bf16 dots in float32, so its temp
+   bytes cannot show what bf16 saves.
 2. GPT-2 small (124 M parameters, batch 16 x 1,024 tokens) over 8 fake CPU devices, fsdp=8 and
    data 2 x fsdp 2 x tensor 2: compile seconds, and state bytes per device against the total
    divided by the ways the parameters are split.
@@ -70,16 +71,16 @@ def rows() -> list[dict]:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import disttrain  # pylint: disable=g-import-not-at-top
-  from disttrain.training import setup as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.training import memory, setup as run_lib  # pylint: disable=g-import-not-at-top
   from disttrain.data.records import ID  # pylint: disable=g-import-not-at-top
   from disttrain.parallel.step import Variant  # pylint: disable=g-import-not-at-top
   out = []
   for name, overrides in _SMALL:
     cfg = _config('small', {'mesh.data': 1, 'data.text.bytes': 100_000, **overrides})
     run = disttrain.setup(cfg, devices=jax.devices()[:1])
-    info = run.steps.compile(Variant(full_batch=True), run.state, run_lib.train_batch_spec(run))
+    info = run.steps.compile(Variant(full_batch=True), run.state, memory.train_batch_spec(run))
     out.append({'model': 'gpt small, 1 device', 'setting': name, **info.to_json(),
-                'kept_for_backward_bytes': run_lib.saved_activation_bytes(run)})
+                'kept_for_backward_bytes': memory.saved_activation_bytes(run)})
   window = jax.ShapeDtypeStruct((1, 1024), np.int32)
   spec = {'tokens': window, 'targets': window, ID: jax.ShapeDtypeStruct((1,), np.int32)}
   for name, mesh, ways in _GPT2_MESHES:

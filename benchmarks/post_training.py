@@ -53,7 +53,7 @@ def rows(n: int, pairs: int) -> list[dict]:
   import disttrain  # pylint: disable=g-import-not-at-top
   from disttrain import data  # pylint: disable=g-import-not-at-top
   from disttrain.parallel.step import Variant  # pylint: disable=g-import-not-at-top
-  from disttrain.training import setup as run_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.training import memory, setup as run_lib  # pylint: disable=g-import-not-at-top
   mesh = {'mesh.data': 1} if n == 1 else {'mesh.data': 2, 'mesh.fsdp': n // 2,
                                            'sharding': 'fsdp'}
   out, runs = [], []
@@ -67,7 +67,7 @@ def rows(n: int, pairs: int) -> list[dict]:
     trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.state.params))
     state = run.steps.place(run.state)
     variant = Variant(metrics=False, full_batch=True)
-    info = run.steps.compile(variant, state, run_lib.train_batch_spec(run))
+    info = run.steps.compile(variant, state, memory.train_batch_spec(run))
     out.append({'setting': name, 'devices': n, 'trainable_params': trainable, **parts,
                 'temp_bytes': info.temp_bytes, 'peak_bytes': info.peak_bytes})
     runs.append((run, state, batch, variant))

@@ -13,7 +13,7 @@ from disttrain import config as config_lib
 from disttrain.data import records as records_lib, sources
 from disttrain.data.batches import element_spec
 from disttrain.parallel.step import Variant
-from disttrain.training import batch_size, setup as run_lib
+from disttrain.training import batch_size, memory, setup as run_lib
 from tests import helpers
 from tests.conftest import ROOT, subprocess_env
 
@@ -35,7 +35,7 @@ def _peak(plan: run_lib.Plan) -> int:
   """Per-device bytes of the plan's train step, from jax's memory analysis of our own compile:
   arguments + outputs not written over the donated arguments + temporaries."""
   lowered = plan.steps.make_train(Variant(full_batch=True)).lower(
-      plan.state, run_lib.train_batch_spec(plan))
+      plan.state, memory.train_batch_spec(plan))
   m = lowered.compile().memory_analysis()
   return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
           + m.temp_size_in_bytes)
@@ -62,12 +62,12 @@ def test_the_finder_picks_b_between_the_sizes_of_b_and_2b_and_only_b_passes_the_
 
   for b, plan in plans.items():
     plan.cfg = dataclasses.replace(plan.cfg, memory_limit_bytes=limit)
-    variants = run_lib.loop_variants(plan.cfg, 0)
+    variants = memory.loop_variants(plan.cfg, 0)
     if b == 2:
-      run_lib.preflight(plan, plan.state, variants, lambda _: None)
+      memory.preflight(plan, plan.state, variants, lambda _: None)
     else:
-      with pytest.raises(run_lib.MemoryLimitError, match='train step logged needs'):
-        run_lib.preflight(plan, plan.state, variants, lambda _: None)
+      with pytest.raises(memory.MemoryLimitError, match='train step logged needs'):
+        memory.preflight(plan, plan.state, variants, lambda _: None)
 
 
 @pytest.mark.parametrize('multiple', [0, 1, 3, 8])

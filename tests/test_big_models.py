@@ -27,7 +27,7 @@ from disttrain import data
 from disttrain.data.records import ID, MASK
 from disttrain.parallel import spmd
 from disttrain.parallel.step import Variant
-from disttrain.training import setup as run_lib
+from disttrain.training import memory, setup as run_lib
 from tests import helpers
 from tests.conftest import ROOT, subprocess_env
 from tests.helpers import LAYOUTS, assert_trees_close, devices, to_numpy
@@ -172,7 +172,7 @@ def _all_gathers(cfg) -> tuple[int, int]:
   """(all-gathers inside the micro-batch loop's body, all-gathers elsewhere) of the step."""
   run = disttrain.setup(cfg, devices=devices(8))
   hlo = run.steps.make_train(Variant(full_batch=True)).lower(
-      run.state, run_lib.train_batch_spec(run)).compile().as_text()
+      run.state, memory.train_batch_spec(run)).compile().as_text()
   comps = _computations(hlo)
   bodies = {m.group(1) for lines in comps.values() for line in lines if ' while(' in line
             for m in [re.search(r'body=%?([\w.\-]+)', line)] if m}
@@ -211,7 +211,7 @@ def _memory(**overrides):
   if key not in _COMPILED:
     run = disttrain.setup(_gpt(**{**_ACTIVATION_HEAVY, **overrides}), devices=devices(1))
     _COMPILED[key] = run.steps.compile(Variant(full_batch=True), run.state,
-                                       run_lib.train_batch_spec(run))
+                                       memory.train_batch_spec(run))
   return _COMPILED[key]
 
 
@@ -308,7 +308,7 @@ def test_bf16_activations_float32_state_and_first_loss():
   # The lowered program multiplies in bf16: every dot of the GPT step takes bf16 operands.
   run = disttrain.setup(_tiny_gpt(mesh__data=1, **BF16), devices=devices(1))
   text = run.steps.make_train(Variant(full_batch=True)).lower(
-      run.state, run_lib.train_batch_spec(run)).as_text()
+      run.state, memory.train_batch_spec(run)).as_text()
   dots = [line for line in text.splitlines() if 'dot_general' in line and '->' in line]
   bf16_dots = [line for line in dots if re.search(r'tensor<[^>]*xbf16> *,', line)]
   assert dots and len(bf16_dots) >= 0.9 * len(dots), (len(bf16_dots), len(dots))
@@ -332,7 +332,7 @@ def test_bf16_halves_the_activations_kept_for_the_backward_pass():
   (its compiled HLO converts the operands), so there the step's temporaries do not shrink
   (415 MiB float32 vs 426 MiB bf16, same config); accelerators keep bf16 buffers in bf16.
   """
-  saved = lambda **o: run_lib.saved_activation_bytes(
+  saved = lambda **o: memory.saved_activation_bytes(
       disttrain.setup(_gpt(**_ACTIVATION_HEAVY, **o), devices=devices(1)))
   f32, bf16 = saved(), saved(**BF16)
   assert f32 > 20 * _memory().state_bytes  # activations dominate

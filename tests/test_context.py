@@ -15,7 +15,7 @@ import pytest
 import disttrain
 from disttrain import errors
 from disttrain.parallel.step import Variant
-from disttrain.training import setup as run_lib
+from disttrain.training import memory
 from tests import helpers
 from tests.conftest import ROOT
 from tests.helpers import assert_trees_close, devices
@@ -102,7 +102,7 @@ def test_ten_steps_with_positions_split_equal_one_device(tmp_path, precision, re
 
 def _temp_bytes(cfg, n: int) -> int:
   run = disttrain.setup(cfg, devices=devices(n))
-  info = run.steps.compile(Variant(full_batch=True), run.state, run_lib.train_batch_spec(run))
+  info = run.steps.compile(Variant(full_batch=True), run.state, memory.train_batch_spec(run))
   return info.temp_bytes
 
 

@@ -23,7 +23,7 @@ from disttrain import data, errors
 from disttrain.hf import export
 from disttrain.models import moe
 from disttrain.parallel.step import Variant
-from disttrain.training import setup as run_lib
+from disttrain.training import memory
 from tests import helpers
 from tests.test_llama import _one_step
 from tests.helpers import assert_trees_close, devices
@@ -130,7 +130,7 @@ def test_each_device_holds_an_eighth_of_the_experts_and_tokens_travel_by_all_to_
     shard = leaf.sharding.shard_shape(leaf.shape)
     assert np.prod(shard) * 8 == np.prod(leaf.shape), (name, shard, leaf.shape)
   compiled = run.steps.make_train(Variant(full_batch=True)).lower(
-      run.state, run_lib.train_batch_spec(run)).compile().as_text()
+      run.state, memory.train_batch_spec(run)).compile().as_text()
   ops = collections.Counter(re.findall(r' (all-to-all|all-gather|all-reduce)\(', compiled))
   assert ops['all-to-all'] >= 4, ops  # dispatch and combine, forward and backward
   disttrain.train(cfg, str(tmp_path), devices=devices(8))

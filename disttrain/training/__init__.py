@@ -1,7 +1,8 @@
 """A run from its config: the top layer, which drives every other one.
 
-  setup    setup(): everything before the first step (mesh, data, model, state, steps), the
-           memory pre-flight, run.json
+  setup    setup(): everything before the first step (mesh, data, model, state, steps);
+           plan(): its steps over abstract state; run.json
+  memory   the memory pre-flight: each step variant's memory, refused over the limit
   batch_size  the largest micro-batch per device whose train step passes the pre-flight
   actions  the loop's periodic actions: TrainRecords, Evaluator, Saver, Stopper, Profiler
   loop     train() and evaluate(): build the run, then the list of what happens each step

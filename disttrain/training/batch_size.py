@@ -2,7 +2,7 @@
 
 `find` compiles the loop's train step (from abstract shapes: nothing is created or run) for
 candidate micro-batches b, global_batch_size = b x the batch axes' devices x grad_accum_steps,
-and holds each to the memory pre-flight (setup.preflight) against the limit less a headroom:
+and holds each to the memory pre-flight (memory.preflight) against the limit less a headroom:
 from the config's own micro-batch it doubles while the step fits or halves until it does, then
 bisects over multiples of `multiple` between the last fit and the first miss (powers of two alone
 by default). A step's memory grows with its micro-batch, not with the accumulation steps.
@@ -22,7 +22,7 @@ from disttrain.data.batches import element_spec
 from disttrain.errors import ConfigError
 from disttrain.hf import config as hf_config
 from disttrain.parallel import mesh as mesh_lib
-from disttrain.training import setup as run_lib
+from disttrain.training import memory, setup as run_lib
 
 MOST = 2**16  # the largest micro-batch per device tried: beyond it the cap, not memory, decides
 
@@ -61,7 +61,7 @@ class Found:
             f'; micro-batches above {MOST} were not tried')  # MOST fit
     out = [f'micro-batch per device: {self.micro_batch}',
            f'compiled train step: {_bytes(self.peak_bytes)} per device{over}',
-           f'limit: {self.limit_bytes:,} bytes ({run_lib.mib(self.limit_bytes)}, '
+           f'limit: {self.limit_bytes:,} bytes ({memory.mib(self.limit_bytes)}, '
            f'{self.limit_source}) less {self.headroom:.0%} headroom = {_bytes(self.budget_bytes)}',
            f'largest global batch at grad_accum_steps={m}: {self.micro_batch} x {ways} batch '
            f'devices x {m} = {self.global_batch_size} (--config.global_batch_size='
@@ -71,12 +71,12 @@ class Found:
       out.append(f'global_batch_size={cfg.global_batch_size} as configured fits with '
                  f'--config.grad_accum_steps={keep} (micro-batch '
                  f'{cfg.global_batch_size // ways // keep})')
-    return out + ['tried: ' + ', '.join(f'{b} ({run_lib.mib(p)})'
+    return out + ['tried: ' + ', '.join(f'{b} ({memory.mib(p)})'
                                         for b, p in sorted(self.tried.items()))]
 
 
 def _bytes(n: int) -> str:
-  return f'{n:,} bytes ({run_lib.mib(n)})'
+  return f'{n:,} bytes ({memory.mib(n)})'
 
 
 def search(fits: Callable[[int], bool], start: int, most: int = MOST, multiple: int = 0) -> int:
@@ -132,7 +132,7 @@ def find(cfg: Config, *, limit: int | None = None, headroom: float = 0.1, multip
   parallel = mesh_lib.Parallelism.from_config(cfg.mesh, devices, cfg.dcn_mesh)
   parallel.check_batch_sizes(cfg)
   source = 'given' if limit else 'memory_limit_bytes' if cfg.memory_limit_bytes else 'device'
-  limit = limit or run_lib.memory_limit(cfg, parallel.mesh)
+  limit = limit or memory.memory_limit(cfg, parallel.mesh)
   if not limit:
     platform = parallel.mesh.devices.flat[0].platform
     raise ConfigError(f'no per-device memory limit to fit: the {platform} devices report none; '
@@ -148,21 +148,21 @@ def find(cfg: Config, *, limit: int | None = None, headroom: float = 0.1, multip
     candidate = dataclasses.replace(cfg, global_batch_size=b * ways * m)
     plan = run_lib.plan(candidate, spec, devices, model, task, tx)
     try:
-      infos, _ = run_lib.preflight(plan, plan.state, run_lib.loop_variants(candidate, 0),
+      infos, _ = memory.preflight(plan, plan.state, memory.loop_variants(candidate, 0),
                                    lambda _: None, limit=budget)
       tried[b] = max(info.peak_bytes for info in infos.values())
-    except run_lib.MemoryLimitError as e:
+    except memory.MemoryLimitError as e:
       tried[b] = e.peak_bytes
-    say(f'micro-batch {b}: {run_lib.mib(tried[b])} per device, '
-        f'{"fits" if tried[b] <= budget else "does not fit"} {run_lib.mib(budget)}')
+    say(f'micro-batch {b}: {memory.mib(tried[b])} per device, '
+        f'{"fits" if tried[b] <= budget else "does not fit"} {memory.mib(budget)}')
     return tried[b] <= budget
 
   start = 2 ** int(math.log2(max(1, cfg.global_batch_size // (ways * m))))
   best = search(fits, start, MOST, multiple)
   if not best:
-    raise run_lib.MemoryLimitError(
-        f'micro-batch 1 per device needs {run_lib.mib(tried[1])} but the limit allows '
-        f'{run_lib.mib(budget)} ({run_lib.mib(limit)} ({source}) less {headroom:.0%} headroom); '
+    raise memory.MemoryLimitError(
+        f'micro-batch 1 per device needs {memory.mib(tried[1])} but the limit allows '
+        f'{memory.mib(budget)} ({memory.mib(limit)} ({source}) less {headroom:.0%} headroom); '
         'split the state (sharding=fsdp with mesh.fsdp), recompute activations '
         '(model.remat=full), or give a larger limit', tried[1])
   return Found(best, tried[best], limit, source, headroom, budget, ways, cfg, tried)

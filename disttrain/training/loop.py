@@ -21,7 +21,7 @@ from disttrain.parallel import distributed, failures, mesh as mesh_lib
 from disttrain.parallel import sharding as sharding_lib
 from disttrain.parallel import state as state_lib
 from disttrain.storage import checkpoint, urls
-from disttrain.training import actions, setup as run_lib
+from disttrain.training import actions, memory, setup as run_lib
 from disttrain.training.setup import Setup, setup
 
 __all__ = ['Result', 'Setup', 'evaluate', 'setup', 'train']
@@ -61,9 +61,9 @@ def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,
   when grpo.rewards names none); `eval_extract`: the answer extraction of data.eval_tasks'
   generation tasks (text -> str; default GSM8K's, disttrain/evaluation/metrics.py). Sharding,
   data, checkpoints and logging stay the same.
-  Resumes from the newest complete checkpoint in `workdir` if there is one. `devices` defaults to every device
-  of every process. Raises NonFiniteError on a NaN/Inf loss or gradient norm, Preempted after
-  saving on SIGTERM and Interrupted after saving on Ctrl-C. `workdir` is a local directory or a
+  Resumes from the newest complete checkpoint in `workdir` if there is one. `devices` defaults
+  to every device of every process. Raises NonFiniteError on a NaN/Inf loss or gradient norm,
+  Preempted after saving on SIGTERM and Interrupted after saving on Ctrl-C. `workdir` is a local directory or a
   bucket URL (gs://BUCKET/PATH, s3://BUCKET/PATH; disttrain/storage/urls.py). In a multi-process
   job, an error on one process is posted to the others before it is raised; they exit with the
   launcher's status for it (disttrain/parallel/failures.py). Every process raises a
@@ -163,7 +163,7 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
     def preflight_fresh():  # the fresh state has the restored one's shapes and shardings
       if cfg.step_mode != 'pmap':
         with phases('compile'):
-          early['compiled'] = run_lib.preflight(run, run.state, run_lib.loop_variants(cfg, 0),
+          early['compiled'] = memory.preflight(run, run.state, memory.loop_variants(cfg, 0),
                                                 writer.print)
     with phases('setup'):
       state = _restore_or_init(ckpt, run, batches, hooks, writer, preflight_fresh)
@@ -177,8 +177,8 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
     device_state = run.steps.place(state)
     del state
     with phases('compile'):
-      info['compiled'], info['memory_limit_bytes'] = early.get('compiled') or run_lib.preflight(
-          run, device_state, run_lib.loop_variants(cfg, first_step), writer.print)
+      info['compiled'], info['memory_limit_bytes'] = early.get('compiled') or memory.preflight(
+          run, device_state, memory.loop_variants(cfg, first_step), writer.print)
     info['compiled'] = {k: v.to_json() for k, v in info['compiled'].items()}
     writer.write_run(info)
     guard = watchdog.Watchdog(watchdog.default_seconds(cfg.watchdog_seconds), phases, workdir)
