@@ -36,8 +36,14 @@ MODULES = {
 # Old modules that were commands (python -m disttrain.<old>) -> their `disttrain` subcommand.
 COMMANDS = {'convert': 'convert', 'tokenizer': 'tokenizer', 'export': 'export',
             'generate': 'generate', 'goodput': 'goodput', 'plot': 'plot'}
-# Names an old module had that now live in another layer: (old module, name) -> new module.
-NAMES = {('data', 'batch_sharding'): 'parallel.mesh'}
+# Names a module had that now live in another layer or module: (its last dotted part, name) ->
+# the new module.
+NAMES = {('data', 'batch_sharding'): 'parallel.mesh',
+         **{('sources', n): 'data.in_memory'
+            for n in ('digits', 'text_files', 'text_bytes', 'unigram_entropy')},
+         **{('setup', n): 'training.memory'
+            for n in ('MemoryLimitError', 'preflight', 'memory_limit', 'mib', 'train_batch_spec',
+                      'loop_variants', 'saved_activation_bytes')}}
 
 
 # Frames a warning skips to point at the user's line: the import system's and disttrain's own.
@@ -56,8 +62,8 @@ def _warn(old: str, new: str) -> None:
 
 
 def names(package: str, exports: dict[str, str]):
-  """A package's module-level __getattr__: `exports` (name -> submodule) on first use, then the
-  names (NAMES) the old flat module of the same path had that now live in another layer."""
+  """A package's (or module's) __getattr__: `exports` (name -> submodule) on first use, then the
+  names (NAMES) it, or the old flat module of the same path, had that now live elsewhere."""
 
   def __getattr__(name: str):
     if name in exports:

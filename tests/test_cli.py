@@ -94,14 +94,22 @@ def test_old_module_paths_are_the_same_modules_with_a_warning_at_the_callers_lin
     from disttrain.loop import train  # pylint: disable=g-import-not-at-top
     from disttrain import data  # pylint: disable=g-import-not-at-top
     batch_sharding = data.batch_sharding
+    from disttrain.training.setup import preflight  # pylint: disable=g-import-not-at-top
+    from disttrain.data import sources  # pylint: disable=g-import-not-at-top
+    text_files = sources.text_files
   assert old_records is records and train is loop.train
   from disttrain.parallel import mesh  # pylint: disable=g-import-not-at-top
+  from disttrain.data import in_memory  # pylint: disable=g-import-not-at-top
+  from disttrain.training import memory  # pylint: disable=g-import-not-at-top
   assert batch_sharding is mesh.batch_sharding
+  assert preflight is memory.preflight and text_files is in_memory.text_files
   moved = [w for w in caught if issubclass(w.category, DeprecationWarning)]
   assert [str(w.message).split(';')[0] for w in moved] == [
       'disttrain.records moved to disttrain.data.records',
       'disttrain.loop moved to disttrain.training.loop',
-      'disttrain.data.batch_sharding moved to disttrain.parallel.mesh.batch_sharding']
+      'disttrain.data.batch_sharding moved to disttrain.parallel.mesh.batch_sharding',
+      'disttrain.training.setup.preflight moved to disttrain.training.memory.preflight',
+      'disttrain.data.sources.text_files moved to disttrain.data.in_memory.text_files']
   assert {w.filename for w in moved} == {__file__}, [(w.filename, w.lineno) for w in moved]
 
 

@@ -14,12 +14,16 @@ import tempfile
 import jax
 import numpy as np
 
+from disttrain import moved
 from disttrain.config import Config
 from disttrain.data import (chat, formats, in_memory, mixture, packing, preference, prompts,
                             records, text)
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.data.in_memory import eval_examples, split_tail
 from disttrain.errors import DataError
+
+# Names that moved to another module resolve there, with a DeprecationWarning.
+__getattr__ = moved.names(__name__, {})
 
 
 def build(cfg: Config) -> dict:

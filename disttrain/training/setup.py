@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import disttrain
-from disttrain import models
+from disttrain import models, moved
 from disttrain.config import Config
 from disttrain.data import mixture, records as records_lib, sources
 from disttrain.data.batches import check_workers, element_spec
@@ -30,6 +30,9 @@ from disttrain.parallel import state as state_lib, xla_flags
 from disttrain.parallel.compiled import CompileInfo, Steps, shard_bytes
 from disttrain.parallel.step import Variant
 from disttrain.training import rollout
+
+# Names that moved to another module resolve there, with a DeprecationWarning.
+__getattr__ = moved.names(__name__, {})
 
 
 @dataclasses.dataclass
