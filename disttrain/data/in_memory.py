@@ -1,8 +1,8 @@
 """The built-in data sets held in memory as numpy arrays, and the split of a held-out tail.
 
-digits (scikit-learn's 1,797 8x8 digits), mnist (IDX files, checked byte by byte), synthetic
-(Gaussian features and a linear teacher; random token rows) and text (byte windows of text
-files). Each builder takes the whole Config and returns {'train_data', 'eval_data'}, dicts of
+digits (scikit-learn's 1,797 8x8 digits), mnist (IDX files; magic, header and sizes checked),
+synthetic (Gaussian features and a linear teacher; random token rows) and text (byte windows of
+text files). Each builder takes the whole Config and returns {'train_data', 'eval_data'}, dicts of
 arrays ({'image': float32 [N, ...], 'label': int32 [N]}, or {'tokens', 'targets': int32 [N, L]});
 disttrain.data.sources names them.
 """
