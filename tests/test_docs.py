@@ -252,6 +252,14 @@ def test_readme_is_a_landing_page_and_ci_runs_its_test_command():
   assert command in (ROOT / '.ci' / 'run').read_text()
 
 
+def test_the_readme_and_the_command_line_page_name_every_subcommand():
+  readme = (ROOT / 'README.md').read_text()
+  listed = re.search(r'subcommands are what you run:\n(.*?)\n\(`disttrain --help`', readme, re.S)
+  page = (ROOT / 'docs' / 'command-line.md').read_text()
+  assert set(re.findall(r'`([a-z-]+)`', listed.group(1))) == set(cli.COMMANDS)
+  assert set(re.findall(r'^\| `disttrain ([a-z-]+)', page, re.M)) == set(cli.COMMANDS)
+
+
 def test_the_site_builds_strictly_with_every_page(tmp_path):
   site = tmp_path / 'site'
   proc = subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--strict', '-q', '-d',
