@@ -3,8 +3,8 @@
 Random tiny models built by transformers and saved with save_pretrained here: 4 layers, local
 (a window of 4 in 16-token rows) and global layers alternating, a head size of 24 apart from the
 width, query_pre_attn_scalar 20, random (1 + w) norm scales; Gemma 2 with attention and final
-logit caps small enough to bite (1.0 and 0.5), Gemma 3 with its per-head query/key norms and the
-global layers' linear rope scaling (factor 2) on a base of its own. Imported logits equal
+logit caps small enough to bite (1.0 and 0.5) and linear rope scaling (factor 2), Gemma 3 with its
+per-head query/key norms and the global layers' linear rope scaling on a base of its own. Imported logits equal
 transformers' eager float32 forward to 1e-4 (measured ~6e-7), and the layer pattern matters
 (every layer global gives other logits); exported again, transformers' logits equal ours to
 1e-5, a second import is bitwise the first; greedy decoding from the KV cache gives
@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers
 
+from disttrain.errors import CheckpointError
 from disttrain.models.decoder import Decoder
 from tests import hf_round_trip, test_llama
 from tests.helpers import assert_trees_close
@@ -36,7 +37,8 @@ def _save(tmp_path, family: str) -> str:
                 attn_implementation='eager')
   if family == 'gemma2':
     config = transformers.Gemma2Config(attn_logit_softcapping=1.0, final_logit_softcapping=0.5,
-                                       **common)
+                                       rope_parameters={'rope_type': 'linear', 'factor': 2.0,
+                                                        'rope_theta': 1e4}, **common)
   else:
     config = transformers.Gemma3TextConfig(sliding_window_pattern=2, rope_parameters={
         'full_attention': {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': 1e6},
@@ -99,3 +101,17 @@ def test_gemma_one_step_on_eight_devices_equals_one(fields, layout):
   loss, grads = test_llama._one_step(test_llama._config(**layout, **fields), 8)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'{fields["model.name"]} on {layout}')
+
+
+def test_gemma3_local_rope_scaling_is_refused(tmp_path):
+  """Local layers rotate unscaled here: a config.json scaling them is one line, not other logits."""
+  config = transformers.Gemma3TextConfig(
+      vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+      num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+      sliding_window_pattern=2,
+      rope_parameters={'full_attention': {'rope_type': 'default', 'rope_theta': 1e6},
+                       'sliding_attention': {'rope_type': 'linear', 'factor': 4.0,
+                                             'rope_theta': 1e4}})
+  transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / 'g3')
+  with pytest.raises(CheckpointError, match="sliding_attention rope_type 'linear'"):
+    hf_round_trip.load(str(tmp_path / 'g3'))

@@ -148,6 +148,10 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
     if config.get(key, value) != value:
       raise CheckpointError(f'{directory}: config.json {key}={config[key]!r}; the {family} family '
                             f'has {key}={value!r}')
+  local = (config.get('rope_parameters') or {}).get('sliding_attention') or {}
+  if local.get('rope_type', 'default') != 'default':
+    raise CheckpointError(f"{directory}: rope_parameters.sliding_attention rope_type "
+                          f"{local['rope_type']!r}; the local layers rotate without scaling here")
   theta, scaling = rope(config)
   if not np.isclose(theta, cfg.rope_theta, rtol=1e-6):
     raise _mismatch(directory, 'rope_theta', theta, 'model.rope_theta', cfg.rope_theta)
@@ -250,6 +254,8 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
     scaling = {'rope_type': 'llama3', 'factor': s.factor, 'low_freq_factor': s.low_freq_factor,
                'high_freq_factor': s.high_freq_factor,
                'original_max_position_embeddings': s.original_max_len}
+  elif cfg.rope_scaling.kind == 'linear':
+    scaling = {'rope_type': 'linear', 'factor': cfg.rope_scaling.factor}
   extra = ({'use_sliding_window': False} if family in ('qwen2', 'qwen3', 'qwen3_moe') else
            {'sliding_window': decoder.sliding_window or None}
            if family in ('mistral', 'mixtral') else {})
@@ -272,7 +278,9 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
   if family == 'qwen2':  # its query, key and value biases are not a setting
     del config['attention_bias']
   if family in GEMMA:
-    del config['hidden_act'], config['mlp_bias'], config['rope_scaling']
+    del config['hidden_act'], config['mlp_bias']
+    if family == 'gemma3' or scaling is None:  # Gemma 3's is in rope_parameters, global layers'
+      del config['rope_scaling']
     pattern = cfg.sliding_window_pattern
     types = ['sliding_attention' if decoder.sliding_window and pattern and (i + 1) % pattern
              else 'full_attention' for i in range(decoder.num_layers)]
