@@ -13,6 +13,7 @@ listed and is cleaned up like a local temporary directory.
 
 import contextlib
 import errno
+import inspect
 import logging as std_logging
 import shutil
 import time
@@ -38,13 +39,18 @@ ITEMS = ('state', 'data', 'meta')
 # hundred KB (0.05 s whole). Slices under 1 MiB gain nothing from parallel writes, so one replica
 # writes those arrays whole; large ones stay split.
 MIN_REPLICA_SLICE_BYTES = 2**20
+# orbax 0.11.20 (the oldest supported) has no threshold: there every replicated array is split.
+HAS_SLICE_THRESHOLD = 'min_slice_bytes_for_replica_parallel' in inspect.signature(
+    ocp.type_handlers.ArrayHandler).parameters
 
 
 def _whole_small_arrays() -> None:
   """Re-registers orbax's jax.Array handler (its process-wide registry) with that threshold,
-  unless the handler there is not orbax's own (a user's registration is kept)."""
+  unless the handler there is not orbax's own (a user's registration is kept) or this orbax has
+  no threshold (its handler stays)."""
   current = ocp.type_handlers.get_type_handler(jax.Array)
-  if type(current) is ocp.type_handlers.ArrayHandler and not getattr(current, 'disttrain', False):
+  if (HAS_SLICE_THRESHOLD and type(current) is ocp.type_handlers.ArrayHandler
+      and not getattr(current, 'disttrain', False)):
     handler = ocp.type_handlers.ArrayHandler(
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
         array_metadata_store=getattr(current, '_array_metadata_store', None))
