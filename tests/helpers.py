@@ -102,7 +102,8 @@ def saved_params(workdir, step: int) -> list[np.ndarray]:
   from disttrain.storage import urls  # pylint: disable=g-import-not-at-top
   path = urls.join(urls.resolve(str(workdir)), 'checkpoints', str(step), 'state')
   checkpointer = ocp.PyTreeCheckpointer()
-  tree = checkpointer.metadata(path).item_metadata.tree
+  metadata = checkpointer.metadata(path)  # orbax 0.11.20 returns the tree's metadata itself
+  tree = getattr(metadata, 'item_metadata', metadata).tree
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
   restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
   leaves = jax.tree.leaves(restored['params'])
