@@ -391,7 +391,8 @@ def test_small_replicated_arrays_are_saved_whole_and_large_ones_in_slices(tmp_pa
   """orbax writes a replicated array as one slice per replica and compiles a slice program per
   (shape, device) first: an 8-device save of small arrays compiles none (one replica writes them
   whole), while an array whose per-replica slice reaches MIN_REPLICA_SLICE_BYTES is still split
-  (on an orbax without the threshold both are split, its default). Both restore to what was saved."""
+  (on an orbax without the threshold both are split, its default). Both restore to what was
+  saved."""
   replicated = jax.sharding.NamedSharding(jax.make_mesh((8,), ('data',), devices=devices(8)),
                                           jax.sharding.PartitionSpec())
   rows = 8 * checkpoint.MIN_REPLICA_SLICE_BYTES // (4 * 256)  # 8 slices of the threshold's size

@@ -4,10 +4,10 @@ Random tiny models built by transformers and saved with save_pretrained here: 4 
 (a window of 4 in 16-token rows) and global layers alternating, a head size of 24 apart from the
 width, query_pre_attn_scalar 20, random (1 + w) norm scales; Gemma 2 with attention and final
 logit caps small enough to bite (1.0 and 0.5) and linear rope scaling (factor 2), Gemma 3 with its
-per-head query/key norms and the global layers' linear rope scaling on a base of its own. Imported logits equal
-transformers' eager float32 forward to 1e-4 (measured ~6e-7), and the layer pattern matters
-(every layer global gives other logits); exported again, transformers' logits equal ours to
-1e-5, a second import is bitwise the first; greedy decoding from the KV cache gives
+per-head query/key norms and the global layers' linear rope scaling on a base of its own.
+Imported logits equal transformers' eager float32 forward to 1e-4 (measured ~6e-7), and the layer
+pattern matters (every layer global gives other logits); exported again, transformers' logits
+equal ours to 1e-5, a second import is bitwise the first; greedy decoding from the KV cache gives
 transformers' `generate` tokens for 16 new tokens from 2 prompts of different lengths. On
 data x fsdp x tensor (both), and with the positions split over `context` (Gemma 3), one step
 equals 1 device.
