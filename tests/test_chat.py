@@ -175,7 +175,8 @@ def test_a_template_that_fails_is_one_line_naming_the_example(tokenizer_dirs, tm
 def test_generate_chat_prompts_are_the_templates_generation_prompt(tokenizer_dirs, tmp_path):
   """`disttrain generate --chat`: each prompt a user turn with the generation prompt, tokens as
   apply_chat_template(add_generation_prompt=True) makes them; greedy continuations as
-  transformers' own from those tokens."""
+  transformers' own from those tokens, stopping where transformers does at any of
+  generation_config.json's eos_token_id list (an instruct model's end of turn besides its EOS)."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   folder = tmp_path / 'model'
@@ -183,24 +184,34 @@ def test_generate_chat_prompts_are_the_templates_generation_prompt(tokenizer_dir
   model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
-  model.save_pretrained(folder)
+  folder.mkdir()
   for name in ('tokenizer.json', 'tokenizer_config.json'):
     (folder / name).write_bytes((tokenizer_dirs['chatml'] / name).read_bytes())
   prompts = ['What is 2 + 2?', 'Tell me a story']
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / 'tokenizer.json'))
+  end = hf.convert_tokens_to_ids('<|im_end|>')  # tokenizer_config.json's eos_token
+  ids = [list(hf.apply_chat_template([{'role': 'user', 'content': p}], chat_template=plain(
+      'chatml'), add_generation_prompt=True, tokenize=True, return_dict=True)['input_ids'])
+         for p in prompts]
+  greedy = lambda row, **kw: model.generate(torch.tensor([row]), max_new_tokens=6,
+                                            do_sample=False, **kw)[0, len(row):].tolist()
+  with torch.no_grad():
+    free = greedy(ids[0], eos_token_id=end)
+  # The second stop id: the first token of prompt 0's free continuation not seen before it.
+  second = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i] and t != end)
+  model.generation_config.eos_token_id = [end, second]
+  model.save_pretrained(folder)  # with generation_config.json, as instruct models ship
   env = {'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': SUBPROCESS_XLA_FLAGS, 'PATH': '/usr/bin:/bin'}
   proc = subprocess.run(
       [sys.executable, '-m', 'disttrain', 'generate', f'--hf_dir={folder}', '--chat',
        *[f'--prompt={p}' for p in prompts], '--max_new_tokens=6', '--json=-'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  samples = json.loads(proc.stdout)['samples']
-  hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / 'tokenizer.json'))
-  for prompt, sample in zip(prompts, samples):
-    ids = hf.apply_chat_template([{'role': 'user', 'content': prompt}], chat_template=plain(
-        'chatml'), add_generation_prompt=True, tokenize=True, return_dict=True)['input_ids']
-    assert sample['prompt_tokens'] == list(ids)
-    end = hf.convert_tokens_to_ids('<|im_end|>')  # tokenizer_config.json's eos_token
+  out = json.loads(proc.stdout)
+  assert out['stop_ids'] == [end, second]
+  for row, sample in zip(ids, out['samples']):
+    assert sample['prompt_tokens'] == row
     with torch.no_grad():
-      new = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
-                           eos_token_id=end)[0, len(ids):].tolist()
-    assert sample['tokens'] == (new[:-1] if new[-1] == end else new), (sample, new)
+      new = greedy(row)  # transformers' generate reads the saved generation_config.json
+    assert sample['tokens'] == (new[:-1] if new[-1] in (end, second) else new), (sample, new)
+  assert out['samples'][0]['stop'] == 'eos'  # at `second`, before max_new_tokens

@@ -202,11 +202,11 @@ def test_the_trained_log_probabilities_of_sampled_rows_are_the_samplers(tmp_path
   mask = np.repeat(r.prompt_set.arrays['prompt_mask'][:8], 8, axis=0).astype(np.int32)
   positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
   put = lambda x: jax.device_put(x, run.batch_sharding)
-  loop = generate.decode_loop(run.model.module, r.new, r.eos, 1.0, 0, 1.0)
+  loop = generate.decode_loop(run.model.module, r.new, r.stops, 1.0, 0, 1.0)
   tokens, sampled = jax.jit(loop)(state.params, put(prompt), put(mask), put(positions),
                                   jax.random.key(3))
   tokens, sampled = np.asarray(tokens), np.asarray(sampled)
-  ends = tokens == r.eos  # after its EOS a row holds EOS, not what was drawn: not trained
+  ends = np.isin(tokens, r.stops)  # after its EOS a row holds EOS, not what was drawn: not trained
   lengths = np.where(ends.any(axis=1), ends.argmax(axis=1) + 1, r.new)
   rows = r._rows(prompt, mask, tokens, lengths, np.zeros(len(tokens), np.float32))  # pylint: disable=protected-access
   batch = {k: put(v) for k, v in rows.items()}

@@ -7,6 +7,8 @@
 `encode` adds what the tokenizer itself adds (a tokenizer.json's post-processor, SentencePiece's
 BOS); documents are then ended with `eos_id`. The end-of-sequence token comes from a
 tokenizer_config.json beside the file, else the first of the usual names in the vocabulary.
+Generation stops at it and at every `eos_token_id` of a generation_config.json beside the file
+(an instruct model's end of turn: Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`).
 Objects pickle as their path, so worker processes load their own copy.
 
   disttrain tokenizer --input='data/docs/train.jsonl' --vocab_size=4096 \\
@@ -69,6 +71,23 @@ class Tokenizer:
     """The end-of-text id where a model of `vocab_size` ids can emit it, else None (the byte
     tokenizer's 256 beyond a 256-id model)."""
     return int(self.eos_id) if self.eos_id is not None and self.eos_id < vocab_size else None
+
+  def stop_ids(self, vocab_size: int) -> tuple[int, ...]:
+    """The ids generation stops at: eos_within first, then generation_config.json's
+    eos_token_id (an id or a list, as transformers' generate reads it) where the model has them."""
+    ids = [] if self.eos_within(vocab_size) is None else [self.eos_within(vocab_size)]
+    config = os.path.join(os.path.dirname(self.file), 'generation_config.json')
+    if not self.file or not os.path.isfile(config):
+      return tuple(ids)
+    try:
+      with open(config, encoding='utf-8') as f:
+        listed = json.load(f).get('eos_token_id')
+      listed = [] if listed is None else [int(i) for i in (
+          listed if isinstance(listed, list) else [listed])]
+    except (ValueError, TypeError, AttributeError) as e:
+      raise DataError(f'{config}: eos_token_id is not an id or a list of ids ({e}); fix or remove '
+                      'the file') from e
+    return tuple(ids + [i for i in dict.fromkeys(listed) if 0 <= i < vocab_size and i not in ids])
 
   def _special(self, key: str) -> int | None:
     """A special token's id from tokenizer_config.json beside the file (eos: else usual names)."""

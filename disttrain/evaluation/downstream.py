@@ -37,11 +37,10 @@ class Downstream:
     lm, _ = scoring.language_model(model)
     self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
     self.vocab = lm.cfg.vocab_size
-    eos = self.tokenizer.eos_within(self.vocab)
     self.max_len = _row_tokens(cfg, lm)
     self.max_new = cfg.data.eval_max_new_tokens
     self.scorer = scoring.Scorer(model, batch_sharding, cfg.eval_batch, self.max_len,
-                                 -1 if eos is None else eos)
+                                 self.tokenizer.stop_ids(self.vocab))
     self.tasks, self.extract = tasks, extract or metrics.gsm8k_answer
     self.inputs = {task.name: self._encode(task) for task in tasks}
     self.harness_tasks = harness_names(cfg)

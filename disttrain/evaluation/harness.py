@@ -153,9 +153,8 @@ def evaluate(trained, tasks: list[str], *, batch_size: int = 32, limit: int | No
   manager = manager or task_manager(tasks, include_path)
   window = min(max_length or trained.context, trained.context)
   vocab = trained.model.cfg.vocab_size
-  eos = trained.tokenizer.eos_within(vocab)
   scorer = scoring.Scorer(trained.model, mesh_lib.batch_sharding(trained.mesh), batch_size,
-                          window, -1 if eos is None else eos)
+                          window, trained.tokenizer.stop_ids(vocab))
   lm = backend(scorer, trained.tokenizer, vocab)
   lm.params = trained.params
   return run(lm, tasks, manager, limit=limit, num_fewshot=num_fewshot, log_samples=log_samples)

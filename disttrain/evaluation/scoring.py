@@ -1,9 +1,9 @@
 """Batched log-likelihoods and greedy continuations of a language model on the training mesh.
 
-  Scorer(model, batch_sharding, batch_size, max_len, eos)
+  Scorer(model, batch_sharding, batch_size, max_len, stops)
     .loglikelihoods(params, mutable, requests) -> [(sum of log p(continuation | context),
                                                     every continuation token is the argmax)]
-    .greedy(params, mutable, prompts, max_new) -> [new token ids, up to and excluding EOS]
+    .greedy(params, mutable, prompts, max_new) -> [new token ids, up to and excluding a stop]
 
 Requests are sorted longest first (as lm-eval sorts them) and cut into fixed-shape batches
 [B, T]: B the eval batch, its rows split over the batch axes as a training batch's are (each
@@ -16,7 +16,7 @@ A request's row is lm-eval's: (context + continuation)[-(max_len + 1):][:-1], ri
 causal model's real tokens never see the padding after them); the continuation's tokens are the
 targets of its last positions. Greedy continuations run generate.py's KV-cache decode loop on
 left-padded prompts in batches of the same B rows, prompts longer than max_len - max_new cut from
-the left (as lm-eval cuts them), each row stopping at EOS.
+the left (as lm-eval cuts them), each row stopping at its first stop id (tokenizer.stop_ids).
 """
 
 import collections
@@ -69,9 +69,10 @@ def _fetch(x: jax.Array) -> np.ndarray:
 class Scorer:
   """Log-likelihoods and greedy continuations in fixed-shape batches (module doc)."""
 
-  def __init__(self, model, batch_sharding, batch_size: int, max_len: int, eos: int):
+  def __init__(self, model, batch_sharding, batch_size: int, max_len: int,
+               stops: tuple[int, ...]):
     lm, self.adapters = language_model(model)
-    self.module, self.max_len, self.eos = lm.module, max_len, eos
+    self.module, self.max_len, self.stops = lm.module, max_len, tuple(stops)
     ways = Parallelism(batch_sharding.mesh).batch_ways
     self.rows = -(-batch_size // ways) * ways  # B: a whole number of rows per batch shard
     self.assemble = Assembler(batch_sharding, self.rows)
@@ -137,7 +138,7 @@ class Scorer:
 
   def _decoder(self, max_new: int):
     if max_new not in self._decoders:
-      loop = generate.decode_loop(self.module, max_new, self.eos, 0.0, 0, 1.0)
+      loop = generate.decode_loop(self.module, max_new, self.stops, 0.0, 0, 1.0)
 
       def run(params, mutable, tokens_BxP, segments_BxP, positions_BxP):
         TRACES['greedy'] += 1
@@ -156,7 +157,7 @@ class Scorer:
     def collect(chosen, new_BxN) -> None:
       new = _fetch(new_BxN)
       for row, i in enumerate(chosen):
-        ends = np.flatnonzero(new[row] == self.eos)
+        ends = np.flatnonzero(np.isin(new[row], self.stops))
         out[i] = [int(t) for t in new[row][:ends[0] if len(ends) else max_new]]
       progress(len(chosen))
     for chosen in self._batches([len(p) for p in prompts]):

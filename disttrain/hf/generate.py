@@ -8,9 +8,10 @@
 `disttrain.generate(model, params, prompts, ...)` is the Python form. Prompts of different
 lengths are left-padded to one length (padding is segment 0, which no token attends to, and
 positions count from each prompt's first token), prefilled in one forward pass that writes the
-cache, then decoded one token per step inside a `lax.while_loop` until every row has produced EOS
-or max_new_tokens: one compilation per (batch, prompt bucket, length), none per token. The cache
-is an argument and a result of the model, never training state. Temperature 0 is greedy.
+cache, then decoded one token per step inside a `lax.while_loop` until every row has produced a
+stop id (EOS; an instruct model's end of turn from generation_config.json) or max_new_tokens:
+one compilation per (batch, prompt bucket, length), none per token. The cache is an argument and
+a result of the model, never training state. Temperature 0 is greedy.
 """
 
 import dataclasses
@@ -19,6 +20,7 @@ import json
 import sys
 import time
 import types
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +36,7 @@ _BUCKET = 8  # prompt lengths are padded up to a multiple of this (fewer compila
 
 @dataclasses.dataclass
 class Generation:
-  """New tokens per prompt (up to and excluding EOS), and how long it took."""
+  """New tokens per prompt (up to and excluding the stop id), and how long it took."""
   tokens: list[list[int]]
   logprobs: list[list[float]]  # the model's log-probability of each new token (temperature 1)
   seconds: float  # the compiled loop, without compilation
@@ -70,9 +72,13 @@ def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k: int
 _TRACES = [0]
 
 
-def decode_loop(module, max_new: int, eos: int, temperature: float, top_k: int, top_p: float):
+def decode_loop(module, max_new: int, stops: int | tuple[int, ...], temperature: float,
+                top_k: int, top_p: float):
   """(params, prompt tokens, segments, positions [B, P], key) -> (new tokens, their log-probs)
-  [B, N]."""
+  [B, N]; a row is done at its first id in `stops` (-1: none), then padded with stops[0]."""
+  stops = (stops,) if isinstance(stops, int) else tuple(stops) or (-1,)
+  eos = stops[0]
+
   def run(params, tokens_BxP, segments_BxP, positions_BxP, key):
     _TRACES[0] += 1
     b, p = tokens_BxP.shape
@@ -100,7 +106,7 @@ def decode_loop(module, max_new: int, eos: int, temperature: float, top_k: int, 
       i, token, logprob, position, done, (out, logprobs), cache, kv = state
       out = out.at[:, i].set(jnp.where(done, eos, token))
       logprobs = logprobs.at[:, i].set(logprob)
-      done = done | (token == eos)
+      done = done | jnp.isin(token, jnp.asarray(stops, jnp.int32))
       kv = kv.at[:, p + i].set(1)
       logits, cache = apply(token[:, None], position[:, None], jnp.ones((b, 1), jnp.int32), kv,
                             p + i, cache)
@@ -122,22 +128,24 @@ def left_padded(prompts: list[list[int]], length: int) -> tuple[np.ndarray, ...]
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_loop(module, max_new: int, eos: int, temperature: float, top_k: int, top_p: float):
+def _compiled_loop(module, max_new: int, stops: tuple[int, ...], temperature: float, top_k: int,
+                   top_p: float):
   """The jitted loop of these settings (one per setting: each traces once per shape)."""
-  loop = decode_loop(module, max_new, eos, temperature, top_k, top_p)
+  loop = decode_loop(module, max_new, stops, temperature, top_k, top_p)
   return jax.jit(lambda params, t, s, q, key: loop(params, t, s, q, jax.random.wrap_key_data(key)))
 
 
 def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             eos_id: int | None = None, mesh=None, context: int | None = None) -> Generation:
+             eos_id: int | Sequence[int] | None = None, mesh=None,
+             context: int | None = None) -> Generation:
   """Continues each prompt (token ids) with up to max_new_tokens tokens.
 
   Args:
     model: a disttrain.models.decoder.LanguageModel (or its Decoder module).
     params: its parameters, anywhere (e.g. sharded on the run's mesh).
     prompts: token ids per prompt (at least one token each).
-    eos_id: stop a row at this token (None: never).
+    eos_id: stop a row at this token, or at the first of these (None: never).
     mesh: where the prompts go (replicated); default: the parameters' devices.
     context: the longest sequence the model takes; longer prompts + max_new_tokens are refused.
   """
@@ -151,13 +159,15 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 6
                       f'than the model context of {context} tokens; shorten the prompt or '
                       'generate fewer tokens')
   tokens, segments, positions = left_padded(prompts, p)
-  eos = -1 if eos_id is None else int(eos_id)
+  stops = () if eos_id is None else (int(eos_id),) if np.ndim(eos_id) == 0 else tuple(
+      int(i) for i in eos_id)
   if mesh is None:
     mesh = getattr(jax.tree.leaves(params)[0].sharding, 'mesh', None)
   put = lambda x: jax.device_put(x, None if mesh is None else NamedSharding(mesh, P()))
   args = (params, put(tokens), put(segments), put(positions),
           put(jax.random.key_data(jax.random.key(seed))))
-  fn = _compiled_loop(module, max_new_tokens, eos, float(temperature), int(top_k), float(top_p))
+  fn = _compiled_loop(module, max_new_tokens, stops, float(temperature), int(top_k),
+                      float(top_p))
   start = time.perf_counter()
   compiled = fn.lower(*args).compile()
   compile_seconds = time.perf_counter() - start
@@ -166,7 +176,7 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 6
   seconds = time.perf_counter() - start
   new, scores = [], []
   for row, row_logprobs in zip(np.asarray(out), np.asarray(logprobs)):
-    ends = np.flatnonzero(row == eos)
+    ends = np.flatnonzero(np.isin(row, stops))
     n = ends[0] if len(ends) else len(row)
     new.append([int(t) for t in row[:n]])
     scores.append([float(x) for x in row_logprobs[:n]])
@@ -186,10 +196,10 @@ class SampleAtEnd:
     self.context = self.model.cfg.learned_positions or cfg.model.max_seq_len or cfg.row_tokens
 
   def on_end(self, result) -> None:
-    eos = self.tokenizer.eos_within(self.model.cfg.vocab_size)
     out = generate(self.model, result.state.params,
                    [self.tokenizer.encode(p) for p in self.prompts],
-                   max_new_tokens=self.max_new_tokens, eos_id=eos, context=self.context)
+                   max_new_tokens=self.max_new_tokens,
+                   eos_id=self.tokenizer.stop_ids(self.model.cfg.vocab_size), context=self.context)
     if jax.process_index() == 0:
       for prompt, new in zip(self.prompts, out.tokens):
         print(f'sample: {prompt + self.tokenizer.decode(new)!r}', flush=True)
@@ -227,17 +237,17 @@ def main(argv) -> None:
     prompts = [lm.tokenizer.encode_whole([(template.render(
         [{'role': 'user', 'content': text}], True, example=f'--prompt={text!r}'), False)])[0]
                for text in f.prompt]
-  eos = lm.tokenizer.eos_within(lm.model.cfg.vocab_size)
+  stops = lm.tokenizer.stop_ids(lm.model.cfg.vocab_size)
   result = generate(lm.model, lm.params, prompts, max_new_tokens=f.max_new_tokens,
                     temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
-                    eos_id=eos, mesh=lm.mesh, context=lm.context)
+                    eos_id=stops, mesh=lm.mesh, context=lm.context)
   count = sum(len(t) for t in result.tokens)
   summary = (f'{count} new tokens from {lm.source} on {lm.mesh.size} devices '
              f'{dict(lm.mesh.shape)} in {result.seconds:.2f}s: '
              f'{result.tokens_per_second:,.1f} tokens/s (compiled in '
              f'{result.compile_seconds:.1f}s)')
   if f.json:
-    out = _as_json(lm, f, prompts, result, eos)
+    out = _as_json(lm, f, prompts, result, stops)
     if f.json == '-':
       print(json.dumps(out, indent=1), flush=True)
       return
@@ -249,14 +259,15 @@ def main(argv) -> None:
   print(summary + (f'; JSON in {f.json}' if f.json else ''), flush=True)
 
 
-def _as_json(lm, f, prompts: list[list[int]], result: Generation, eos) -> dict:
+def _as_json(lm, f, prompts: list[list[int]], result: Generation, stops) -> dict:
   """--json: per prompt its tokens, the new tokens, text and log-probabilities, and why it
   stopped; the settings and the speed."""
   samples = [{'prompt': text, 'prompt_tokens': ids, 'tokens': new,
               'text': lm.tokenizer.decode(new), 'logprobs': [float(x) for x in logprobs],
               'stop': 'length' if len(new) == f.max_new_tokens else 'eos'}
              for text, ids, new, logprobs in zip(f.prompt, prompts, result.tokens, result.logprobs)]
-  return {'source': lm.source, 'mesh': dict(lm.mesh.shape), 'eos_id': eos,
+  return {'source': lm.source, 'mesh': dict(lm.mesh.shape),
+          'eos_id': stops[0] if stops else None, 'stop_ids': list(stops),
           'settings': {'max_new_tokens': f.max_new_tokens, 'temperature': f.temperature,
                        'top_k': f.top_k, 'top_p': f.top_p, 'seed': f.seed},
           'samples': samples, 'seconds': result.seconds,

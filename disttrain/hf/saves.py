@@ -77,13 +77,15 @@ def _fetched(produce):
 
 def _copy_tokenizer(tokenizer, out: str) -> str:
   """The run's tokenizer files beside the weights, named as transformers looks for them (with a
-  tokenizer_config.json naming the end-of-sequence token when the run's has none)."""
+  tokenizer_config.json naming the end-of-sequence token when the run's has none), and its
+  generation_config.json (the stop ids of an instruct model's turns)."""
   if tokenizer.kind == 'bytes':
     return ''
   name = 'tokenizer.json' if tokenizer.kind == 'hf' else 'tokenizer.model'
   folder = os.path.dirname(tokenizer.file)
   copies = [(tokenizer.file, name)] + [
-      (os.path.join(folder, n), n) for n in ('tokenizer_config.json', 'chat_template.jinja')
+      (os.path.join(folder, n), n)
+      for n in ('tokenizer_config.json', 'chat_template.jinja', 'generation_config.json')
       if os.path.isfile(os.path.join(folder, n))]
   for source, target in copies:
     with open(source, 'rb') as f:

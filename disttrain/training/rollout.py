@@ -136,15 +136,14 @@ class Rollout:
                         f'{type(policy).__name__} is not one (use a gpt, llama, qwen, mistral, '
                         'mixtral or gemma model)')
     vocab = policy.cfg.vocab_size
-    eos = self.tokenizer.eos_within(vocab)
-    self.eos = -1 if eos is None else eos
+    self.stops = self.tokenizer.stop_ids(vocab)  # EOS, and an instruct model's end of turn
     context = policy.cfg.learned_positions
     if context and self.prompt_len + self.new > context:
       raise ConfigError(f'data.seq_len={self.prompt_len} prompt tokens + grpo.max_new_tokens='
                         f'{self.new} exceed the model\'s {context} positions; shorten one')
     self.adapters = isinstance(policy, lora.LoraModel)
     module = (policy.adapted_model if self.adapters else policy).module
-    loop = generate.decode_loop(module, self.new, self.eos, g.temperature, g.top_k, g.top_p)
+    loop = generate.decode_loop(module, self.new, self.stops, g.temperature, g.top_k, g.top_p)
 
     def sample(params, mutable, tokens, segments, positions, key):
       if self.adapters:
@@ -193,7 +192,7 @@ class Rollout:
       start += time.perf_counter() - compiling
     completions = _fetch(self._compiled(*args))
     sample_seconds = time.perf_counter() - start
-    ends = completions == self.eos
+    ends = np.isin(completions, self.stops)
     ended = ends.any(axis=1)
     lengths = np.where(ended, ends.argmax(axis=1) + 1, self.new)  # the EOS is trained
     text_ids = [row[:n - int(e)].tolist() for row, n, e in zip(completions, lengths, ended)]
