@@ -104,3 +104,16 @@ def test_with_lora_the_reference_is_the_base_without_a_second_copy(tmp_path):
   assert parts['full']['frozen'] == parts['full']['params']
   assert parts['lora']['frozen'] == parts['full']['params']
   assert parts['lora']['params'] < parts['full']['params'] / 10
+
+
+def test_without_a_template_only_the_answers_turns_are_trained():
+  """A conversational pair without a chat template: the chosen turn is trained, the prompt's own
+  assistant turn is context even where its text equals the chosen one (a repeated answer)."""
+  said = {'role': 'assistant', 'content': 'Yes.'}
+  record = {'prompt': [{'role': 'user', 'content': 'Sure?'}, said,
+                       {'role': 'user', 'content': 'Really?'}],
+            'chosen': [dict(said)], 'rejected': [{'role': 'assistant', 'content': 'No.'}]}
+  chosen, rejected = preference.pieces(record, 'x', None)
+  assert [text for text, trained in chosen if trained] == ['Yes.\n']
+  assert [text for text, trained in rejected if trained] == ['No.\n']
+  assert ''.join(text for text, _ in chosen).count('Yes.') == 2

@@ -42,11 +42,10 @@ def pieces(record: dict, where: str, template, fields=('prompt', 'chosen', 'reje
     if isinstance(prompt, str) and isinstance(completion, str):
       out.append([(prompt, False), (completion, True)])
     elif _turns(prompt) and _turns(completion):
-      if template is None:
-        turns = prompt + completion
-        out.append([piece for t in turns for piece in (
+      if template is None:  # by position: a prompt turn equal to the answer is still context
+        out.append([piece for i, t in enumerate(prompt + completion) for piece in (
             (f'<|{t.get("role", "user")}|>\n', False),
-            (t['content'] + '\n', t.get('role') == 'assistant' and t in completion))])
+            (t['content'] + '\n', t.get('role') == 'assistant' and i >= len(prompt)))])
       else:  # the prompt's own assistant turns are context here, not trained
         prompt_chars = len(template.render(prompt, True, example=where)) if prompt else 0
         at, kept = 0, []
