@@ -3,8 +3,8 @@
 The schedule keeps every window of rows within one row of the weights (two sources); stages
 switch at their step; the iterator resumes exactly across a stage boundary, with worker
 processes, from 2 processes to 1, and continues each source's draws when the weights change at
-a restart; the launcher's SIGKILL-and-relaunch run equals the uninterrupted one; bad input is
-one line and exit status 2.
+a restart (and goes on so at the next restart); the launcher's SIGKILL-and-relaunch run equals
+the uninterrupted one; bad input is one line and exit status 2.
 """
 
 import json
@@ -92,8 +92,10 @@ def test_two_processes_resume_in_one_with_workers_across_stages_and_changed_weig
       expected[mp_mixture.STEPS_BEFORE:]  # bit for bit, across the stage at step 9
   resumed.close()
   # New weights from the restart on: every row from a, continuing a's draws (none repeated).
-  changed = _iterator(Mixture(mp_mixture.mixture().sources, {'a': 0.7, 'b': 0.3},
-                              mp_mixture.STAGES[:1] + ((7, {'a': 1.0}),)))
+  # (Step 4's stage edited too: a fresh schedule of these weights would have other draws.)
+  edited = lambda: Mixture(mp_mixture.mixture().sources, {'a': 0.7, 'b': 0.3},
+                           ((4, {'a': 0.5, 'b': 0.5}), (7, {'a': 1.0})))
+  changed = _iterator(edited())
   changed.set_state(job['state'])
   assert 'data.mixture changed since the checkpoint: from step 7' in changed.changed
   after = np.array(_read(changed, 2))
@@ -101,6 +103,10 @@ def test_two_processes_resume_in_one_with_workers_across_stages_and_changed_weig
   a_before = before[before < 1000]
   assert (after < 1000).all() and not set(after.ravel()) & set(a_before)
   assert len(a_before) + after.size <= 100  # still a's first epoch: nothing drawn twice
+  # Resumed a second time with the edited mixture: its schedule goes on, not a fresh one.
+  again = _iterator(edited())
+  again.set_state(json.loads(json.dumps(changed.get_state())))
+  assert again.changed == '' and _read(again, 2) == _read(changed, 2)
 
 
 def test_bad_mixtures_are_one_line_config_or_data_errors(tmp_path):

@@ -140,7 +140,8 @@ class MixtureRecords:
     # (first batch, weights): a stage from step S on starts at batch S - 1 (steps count from 1).
     self.stages = [(0, _vector(mixture.weights, self.names))] + [
         (int(step) - 1, _vector(w, self.names)) for step, w in mixture.stages]
-    self.schedule = self._schedule(0, np.zeros(len(self.names), np.int64), self.stages)
+    self.origin = (0, np.zeros(len(self.names), np.int64))  # where the schedule starts
+    self.schedule = self._schedule(*self.origin, self.stages)
     self._perms = {}
 
   def _schedule(self, batch: int, base: np.ndarray, stages: list) -> Schedule:
@@ -226,10 +227,14 @@ class MixtureRecords:
     return lo
 
   def get_state(self, next_batch: int) -> dict:
-    """What a resume needs: the stages in force and each source's draws before next_batch."""
-    return {'names': self.names, 'examples': self.lengths.tolist(),
-            'stages': [[s, w.tolist()] for s, w in self.stages],
-            'draws': self.rows_before(next_batch).tolist()}
+    """What a resume needs: the stages in force, each source's draws before next_batch, and
+    where a changed mixture's schedule started (a later resume keeps it)."""
+    state = {'names': self.names, 'examples': self.lengths.tolist(),
+             'stages': [[s, w.tolist()] for s, w in self.stages],
+             'draws': self.rows_before(next_batch).tolist()}
+    if self.origin[0]:
+      state['origin'] = [self.origin[0], self.origin[1].tolist()]
+    return state
 
   def set_state(self, state: dict, next_batch: int) -> str:
     """Continues at next_batch; returns a line for the console when the weights changed."""
@@ -241,10 +246,14 @@ class MixtureRecords:
     same = state['names'] == self.names and state['stages'] == [[s, w.tolist()]
                                                                 for s, w in self.stages]
     if same:
+      if 'origin' in state:  # changed at an earlier resume: that schedule goes on
+        self.origin = (int(state['origin'][0]), np.array(state['origin'][1], np.int64))
+        self.schedule = self._schedule(*self.origin, self.stages)
       return ''
     draws = dict(zip(state['names'], state['draws']))
-    base = np.array([draws.get(n, 0) for n in self.names], np.int64)
-    self.schedule = self._schedule(next_batch, base, self.stages)
+    self.origin = (next_batch, np.array([draws.get(n, 0) for n in self.names], np.int64))
+    base = self.origin[1]
+    self.schedule = self._schedule(*self.origin, self.stages)
     return (f'data.mixture changed since the checkpoint: from step {next_batch + 1} the sources '
             f'{self.names} continue from rows {base.tolist()} with weights '
             f'{[round(float(x), 4) for x in [w for b, w in self.stages if b <= next_batch][-1]]}')
