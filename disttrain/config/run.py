@@ -127,7 +127,8 @@ class Config:
   hf_save_every_steps: int = 0
   hf_save_dtype: str = 'float32'  # float32 or bfloat16: the weights' dtype in those saves
   # An eval metric whose best checkpoint is also kept ('accuracy', or 'val/accuracy' for a named
-  # eval source); checkpoint_every_steps must be a positive multiple of eval_every_steps.
+  # eval source); checkpoint_every_steps must be a positive multiple of eval_every_steps. A save
+  # at a stop between evals (SIGTERM) is kept as the latest, never ranked.
   best_metric: str = ''
   best_mode: str = 'max'  # 'max' or 'min' for best_metric
   # Warm start: params and mutable collections from another run's checkpoint (a checkpoints dir

@@ -326,8 +326,10 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
       acts.records.flush()
       if stop.kind == 'callback':  # a callback ends training here: a final eval as at the end
         evals = acts.evaluator.maybe_eval(step_no, device_state, force=True) or evals
+    # Metrics only where an eval ran at this step: a preemption save carries none (keep-best
+    # would otherwise rank it by an older state's eval and drop the state evaluated).
     acts.saver.maybe_save(step_no, device_state, force=last or stop is not None,
-                          evals=acts.evaluator.checkpoint_metrics() if evals or stop else None)
+                          evals=acts.evaluator.checkpoint_metrics() if evals else None)
     if acts.hf_saves.due(step_no, last):
       with phases('checkpoint'):
         params = adapters.plain_params(run.model, steps.export(device_state))
