@@ -3,8 +3,9 @@
 The schedule keeps every window of rows within one row of the weights (two sources); stages
 switch at their step; the iterator resumes exactly across a stage boundary, with worker
 processes, from 2 processes to 1, and continues each source's draws when the weights change at
-a restart (and goes on so at the next restart); the launcher's SIGKILL-and-relaunch run equals
-the uninterrupted one; bad input is one line and exit status 2.
+a restart (and goes on so at the next restart); mixture_exhausted='stop' ends the run, and its
+relaunches, before a repeat; the launcher's SIGKILL-and-relaunch run equals the uninterrupted
+one; bad input is one line and exit status 2.
 """
 
 import json
@@ -15,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+import disttrain
 from disttrain import config as config_lib
 from disttrain.data import mixture as mixture_lib, sources
 from disttrain.data.batches import TrainIterator
@@ -61,6 +63,28 @@ def test_stages_switch_at_their_step_and_stop_ends_before_a_source_repeats():
   assert records.last_step(100, multiple=3) == 6
   totals = records.totals(8)
   assert totals['b'] == {'examples': 40, 'rows': 39, 'tokens': 0, 'epochs': 0.975}
+
+
+
+def test_stop_ends_the_run_before_a_repeat_and_a_relaunch_trains_no_step_more(tmp_path, capsys):
+  """mixture_exhausted='stop' in the loop: the run ends at records.last_step with a checkpoint;
+  relaunched with more steps it trains none (each relaunch used to train one on repeated rows)
+  and says how to go on."""
+  rng = np.random.default_rng(0)
+  digits = lambda n: {'image': rng.normal(size=(n, 8, 8, 1)).astype(np.float32),
+                      'label': rng.integers(0, 10, n).astype(np.int32)}
+  mixture = lambda: Mixture({'a': digits(40), 'b': digits(16)}, {'a': 0.5, 'b': 0.5},
+                            exhausted='stop')
+  cfg = lambda steps: helpers.make_config(global_batch_size=8, num_train_steps=steps,
+                                          log_every_steps=1, eval_every_steps=0)
+  first = disttrain.train(cfg(20), str(tmp_path), devices=helpers.devices(1), train_data=mixture())
+  end = MixtureRecords(mixture(), 8, 0).last_step(20)
+  assert first.step == end == 4 and first.stopped_by.startswith('data: ')  # b's 16 rows: 4 steps
+  again = disttrain.train(cfg(30), str(tmp_path), devices=helpers.devices(1),
+                          train_data=mixture())
+  assert again.step == end and again.stopped_by == first.stopped_by
+  assert [r['step'] for r in helpers.metrics_records(tmp_path)] == [1, 2, 3, 4]
+  assert "relaunch with data.mixture_exhausted='repeat' to go on" in capsys.readouterr().out
 
 
 def _iterator(mixture, workers=0):

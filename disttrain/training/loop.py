@@ -294,7 +294,11 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
   k = cfg.steps_per_dispatch  # every cadence is a multiple of K: K steps per compiled call
   # data.mixture_exhausted='stop': the last step before a source would repeat (None: never).
   data_end = getattr(run.train_data, 'last_step', lambda *_: None)(cfg.num_train_steps, k)
-  for step_no in range(first_step + k, cfg.num_train_steps + 1, k):
+  data_stop = actions.StopRequest('callback', 'data', 'a mixture source has given every row '
+                                  "(data.mixture_exhausted='stop')")
+  if data_end is not None and first_step >= data_end:  # relaunched there: not one step more
+    stop = data_stop
+  for step_no in range(first_step + k, cfg.num_train_steps + 1 if stop is None else 0, k):
     last = step_no == cfg.num_train_steps
     acts.profiler.maybe_start(step_no)
     with phases('data'):
@@ -320,8 +324,7 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
     # Records and evals are emitted at the same steps on every process: a matched agreement.
     stop = acts.stopper.maybe_stop(step_no, hooks_ran=len(acts.out.records) > emitted)
     if stop is None and data_end is not None and step_no >= data_end:  # the same on every process
-      stop = actions.StopRequest('callback', 'data', 'a mixture source has given every row '
-                                 "(data.mixture_exhausted='stop')")
+      stop = data_stop
     if stop is not None:
       acts.records.flush()
       if stop.kind == 'callback':  # a callback ends training here: a final eval as at the end
@@ -350,8 +353,10 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
   stopped_by = ''
   if stop is not None:
     stopped_by = f'{stop.who}: {stop.why}' if stop.why else stop.who
+    go_on = ("relaunch with data.mixture_exhausted='repeat' to go on into its second epoch"
+             if stop is data_stop else 'raise num_train_steps and relaunch to continue')
     writer.print(f'stopped at step {step_no} of {cfg.num_train_steps}: {stopped_by} (a checkpoint '
-                 f'was saved: raise num_train_steps and relaunch to continue)')
+                 f'was saved: {go_on})')
   time = phases.breakdown()
   last_evals = acts.evaluator.last
   final = last_evals.get('eval') or next(iter(last_evals.values()), None)
