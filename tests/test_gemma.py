@@ -4,7 +4,8 @@ Random tiny models built by transformers and saved with save_pretrained here: 4 
 (a window of 4 in 16-token rows) and global layers alternating, a head size of 24 apart from the
 width, query_pre_attn_scalar 20, random (1 + w) norm scales; Gemma 2 with attention and final
 logit caps small enough to bite (1.0 and 0.5) and linear rope scaling (factor 2), Gemma 3 with its
-per-head query/key norms and the global layers' linear rope scaling on a base of its own.
+per-head query/key norms, the global layers' linear rope scaling on a base of its own and an
+attention cap in config.json that transformers' Gemma 3 ignores (so must the import).
 Imported logits equal transformers' eager float32 forward to 1e-4 (measured ~6e-7), and the layer
 pattern matters (every layer global gives other logits); exported again, transformers' logits
 equal ours to 1e-5, a second import is bitwise the first; greedy decoding from the KV cache gives
@@ -40,9 +41,11 @@ def _save(tmp_path, family: str) -> str:
                                        rope_parameters={'rope_type': 'linear', 'factor': 2.0,
                                                         'rope_theta': 1e4}, **common)
   else:
-    config = transformers.Gemma3TextConfig(sliding_window_pattern=2, rope_parameters={
-        'full_attention': {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': 1e6},
-        'sliding_attention': {'rope_type': 'default', 'rope_theta': 1e4}}, **common)
+    # An attention cap in config.json, which transformers' Gemma 3 does not apply: neither here.
+    config = transformers.Gemma3TextConfig(
+        sliding_window_pattern=2, attn_logit_softcapping=1.0, rope_parameters={
+            'full_attention': {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': 1e6},
+            'sliding_attention': {'rope_type': 'default', 'rope_theta': 1e4}}, **common)
   model = transformers.AutoModelForCausalLM.from_config(config).eval()
   with torch.no_grad():
     for name, p in model.named_parameters():
@@ -115,3 +118,28 @@ def test_gemma3_local_rope_scaling_is_refused(tmp_path):
   transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / 'g3')
   with pytest.raises(CheckpointError, match="sliding_attention rope_type 'linear'"):
     hf_round_trip.load(str(tmp_path / 'g3'))
+
+
+def test_layer_patterns_read_and_written_as_transformers_lists_them():
+  """layer_types as transformers' config classes list them: 8 layers at Gemma 3's published
+  pattern 6 (layer 6 global), 4 layers at it (all local: not refused), Gemma 2's alternation; and
+  a window with pattern 0 (every layer local here) exported as all sliding_attention."""
+  from disttrain.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  from disttrain.hf import config as hf_config  # pylint: disable=g-import-not-at-top
+  from disttrain import models  # pylint: disable=g-import-not-at-top
+  small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=16, sliding_window=4)
+  for family, make, layers_ in (('gemma3', transformers.Gemma3TextConfig, 8),
+                                ('gemma3', transformers.Gemma3TextConfig, 4),
+                                ('gemma2', transformers.Gemma2Config, 4)):
+    hf = make(num_hidden_layers=layers_, **small).to_dict()
+    fields = hf_config.model_fields(hf, family)
+    assert hf_config.layer_types(fields['sliding_window_pattern'], 4, layers_) == \
+        hf['layer_types'], (family, layers_)
+  cfg = ModelConfig(name='gemma3', hidden=32, num_layers=3, num_heads=2, num_kv_heads=1,
+                    head_dim=16, mlp_dim=48, vocab_size=VOCAB, sliding_window=4,
+                    sliding_window_pattern=0)
+  model = models.build(cfg, 'float32', 16)
+  out = hf_config.for_export('gemma3', cfg, model.cfg, 'float32', {})
+  assert out['layer_types'] == ['sliding_attention'] * 3 and out['sliding_window'] == 4
+  assert hf_config.model_fields(out, 'gemma3')['sliding_window'] == 4

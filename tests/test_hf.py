@@ -45,10 +45,11 @@ def _llama(tmp_path, kv: int, tied: bool, **overrides) -> str:
   return path
 
 
-def _gpt2(tmp_path, **save) -> str:
+def _gpt2(tmp_path, config_fields=None, **save) -> str:
   torch.manual_seed(0)
   config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
-                                   n_positions=32, bos_token_id=0, eos_token_id=0)
+                                   n_positions=32, bos_token_id=0, eos_token_id=0,
+                                   **(config_fields or {}))
   path = str(tmp_path / 'gpt2')
   transformers.GPT2LMHeadModel(config).eval().save_pretrained(path, **save)
   return path
@@ -182,12 +183,59 @@ def test_hf_config_trains_the_model_its_directory_describes(tmp_path):
   assert result.step == 1 and np.isfinite(result.records[0]['loss'])
 
 
-def test_imported_gpt2_logits_equal_transformers_from_sharded_files(tmp_path):
-  path = _gpt2(tmp_path, max_shard_size='100KB')  # model-0000i-of-0000N + an index
+@pytest.mark.parametrize('tied', [True, False])
+def test_imported_gpt2_logits_equal_transformers_from_sharded_files(tmp_path, tied):
+  path = _gpt2(tmp_path, {'tie_word_embeddings': tied},
+               max_shard_size='100KB')  # model-0000i-of-0000N + an index
   assert os.path.isfile(os.path.join(path, tensorfiles.INDEX))
-  model, params = _load(path, _model_config('gpt'))
+  model, params = _load(path, _model_config('gpt', tied=tied))
   np.testing.assert_allclose(_our_logits(model, params, TOKENS),
                              _reference_logits(path, TOKENS), rtol=1e-4, atol=1e-4)
+  if not tied:  # its own lm_head, exported back under its name
+    names = [name for name, *_ in hf.export_tensors('gpt', model.cfg, params, np.float32)]
+    assert 'lm_head.weight' in names and 'transformer.wte.weight' in names
+
+
+def test_keys_a_config_json_leaves_out_are_transformers_defaults():
+  """A config.json without its norm epsilon, rotary base, window or caps describes the model
+  transformers' config class fills in (Mixtral's 1e-5 and 1e6, Mistral's window of 4096, Gemma
+  2's caps of 50 and 30, ...): the model fields read from it equal those of the full dict."""
+  small = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2)
+  left_out = ('rms_norm_eps', 'rope_theta', 'rope_parameters', 'rope_scaling', 'sliding_window',
+              'attn_logit_softcapping', 'final_logit_softcapping', 'rope_local_base_freq')
+  for arch, family in hf_config.ARCHITECTURES.items():
+    if family == 'gpt':
+      continue
+    config_class = transformers.AutoConfig.for_model(
+        {'gemma3': 'gemma3_text'}.get(family, family)).__class__
+    full = config_class(**small).to_dict()
+    full['architectures'] = [arch]
+    sparse = {k: v for k, v in full.items() if k not in left_out}
+    assert hf_config.model_fields(sparse, family) == hf_config.model_fields(full, family), family
+
+
+def test_exports_no_hugging_face_model_builds_are_refused():
+  """What the family's transformers model would compute otherwise: a window on a family
+  without one, RMSNorm in GPT-2, an attention cap in Gemma 3 (transformers applies none)."""
+  from disttrain.hf import saves  # pylint: disable=g-import-not-at-top
+  cases = [(_model_config('llama', 2, sliding_window=8), 'model.sliding_window=8'),
+           (_model_config('qwen3', 2, sliding_window=8), 'the qwen3 Hugging Face model'),
+           (_model_config('gpt', norm='rmsnorm'), "model.norm='rmsnorm'"),
+           (_model_config('gemma3', 2, head_dim=16, attn_softcap=50.0),
+            'model.attn_softcap=50.0')]
+  for cfg, message in cases:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+      saves.check_exportable(models.build(cfg, 'float32', 16), 'the run')
+  saves.check_exportable(models.build(_model_config('mistral', 2, sliding_window=8), 'float32',
+                                      16), 'the run')
+
+
+def test_gpt2_attention_scalings_it_does_not_build_are_refused(tmp_path):
+  for field, value in (('scale_attn_by_inverse_layer_idx', True), ('scale_attn_weights', False)):
+    path = _gpt2(tmp_path / field, {field: value})
+    with pytest.raises(CheckpointError, match=f'{field}={value}'):
+      _load(path, _model_config('gpt'))
 
 
 def test_llama3_rope_scaling_equals_transformers():

@@ -38,6 +38,18 @@ _FIXED = {'llama': {'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': F
           'gemma3': {'hidden_activation': 'gelu_pytorch_tanh', 'attention_bias': False,
                      'use_bidirectional_attention': False}}
 FAMILIES = {family: arch for arch, family in ARCHITECTURES.items()}
+# transformers' config-class defaults for keys a config.json may leave out, where a family's
+# differ from the common ones (rms_norm_eps 1e-6, rope_theta 1e4, no window, no caps).
+DEFAULTS = {'mixtral': {'rms_norm_eps': 1e-5, 'rope_theta': 1e6},
+            'mistral': {'sliding_window': 4096},
+            'gemma2': {'sliding_window': 4096, 'attn_logit_softcapping': 50.0,
+                       'final_logit_softcapping': 30.0},
+            'gemma3': {'sliding_window': 4096, 'rope_theta': 1e6}}
+
+
+def _get(config: dict, family: str, key: str, common=None):
+  """config.json's value of `key`, else the family's transformers default (null stays None)."""
+  return config.get(key, DEFAULTS.get(family, {}).get(key, common))
 
 
 def read(directory: str) -> tuple[dict, str]:
@@ -74,14 +86,14 @@ def _hf_values(config: dict, family: str) -> dict:
                                if family == 'qwen3_moe' else True)}
     return {'width': ('hidden_size', config['hidden_size']),
             'head_dim': ('head_dim', head_dim),
-            'sliding_window': ('sliding_window', (config.get('sliding_window') or 0)
+            'sliding_window': ('sliding_window', (_get(config, family, 'sliding_window') or 0)
                                if family in ('mistral', 'mixtral', *GEMMA) else 0),
             'num_layers': ('num_hidden_layers', config['num_hidden_layers']),
             'num_heads': ('num_attention_heads', heads),
             'num_kv_heads': ('num_key_value_heads', config.get('num_key_value_heads') or heads),
             'mlp_dim': ('intermediate_size', config['intermediate_size']),
             'vocab_size': ('vocab_size', config['vocab_size']),
-            'norm_eps': ('rms_norm_eps', config.get('rms_norm_eps', 1e-6)),
+            'norm_eps': ('rms_norm_eps', _get(config, family, 'rms_norm_eps', 1e-6)),
             'tied_embeddings': ('tie_word_embeddings',
                                 config.get('tie_word_embeddings', family in GEMMA)),
             **moe}
@@ -125,12 +137,19 @@ def check(directory: str, family: str, cfg: ModelConfig, decoder: DecoderConfig)
   elif config.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
     raise CheckpointError(f'{directory}: activation_function={config["activation_function"]!r}; '
                           "the gpt family computes GELU's tanh form (gelu_new)")
+  elif (not config.get('scale_attn_weights', True)
+        or config.get('scale_attn_by_inverse_layer_idx', False)):
+    raise CheckpointError(f'{directory}: config.json scale_attn_weights='
+                          f'{config.get("scale_attn_weights", True)}, '
+                          'scale_attn_by_inverse_layer_idx='
+                          f'{config.get("scale_attn_by_inverse_layer_idx", False)}; the gpt family '
+                          'scales attention by 1/sqrt(head size) only (True, False)')
   elif decoder.norm != 'layernorm':
     raise _mismatch(directory, 'model_type', 'gpt2 (LayerNorm)', 'model.norm', decoder.norm)
   return config
 
 
-def rope(config: dict) -> tuple[float, dict]:
+def rope(config: dict, family: str) -> tuple[float, dict]:
   """(rope_theta, rope_scaling) of a config.json: the top-level keys published configs carry,
   or transformers 5's `rope_parameters` (theta and type together; type 'default' = no scaling;
   Gemma 3's per layer type: its global layers')."""
@@ -140,7 +159,7 @@ def rope(config: dict) -> tuple[float, dict]:
   if isinstance(params, dict) and 'rope_theta' in params:
     kind = params.get('rope_type', params.get('type', 'default'))
     return float(params['rope_theta']), (params if kind != 'default' else {})
-  return float(config.get('rope_theta', 10000.0)), config.get('rope_scaling') or {}
+  return float(_get(config, family, 'rope_theta', 1e4)), config.get('rope_scaling') or {}
 
 
 def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -> None:
@@ -152,7 +171,7 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
   if local.get('rope_type', 'default') != 'default':
     raise CheckpointError(f"{directory}: rope_parameters.sliding_attention rope_type "
                           f"{local['rope_type']!r}; the local layers rotate without scaling here")
-  theta, scaling = rope(config)
+  theta, scaling = rope(config, family)
   if not np.isclose(theta, cfg.rope_theta, rtol=1e-6):
     raise _mismatch(directory, 'rope_theta', theta, 'model.rope_theta', cfg.rope_theta)
   kind = scaling.get('rope_type', scaling.get('type', '')) if scaling else ''
@@ -160,7 +179,14 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
     raise CheckpointError(f'{directory}: rope_scaling type {kind!r} is not supported (llama3, '
                           'linear or none)')
   if family in GEMMA:
-    for key, value in _gemma_fields(config, family).items():
+    fields = _gemma_fields(config, family)
+    pattern, window, n = fields.pop('sliding_window_pattern'), cfg.sliding_window, cfg.num_layers
+    if layer_types(pattern, window, n) != layer_types(cfg.sliding_window_pattern, window, n):
+      raise CheckpointError(f'{directory}: config.json layer_types make every {pattern}th layer '
+                            f'global but model.sliding_window_pattern='
+                            f'{cfg.sliding_window_pattern}; set '
+                            f'--config.model.sliding_window_pattern={pattern}')
+    for key, value in fields.items():
       if not np.isclose(getattr(cfg, key), value, rtol=1e-6):
         raise _mismatch(directory, key, value, f'model.{key}', getattr(cfg, key))
   if kind == 'linear' and not (cfg.rope_scaling.kind == 'linear' and np.isclose(
@@ -189,7 +215,7 @@ def model_fields(config: dict, family: str) -> dict:
     return {**fields, 'max_seq_len': values['learned_positions'], 'norm': 'layernorm'}
   fields.update(num_kv_heads=values['num_kv_heads'], norm='rmsnorm', head_dim=values['head_dim'],
                 sliding_window=values['sliding_window'],
-                rope_theta=rope(config)[0],
+                rope_theta=rope(config, family)[0],
                 max_seq_len=int(config.get('max_position_embeddings', 0)))
   if family in GEMMA:
     fields.update(_gemma_fields(config, family))
@@ -199,7 +225,7 @@ def model_fields(config: dict, family: str) -> dict:
                   moe_norm_topk=bool(values['moe_norm_topk']), expert_capacity=0.0,
                   router_aux_weight=float(config.get('router_aux_loss_coef', 0.0)),
                   router_z_weight=0.0)
-  scaling = rope(config)[1]
+  scaling = rope(config, family)[1]
   if scaling.get('rope_type', scaling.get('type')) == 'linear':
     fields['rope_scaling'] = {'kind': 'linear', 'factor': float(scaling['factor'])}
   if scaling.get('rope_type', scaling.get('type')) == 'llama3':
@@ -212,15 +238,23 @@ def model_fields(config: dict, family: str) -> dict:
 
 def _gemma_pattern(config: dict, family: str) -> int:
   """Every Nth layer global: from layer_types (a list of sliding_attention / full_attention),
-  or sliding_window_pattern, or the family's published pattern."""
+  or sliding_window_pattern, or the family's published pattern (which layer_types of fewer layers
+  than it, all local, keep)."""
   types = config.get('layer_types')
+  published = int(config.get('sliding_window_pattern') or (2 if family == 'gemma2' else 6))
   if not types:
-    return int(config.get('sliding_window_pattern') or (2 if family == 'gemma2' else 6))
-  for pattern in range(1, len(types) + 1):
+    return published
+  for pattern in (published, *range(1, len(types) + 2)):
     if all((t == 'full_attention') == ((i + 1) % pattern == 0) for i, t in enumerate(types)):
       return pattern
   raise CheckpointError(f'config.json layer_types {types} is not every Nth layer global, the '
                         'pattern disttrain builds; use a config of that form')
+
+
+def layer_types(pattern: int, window: int, num_layers: int) -> list[str]:
+  """config.json's layer_types of our Gemma layers (pattern 0 with a window: all local)."""
+  return ['sliding_attention' if window and (not pattern or (i + 1) % pattern)
+          else 'full_attention' for i in range(num_layers)]
 
 
 def _gemma_fields(config: dict, family: str) -> dict:
@@ -228,12 +262,14 @@ def _gemma_fields(config: dict, family: str) -> dict:
   params = config.get('rope_parameters') or {}
   local = (params.get('sliding_attention') or {}).get('rope_theta') or config.get(
       'rope_local_base_freq') or (10_000.0 if family == 'gemma3' else 0.0)
-  return {'sliding_window_pattern': _gemma_pattern(config, family) if config.get(
-              'sliding_window') else 0,
+  return {'sliding_window_pattern': _gemma_pattern(config, family) if _get(
+              config, family, 'sliding_window') else 0,
           'local_rope_theta': float(local) if family == 'gemma3' else 0.0,
           'query_pre_attn_scalar': float(config.get('query_pre_attn_scalar') or 256),
-          'attn_softcap': float(config.get('attn_logit_softcapping') or 0.0),
-          'final_softcap': float(config.get('final_logit_softcapping') or 0.0)}
+          # transformers' Gemma 3 attention applies no cap whatever the key says (5.x).
+          'attn_softcap': float(_get(config, family, 'attn_logit_softcapping') or 0.0)
+                          if family == 'gemma2' else 0.0,
+          'final_softcap': float(_get(config, family, 'final_logit_softcapping') or 0.0)}
 
 
 def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str,
@@ -281,9 +317,7 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
     del config['hidden_act'], config['mlp_bias']
     if family == 'gemma3' or scaling is None:  # Gemma 3's is in rope_parameters, global layers'
       del config['rope_scaling']
-    pattern = cfg.sliding_window_pattern
-    types = ['sliding_attention' if decoder.sliding_window and pattern and (i + 1) % pattern
-             else 'full_attention' for i in range(decoder.num_layers)]
+    types = layer_types(cfg.sliding_window_pattern, decoder.sliding_window, decoder.num_layers)
     config.update(model_type=_GEMMA_TYPES[family], hidden_activation='gelu_pytorch_tanh',
                   query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or decoder.head_dim),
                   sliding_window=decoder.sliding_window or None, layer_types=types,

@@ -35,6 +35,19 @@ def check_exportable(model, where: str) -> None:
                       f'{model.cfg.num_experts}), which the {model.family} Hugging Face layout '
                       f'has no place for; export a dense model (model.num_experts=0) or train '
                       f'a mixture-of-experts family ({", ".join(hf_config.MOE)})')
+  cfg, family = model.cfg, model.family
+  if cfg.sliding_window and family not in ('mistral', 'mixtral', *hf_config.GEMMA):
+    raise ConfigError(f'{where} attends to a sliding window (model.sliding_window='
+                      f'{cfg.sliding_window}), which the {family} Hugging Face model does not '
+                      'build (it would attend to every position); export a model trained with '
+                      'model.sliding_window=0, or train the mistral family')
+  if family == 'gpt' and cfg.norm != 'layernorm':
+    raise ConfigError(f"{where} uses model.norm={cfg.norm!r}; GPT-2's Hugging Face model has "
+                      'LayerNorm only; export a gpt model trained with model.norm=layernorm')
+  if family == 'gemma3' and cfg.attn_softcap:
+    raise ConfigError(f"{where} caps attention logits (model.attn_softcap={cfg.attn_softcap}), "
+                      "which transformers' Gemma 3 does not apply; export a model trained with "
+                      'model.attn_softcap=0, or train the gemma2 family')
 
 
 def _fetch(x) -> np.ndarray:

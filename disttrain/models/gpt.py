@@ -61,7 +61,7 @@ def _hf_names() -> list[Tensor]:
   for ours, hf in (('blocks/attention_norm', layer + 'ln_1'), ('blocks/mlp_norm', layer + 'ln_2'),
                    ('final_norm', 'transformer.ln_f')):
     table += [Tensor(f'{ours}/scale', f'{hf}.weight'), Tensor(f'{ours}/bias', f'{hf}.bias')]
-  return table
+  return table + [Tensor('unembed/kernel', 'lm_head.weight', 'lm_head')]  # when untied
 
 
 HF_NAMES = {'gpt': _hf_names()}
