@@ -126,3 +126,20 @@ def test_lora_on_a_hugging_face_base_exports_merged_and_as_peft_with_equal_logit
   with_adapters = peft.PeftModel.from_pretrained(load(base), adapter_dir).eval()
   np.testing.assert_allclose(_logits(with_adapters, tokens), ours, rtol=1e-5, atol=1e-5)
   assert np.abs(_logits(load(base), tokens) - ours).max() > 1e-3  # the adapters matter
+
+
+def test_a_bfloat16_adapter_is_peft_s_product_bit_for_bit():
+  """In bfloat16, B(A x) scaled by alpha / r = 16 / 3 as PEFT's bf16 tensor * float: the scale
+  unrounded, the product rounded once (a bfloat16 scale, 5.34375, changed a third of the
+  values by an ulp)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from disttrain.models import lora  # pylint: disable=g-import-not-at-top
+  spec = lora.LoraSpec(rank=3, alpha=16.0)
+  adapter = lora.Adapter(spec, (40,), ('embed',), ('mlp',), 'up/kernel', jnp.bfloat16)
+  rng = np.random.default_rng(0)
+  x, a, b = (rng.normal(size=s).astype(np.float32) for s in ((64, 32), (32, 3), (3, 40)))
+  ours = adapter.apply({'params': {'a': a, 'b': b}}, jnp.asarray(x))
+  bf16 = lambda v: torch.tensor(v).bfloat16()
+  reference = (bf16(x) @ bf16(a)) @ bf16(b) * spec.scale
+  np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)),
+                                reference.float().numpy())

@@ -74,7 +74,9 @@ class Adapter(nn.Module):
     if self.spec.dropout and self.has_rng('dropout'):
       x = nn.Dropout(self.spec.dropout, deterministic=False)(x)
     h = jnp.tensordot(x.astype(self.dtype), a.astype(self.dtype), axes=n_in)
-    return jnp.tensordot(h, b.astype(self.dtype), axes=1) * jnp.asarray(self.spec.scale, self.dtype)
+    # Scaled in float32, rounded once (as PEFT's bf16 tensor * float): alpha / r unrounded.
+    out = jnp.tensordot(h, b.astype(self.dtype), axes=1)
+    return (out.astype(jnp.float32) * self.spec.scale).astype(self.dtype)
 
 
 def adapted(dense: nn.Module, spec: LoraSpec | None, kernel_path: str, out_shape: tuple,
