@@ -72,7 +72,8 @@ def test_documents_from_txt_jsonl_and_parquet(tmp_path):
   import pyarrow as pa  # pylint: disable=g-import-not-at-top  (the text extra)
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   (tmp_path / 'a.txt').write_text('first file\nstill the first')
-  (tmp_path / 'b.jsonl').write_text('{"text": "one"}\n\n{"text": "two", "id": 2}\n')
+  # CRLF line ends, a blank line and one of spaces and a tab: not documents.
+  (tmp_path / 'b.jsonl').write_bytes(b'{"text": "one"}\r\n\r\n \t\n{"text": "two", "id": 2}\r\n')
   pq.write_table(pa.table({'body': ['p0', 'p1', 'p2']}), tmp_path / 'c.parquet', row_group_size=2)
   docs = text.Documents([str(tmp_path / 'a.txt'), str(tmp_path / 'b.jsonl')])
   assert [docs[i] for i in range(len(docs))] == ['first file\nstill the first', 'one', 'two']

@@ -35,6 +35,9 @@ def resolve(patterns: str, field: str) -> list[str]:
   return paths
 
 
+_SPACE = np.frombuffer(b' \t\r\n\x0b\x0c', np.uint8)
+
+
 class _Lines:
   """Byte offsets of a JSONL file's non-empty lines (a newline scan over the mapped file)."""
 
@@ -52,6 +55,11 @@ class _Lines:
     ends = np.concatenate(newlines + [np.array([size])]).astype(np.int64)
     starts = np.concatenate([[0], ends[:-1] + 1])
     keep = ends > starts  # blank lines and the final newline are not documents
+    if keep.any():  # nor lines of whitespace alone ('\r' of a CRLF file): those starting with it
+      data = np.memmap(path, np.uint8, mode='r')
+      for i in np.flatnonzero(keep & np.isin(data[np.minimum(starts, size - 1)], _SPACE)):
+        keep[i] = bool(bytes(data[starts[i]:ends[i]]).strip())
+      del data
     self.starts, self.ends = starts[keep], ends[keep]
     self.line_numbers = np.flatnonzero(keep) + 1
 
