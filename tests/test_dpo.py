@@ -9,6 +9,7 @@ reference is the base without adapters: one copy of the weights (run.json's stat
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -117,3 +118,17 @@ def test_without_a_template_only_the_answers_turns_are_trained():
   assert [text for text, trained in chosen if trained] == ['Yes.\n']
   assert [text for text, trained in rejected if trained] == ['No.\n']
   assert ''.join(text for text, _ in chosen).count('Yes.') == 2
+
+
+@pytest.mark.parametrize('name,field', [('preference', 'model.dropout'),
+                                        ('prompts', 'lora.dropout')])
+def test_dropout_on_the_policy_is_refused(tmp_path, name, field):
+  """The reference (DPO) and the sampler (GRPO) score without dropout: a policy with it would
+  not start at ratio 1 (TRL disables dropout for the same reason)."""
+  from tests.conftest import ROOT  # pylint: disable=g-import-not-at-top
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'llama.py')
+  helpers.override(cd, {'data.name': name, 'data.train_files': str(tmp_path / 'x.jsonl'),
+                        'lora.rank': 4, field: 0.1})
+  with pytest.raises(disttrain.ConfigError, match=re.escape(
+      f'{field}=0.1 with data.name={name}: ') + f'.*set --config.{field}=0'):
+    disttrain.from_config_dict(cd)

@@ -237,6 +237,13 @@ class Config:
           f'step_mode={self.step_mode} would take per device; use step_mode=jit')
 
   def _check_grpo(self) -> None:
+    rates = {'model.dropout': self.model.dropout, 'lora.dropout': self.lora.dropout}
+    field, rate = max(rates.items(), key=lambda kv: kv[1])
+    if self.data.name in ('preference', 'prompts') and rate:
+      against = 'the reference' if self.data.name == 'preference' else 'the sampler'
+      raise ConfigError(f'{field}={rate} with data.name={self.data.name}: the policy '
+                        f"log-probabilities are compared with {against}'s, which run without "
+                        f'dropout; set --config.{field}=0 (TRL disables dropout too)')
     if self.data.name != 'prompts':
       return
     g = self.grpo
