@@ -22,7 +22,10 @@ import pytest
 import torch
 import transformers
 
+from disttrain import models
+from disttrain.config import ModelConfig
 from disttrain.errors import CheckpointError
+from disttrain.hf import config as hf_config, exported_config
 from disttrain.models.decoder import Decoder
 from tests import hf_round_trip, test_llama
 from tests.helpers import assert_trees_close
@@ -124,9 +127,6 @@ def test_layer_patterns_read_and_written_as_transformers_lists_them():
   """layer_types as transformers' config classes list them: 8 layers at Gemma 3's published
   pattern 6 (layer 6 global), 4 layers at it (all local: not refused), Gemma 2's alternation; and
   a window with pattern 0 (every layer local here) exported as all sliding_attention."""
-  from disttrain.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  from disttrain.hf import config as hf_config  # pylint: disable=g-import-not-at-top
-  from disttrain import models  # pylint: disable=g-import-not-at-top
   small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2,
                num_key_value_heads=1, head_dim=16, sliding_window=4)
   for family, make, layers_ in (('gemma3', transformers.Gemma3TextConfig, 8),
@@ -140,6 +140,6 @@ def test_layer_patterns_read_and_written_as_transformers_lists_them():
                     head_dim=16, mlp_dim=48, vocab_size=VOCAB, sliding_window=4,
                     sliding_window_pattern=0)
   model = models.build(cfg, 'float32', 16)
-  out = hf_config.for_export('gemma3', cfg, model.cfg, 'float32', {})
+  out = exported_config.for_export('gemma3', cfg, model.cfg, 'float32', {})
   assert out['layer_types'] == ['sliding_attention'] * 3 and out['sliding_window'] == 4
   assert hf_config.model_fields(out, 'gemma3')['sliding_window'] == 4

@@ -25,7 +25,7 @@ import disttrain
 from disttrain import models
 from disttrain.config import ModelConfig
 from disttrain.errors import CheckpointError, ConfigError
-from disttrain.hf import config as hf_config, tensorfiles, trained, weights as hf
+from disttrain.hf import config as hf_config, exported_config, tensorfiles, trained, weights as hf
 from disttrain.models import layers
 from tests import helpers, hf_round_trip
 from tests.conftest import ROOT, subprocess_env
@@ -218,7 +218,6 @@ def test_keys_a_config_json_leaves_out_are_transformers_defaults():
 def test_exports_no_hugging_face_model_builds_are_refused():
   """What the family's transformers model would compute otherwise: a window on a family
   without one, RMSNorm in GPT-2, an attention cap in Gemma 3 (transformers applies none)."""
-  from disttrain.hf import saves  # pylint: disable=g-import-not-at-top
   cases = [(_model_config('llama', 2, sliding_window=8), 'model.sliding_window=8'),
            (_model_config('qwen3', 2, sliding_window=8), 'the qwen3 Hugging Face model'),
            (_model_config('gpt', norm='rmsnorm'), "model.norm='rmsnorm'"),
@@ -226,9 +225,9 @@ def test_exports_no_hugging_face_model_builds_are_refused():
             'model.attn_softcap=50.0')]
   for cfg, message in cases:
     with pytest.raises(ConfigError, match=re.escape(message)):
-      saves.check_exportable(models.build(cfg, 'float32', 16), 'the run')
-  saves.check_exportable(models.build(_model_config('mistral', 2, sliding_window=8), 'float32',
-                                      16), 'the run')
+      exported_config.check_exportable(models.build(cfg, 'float32', 16), 'the run')
+  exported_config.check_exportable(models.build(_model_config('mistral', 2, sliding_window=8),
+                                                'float32', 16), 'the run')
 
 
 def test_gpt2_attention_scalings_it_does_not_build_are_refused(tmp_path):
@@ -433,7 +432,7 @@ def test_named_sizes_have_the_published_parameter_count(config_file, size):
   shapes = jax.eval_shape(lambda: model.init(jax.random.key(0),
                                              {'tokens': jnp.zeros((1, 8), jnp.int32)}))
   ours = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes['params']))
-  config = hf_config.for_export(model.family, cfg.model, model.cfg, 'float32', {})
+  config = exported_config.for_export(model.family, cfg.model, model.cfg, 'float32', {})
   with torch.device('meta'):
     reference = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**config))

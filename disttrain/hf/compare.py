@@ -52,7 +52,7 @@ def compare(*, hf_dir: str = '', workdir: str = '', step: int | None = None,
   """{'max_logit_diff', 'kl_mean', 'kl_max', 'tokens', 'ours', 'reference'} over the prompts."""
   import jax  # pylint: disable=g-import-not-at-top
   from disttrain.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from disttrain.hf import saves, trained  # pylint: disable=g-import-not-at-top
+  from disttrain.hf import exported_config, saves, trained  # pylint: disable=g-import-not-at-top
   from disttrain.parallel import mesh  # pylint: disable=g-import-not-at-top
   if not (hf_dir or workdir):
     raise ConfigError('pass --hf_dir=HF_DIR, --workdir=RUN_DIR, or both')
@@ -67,7 +67,7 @@ def compare(*, hf_dir: str = '', workdir: str = '', step: int | None = None,
   with tempfile.TemporaryDirectory(prefix='disttrain-compare-') as scratch:
     reference = hf_dir
     if not reference:  # the checkpoint as transformers would get it: exported now
-      saves.check_exportable(lm.model, workdir)
+      exported_config.check_exportable(lm.model, workdir)
       saves.write(scratch, lm.model.family, lm.cfg.model, lm.model.cfg, lm.params, lm.tokenizer,
                   lm.context)
       reference = scratch

@@ -1,4 +1,4 @@
-"""config.json of Hugging Face models: read, checked against the run's model fields, written.
+"""config.json of Hugging Face models: read and checked against the run's model fields.
 
 `LlamaForCausalLM` is disttrain's llama family, `Qwen2ForCausalLM` / `Qwen3ForCausalLM` its qwen2
 and qwen3 families, `MistralForCausalLM` its mistral family (all with Llama's config.json keys),
@@ -24,7 +24,7 @@ ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2',
                  'Gemma2ForCausalLM': 'gemma2', 'Gemma3ForCausalLM': 'gemma3',
                  'GPT2LMHeadModel': 'gpt'}
 GEMMA = ('gemma2', 'gemma3')
-_GEMMA_TYPES = {'gemma2': 'gemma2', 'gemma3': 'gemma3_text'}  # model_type in config.json
+GEMMA_TYPES = {'gemma2': 'gemma2', 'gemma3': 'gemma3_text'}  # model_type in config.json
 MOE = ('mixtral', 'qwen3_moe')  # every feed-forward layer routed experts
 # What each rotary family's config.json must say (its transformers default when absent): the
 # parts the family builds in one way only.
@@ -270,67 +270,6 @@ def _gemma_fields(config: dict, family: str) -> dict:
           'attn_softcap': float(_get(config, family, 'attn_logit_softcapping') or 0.0)
                           if family == 'gemma2' else 0.0,
           'final_softcap': float(_get(config, family, 'final_logit_softcapping') or 0.0)}
-
-
-def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str,
-              special: dict) -> dict:
-  """config.json of the exported model; `special`: bos/eos token ids where known."""
-  common = {'architectures': [FAMILIES[family]], 'vocab_size': decoder.vocab_size,
-            'tie_word_embeddings': decoder.tied_embeddings, 'torch_dtype': dtype, **special}
-  if family == 'gpt':
-    return {**common, 'model_type': 'gpt2', 'n_embd': decoder.width,
-            'n_layer': decoder.num_layers, 'n_head': decoder.num_heads,
-            'n_inner': decoder.mlp_dim, 'n_positions': decoder.learned_positions,
-            'n_ctx': decoder.learned_positions, 'layer_norm_epsilon': decoder.norm_eps,
-            'activation_function': 'gelu_new', 'resid_pdrop': 0.0, 'embd_pdrop': 0.0,
-            'attn_pdrop': 0.0}
-  scaling = None
-  if cfg.rope_scaling.kind == 'llama3':
-    s = cfg.rope_scaling
-    scaling = {'rope_type': 'llama3', 'factor': s.factor, 'low_freq_factor': s.low_freq_factor,
-               'high_freq_factor': s.high_freq_factor,
-               'original_max_position_embeddings': s.original_max_len}
-  elif cfg.rope_scaling.kind == 'linear':
-    scaling = {'rope_type': 'linear', 'factor': cfg.rope_scaling.factor}
-  extra = ({'use_sliding_window': False} if family in ('qwen2', 'qwen3', 'qwen3_moe') else
-           {'sliding_window': decoder.sliding_window or None}
-           if family in ('mistral', 'mixtral') else {})
-  if family == 'mixtral':
-    extra.update(num_local_experts=decoder.num_experts,
-                 num_experts_per_tok=decoder.experts_per_token,
-                 router_aux_loss_coef=decoder.router_aux_weight)
-  elif family == 'qwen3_moe':
-    extra.update(num_experts=decoder.num_experts, num_experts_per_tok=decoder.experts_per_token,
-                 moe_intermediate_size=decoder.mlp_dim, norm_topk_prob=decoder.moe_norm_topk,
-                 decoder_sparse_step=1, mlp_only_layers=[],
-                 router_aux_loss_coef=decoder.router_aux_weight)
-  config = {**common, **extra, 'model_type': family, 'hidden_size': decoder.width,
-          'num_hidden_layers': decoder.num_layers, 'num_attention_heads': decoder.num_heads,
-          'num_key_value_heads': decoder.num_kv_heads, 'head_dim': decoder.head_dim,
-          'intermediate_size': decoder.mlp_dim, 'rms_norm_eps': decoder.norm_eps,
-          'rope_theta': cfg.rope_theta, 'rope_scaling': scaling, 'hidden_act': 'silu',
-          'attention_bias': False, 'mlp_bias': False,
-          'max_position_embeddings': cfg.max_seq_len or 2048}
-  if family == 'qwen2':  # its query, key and value biases are not a setting
-    del config['attention_bias']
-  if family in GEMMA:
-    del config['hidden_act'], config['mlp_bias']
-    if family == 'gemma3' or scaling is None:  # Gemma 3's is in rope_parameters, global layers'
-      del config['rope_scaling']
-    types = layer_types(cfg.sliding_window_pattern, decoder.sliding_window, decoder.num_layers)
-    config.update(model_type=_GEMMA_TYPES[family], hidden_activation='gelu_pytorch_tanh',
-                  query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or decoder.head_dim),
-                  sliding_window=decoder.sliding_window or None, layer_types=types,
-                  attn_logit_softcapping=cfg.attn_softcap or None,
-                  final_logit_softcapping=cfg.final_softcap or None)
-    if family == 'gemma3':
-      del config['rope_theta']
-      full = {'rope_type': 'default', 'rope_theta': cfg.rope_theta}
-      if cfg.rope_scaling.kind == 'linear':
-        full.update(rope_type='linear', factor=cfg.rope_scaling.factor)
-      config['rope_parameters'] = {'full_attention': full, 'sliding_attention': {
-          'rope_type': 'default', 'rope_theta': cfg.local_rope_theta or cfg.rope_theta}}
-  return config
 
 
 FROM_DIRECTORY = 'hf'  # model.name: the family and fields of restore_from's config.json

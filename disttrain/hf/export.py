@@ -32,13 +32,13 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
   import jax  # pylint: disable=g-import-not-at-top
   # pylint: disable-next=g-import-not-at-top
   from disttrain.errors import ConfigError
-  from disttrain.hf import adapters, config as hf_config, saves, trained
+  from disttrain.hf import adapters, config as hf_config, exported_config, saves, trained
   from disttrain.parallel import mesh
   start = time.perf_counter()
   lm = trained.load(workdir=workdir, step=step, devices=jax.devices()[:1], ema=ema,
                     mesh={axis: 1 for axis in mesh.AXES})
   family = lm.model.family
-  saves.check_exportable(lm.model, workdir)
+  exported_config.check_exportable(lm.model, workdir)
   if adapter:
     if lm.adapters is None:
       raise ConfigError(f'{workdir} trained every weight (lora.rank=0): it has no adapters; '

@@ -20,34 +20,8 @@ import jax
 import numpy as np
 
 from disttrain.config import Config
-from disttrain.errors import ConfigError
-from disttrain.hf import config as hf_config, tensorfiles, weights as hf
+from disttrain.hf import exported_config, tensorfiles, weights as hf
 from disttrain.storage import urls
-
-
-def check_exportable(model, where: str) -> None:
-  """Refuses what no Hugging Face layout here holds (before any time is spent)."""
-  if not hasattr(model, 'family'):
-    raise ConfigError(f'{where}: a Hugging Face directory holds a language model '
-                      f'({", ".join(sorted(hf_config.FAMILIES))}), not this model')
-  if model.cfg.num_experts and model.family not in hf_config.MOE:
-    raise ConfigError(f'{where} holds a mixture-of-experts model (model.num_experts='
-                      f'{model.cfg.num_experts}), which the {model.family} Hugging Face layout '
-                      f'has no place for; export a dense model (model.num_experts=0) or train '
-                      f'a mixture-of-experts family ({", ".join(hf_config.MOE)})')
-  cfg, family = model.cfg, model.family
-  if cfg.sliding_window and family not in ('mistral', 'mixtral', *hf_config.GEMMA):
-    raise ConfigError(f'{where} attends to a sliding window (model.sliding_window='
-                      f'{cfg.sliding_window}), which the {family} Hugging Face model does not '
-                      'build (it would attend to every position); export a model trained with '
-                      'model.sliding_window=0, or train the mistral family')
-  if family == 'gpt' and cfg.norm != 'layernorm':
-    raise ConfigError(f"{where} uses model.norm={cfg.norm!r}; GPT-2's Hugging Face model has "
-                      'LayerNorm only; export a gpt model trained with model.norm=layernorm')
-  if family == 'gemma3' and cfg.attn_softcap:
-    raise ConfigError(f"{where} caps attention logits (model.attn_softcap={cfg.attn_softcap}), "
-                      "which transformers' Gemma 3 does not apply; export a model trained with "
-                      'model.attn_softcap=0, or train the gemma2 family')
 
 
 def _fetch(x) -> np.ndarray:
@@ -72,7 +46,7 @@ def write(out: str, family: str, model_cfg, decoder, params, tokenizer, context:
   special = {k: v for k, v in (('bos_token_id', tokenizer.bos_id),
                                ('eos_token_id', tokenizer.eos_id))
              if v is not None and v < decoder.vocab_size}
-  config = hf_config.for_export(family, model_cfg, decoder, dtype, special)
+  config = exported_config.for_export(family, model_cfg, decoder, dtype, special)
   if family != 'gpt':  # rotary families: the longest sequence the run knows the model takes
     config['max_position_embeddings'] = context
   files = tensorfiles.write(out, tensors, max_shard_bytes, metadata={'format': 'pt'})
@@ -116,7 +90,8 @@ class RunSaves:
 
   def __init__(self, cfg: Config, model, workdir: str, tokenizer, say):
     if cfg.hf_save_every_steps:
-      check_exportable(model, f'hf_save_every_steps={cfg.hf_save_every_steps}: the run')
+      exported_config.check_exportable(
+          model, f'hf_save_every_steps={cfg.hf_save_every_steps}: the run')
     self.cfg, self.model, self.workdir, self.tokenizer, self.say = (cfg, model, workdir,
                                                                     tokenizer, say)
 
