@@ -213,7 +213,7 @@ class Config:
           'checkpoint_every_steps=100')
     check_rules(self.param_rules, self.logical_rules)
     self._check_dispatch()
-    self._check_grpo()
+    self._check_post_training()
     positive('grad_accum_steps', self.grad_accum_steps)
     positive('memory_limit_bytes', self.memory_limit_bytes, allow_zero=True)
     positive('peak_flops_per_device', self.peak_flops_per_device, allow_zero=True)
@@ -236,7 +236,7 @@ class Config:
           f"precision.matmul='float8' scales each tensor by its amax over the whole batch, which "
           f'step_mode={self.step_mode} would take per device; use step_mode=jit')
 
-  def _check_grpo(self) -> None:
+  def _check_post_training(self) -> None:
     rates = {'model.dropout': self.model.dropout, 'lora.dropout': self.lora.dropout}
     field, rate = max(rates.items(), key=lambda kv: kv[1])
     if self.data.name in ('preference', 'prompts') and rate:

@@ -76,7 +76,7 @@ def decode_loop(module, max_new: int, stops: int | tuple[int, ...], temperature:
                 top_k: int, top_p: float):
   """(params, prompt tokens, segments, positions [B, P], key) -> (new tokens, their log-probs)
   [B, N]; a row is done at its first id in `stops` (-1: none), then padded with stops[0]."""
-  stops = (stops,) if isinstance(stops, int) else tuple(stops) or (-1,)
+  stops = tuple(int(i) for i in np.ravel(stops)) or (-1,)
   eos = stops[0]
 
   def run(params, tokens_BxP, segments_BxP, positions_BxP, key):
