@@ -8,7 +8,7 @@ Conv1D weights are [in, out], heads are split out of the width, and our vocabula
 multiple of 128 (padded rows are zeros in, dropped out). `load_params` reads and places one
 tensor at a time onto its sharding, so host memory holds one tensor, not the model;
 `export_tensors` yields them one at a time for disttrain/hf/tensorfiles.py to write. config.json
-is read, checked and written by disttrain/hf/config.py.
+is read and checked by disttrain/hf/config.py, written by disttrain/hf/exported_config.py.
 """
 
 import os
