@@ -296,26 +296,37 @@ def test_no_restorable_checkpoint_moves_nothing(saved_on_eight, tmp_path):
 
 
 @pytest.mark.slow
-def test_best_checkpoint_is_kept_beside_the_latest_and_a_preemption_save_is_not_ranked(tmp_path):
-  """max_to_keep=1 with best_metric: the best evaluated checkpoint stays beside the latest, also
-  when the latest is a SIGTERM save between evals (saved without metrics: ranked by the last
-  eval's, an older state's, it tied the evaluated checkpoint and orbax dropped that one)."""
+def test_best_checkpoint_is_kept_beside_the_latest_across_a_relaunch_and_a_preemption(tmp_path):
+  """max_to_keep=1 with best_metric: the best evaluated checkpoint stays beside the latest after
+  a relaunch (its metrics read back from disk; orbax wrote none without best_fn, and the first
+  save after a relaunch dropped the best), and when the latest is a SIGTERM save between evals
+  (saved without metrics: ranked by the last eval's, an older state's, it tied the evaluated
+  checkpoint and orbax dropped that one)."""
+  # best_mode='max' on the eval loss keeps the *worst* loss: step 5, since the loss falls.
+  common = dict(mesh__data=8, eval_every_steps=5, checkpoint_every_steps=5, max_to_keep=1,
+                best_metric='loss', model__hidden=32, log_every_steps=5)
+  for steps in (10, 20):
+    disttrain.train(make_config(num_train_steps=steps, best_mode='max', **common),
+                    str(tmp_path / 'relaunched'), devices=devices(8))
+  losses = {r['step']: r['loss'] for r in metrics_records(tmp_path / 'relaunched', 'eval')}
+  assert max(losses, key=losses.get) == 5 and sorted(losses) == [5, 10, 15, 20]
+  kept = sorted(int(d) for d in os.listdir(tmp_path / 'relaunched' / 'checkpoints') if d.isdigit())
+  assert kept == [5, 20]
 
   class Preempt(disttrain.Callback):
     def on_train_record(self, record):
       if record['step'] == 11:
         os.kill(os.getpid(), signal.SIGTERM)
-  cfg = make_config(mesh__data=8, num_train_steps=20, eval_every_steps=5,
-                    checkpoint_every_steps=5, max_to_keep=1, best_metric='loss', best_mode='min',
-                    model__hidden=32, log_every_steps=1)
+  cfg = make_config(num_train_steps=20, best_mode='min', **{**common, 'log_every_steps': 1})
   with pytest.raises(disttrain.Preempted) as stopped:
-    disttrain.train(cfg, str(tmp_path), devices=devices(8), callbacks=[Preempt()])
+    disttrain.train(cfg, str(tmp_path / 'preempted'), devices=devices(8), callbacks=[Preempt()])
   at = int(re.search(r'at step (\d+)', str(stopped.value)).group(1))
-  losses = {r['step']: r['loss'] for r in metrics_records(tmp_path, 'eval')}
+  losses = {r['step']: r['loss'] for r in metrics_records(tmp_path / 'preempted', 'eval')}
   assert sorted(losses) == [5, 10] and 10 < at < 15
-  kept = sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit())
-  assert kept == [min(losses, key=losses.get), at]
-  assert not (tmp_path / 'checkpoints' / str(at) / 'metrics').exists()
+  saved = tmp_path / 'preempted' / 'checkpoints'
+  assert sorted(int(d) for d in os.listdir(saved) if d.isdigit()) == [
+      min(losses, key=losses.get), at]
+  assert (saved / '10' / 'metrics').exists() and not (saved / str(at) / 'metrics').exists()
 
 
 def test_best_metric_needs_checkpoints_at_eval_steps():

@@ -99,6 +99,9 @@ class Checkpointer:
                                  keep_checkpoints_without_metrics=False))
     options = ocp.CheckpointManagerOptions(
         preservation_policy=policies.AnyPreservationPolicy(keep),
+        # orbax writes a step's metrics (and reads them back after a relaunch) only with best_fn.
+        best_fn=(lambda m: m[cfg.best_metric]) if cfg.best_metric else None,
+        best_mode=cfg.best_mode,
         cleanup_tmp_directories=True,  # torn saves from killed runs
         enable_async_checkpointing=True,
         # Object stores have no atomic rename: commit by marker (orbax does so for gs:// itself).
