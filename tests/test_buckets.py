@@ -131,6 +131,24 @@ def test_torn_save_in_a_bucket_is_never_restored_and_a_second_run_is_refused(ser
 
 
 @pytest.mark.slow
+def test_a_corrupt_latest_step_in_a_bucket_is_moved_aside_and_the_run_resumes(servers):
+  """An object store has no directory rename: the unreadable step 10 is copied under corrupt/
+  and removed (a rename failed with a traceback on every relaunch), the run resumes from 5."""
+  url = servers.bucket('s3', 'corrupt') + '/run'
+  run = {**RUN, 'num_train_steps': 10, 'max_to_keep': 3}
+  disttrain.train(helpers.make_config(**run), url, devices=jax.devices()[:1])
+  urls.path(url + '/checkpoints/10/data/metadata').write_text('{')  # damaged
+  result = disttrain.train(helpers.make_config(**{**run, 'num_train_steps': 12}), url,
+                           devices=jax.devices()[:1])
+  assert result.step == 12 and urls.committed_steps(url + '/checkpoints') == [5, 10, 12]
+  (aside,) = _names(url + '/checkpoints/corrupt')
+  assert aside.startswith('10-') and urls.read_text(
+      f'{url}/checkpoints/corrupt/{aside}/data/metadata') == '{'
+  restore = [e for e in events_lib.read(url) if e['event'] == 'restore'][-1]
+  assert restore['step'] == 5, restore
+
+
+@pytest.mark.slow
 def test_bad_bucket_workdirs_are_one_line_and_exit_2(servers, monkeypatch):
   """A missing bucket (either scheme), missing S3 credentials, an unknown scheme, a URL with
   no bucket and a missing extra: one line each naming the problem and the fix."""

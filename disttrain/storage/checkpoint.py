@@ -241,10 +241,14 @@ class Checkpointer:
   def _quarantine(self, steps: list[int]) -> None:
     """Moves unreadable steps aside (never deleted) so later saves can reuse their numbers."""
     if jax.process_index() == 0:
-      root = urls.path(self.directory)
-      (root / 'corrupt').mkdir(parents=True, exist_ok=True)
       for step in steps:
-        (root / str(step)).rename(root / 'corrupt' / f'{step}-{int(time.time())}')
+        target = urls.join(self.directory, 'corrupt', f'{step}-{int(time.time())}')
+        try:
+          urls.move_tree(urls.join(self.directory, str(step)), target)
+        except OSError as e:
+          raise CheckpointError(f'checkpoint step {step} in {self.directory} cannot be restored '
+                                f'and moving it to {target} failed ({first_line(e, 200)}); move '
+                                'or delete that step by hand and relaunch') from e
     if jax.process_count() > 1:  # every process must see the moves before listing steps again
       multihost_utils.sync_global_devices('disttrain_checkpoint_quarantine')
     self._manager.reload()

@@ -198,6 +198,23 @@ def append_line(url: str, line: str) -> None:
   path(url).write_text((read_text(url) or '') + line + '\n')
 
 
+def move_tree(source: str, target: str) -> None:
+  """Moves a directory: a rename locally; in a bucket, which has no directory rename, each
+  object copied (server side) before the source is removed."""
+  src, dst = path(source), path(target)
+  if not is_bucket(source):
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    src.rename(dst)
+    return
+
+  def files(folder):
+    for child in folder.iterdir():
+      yield from files(child) if child.is_dir() else [child]
+  for file in list(files(src)):
+    file.copy(dst / file.relative_to(src))
+  src.rmtree()
+
+
 def committed_steps(directory: str) -> list[int]:
   """Steps of the complete checkpoints in a checkpoints directory: locally a step's directory
   appears by rename when it commits; in a bucket it commits when its marker is written."""
