@@ -145,8 +145,12 @@ BAD_INPUTS = [
      ['--config.mesh.data=2', 'before a value for --config'], r'put --config=FILE first'),
     ('config_file_missing', ['--config=launch/configs/no_such_config.py'],
      ['no_such_config.py', 'cannot be loaded'], r'pass --config=PATH'),
-    ('workdir_is_a_file', ['--workdir={dir}/a_file'],
-     ['a_file', 'not a directory'], r'pass a directory'),
+    ('workdir_under_a_file', ['--workdir={dir}/a_file/run'],
+     ['a_file/run', 'a_file is a file, not a directory'], r'pass a directory'),
+    ('workdir_empty', ['--workdir='],  # --workdir=$UNSET: never the current directory
+     ["--workdir='' is empty"], r'pass --workdir=DIR'),
+    ('workdir_uppercase_scheme', ['--workdir=S3://bucket/run'],
+     ["'S3://bucket/run'", 'lowercase'], r's3://'),
 ]
 
 

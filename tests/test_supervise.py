@@ -98,6 +98,7 @@ def test_backoff_doubles_with_jitter_up_to_the_cap():
     (['--max_restarts=-1', '--', 'true', '--workdir=x'], '--max_restarts=-1 is negative'),
     ([], 'no command to run'),
     (['--', 'true'], 'the command has no --workdir=DIR'),
+    (['--', '/nonexistent/train', '--workdir=x'], "cannot run '/nonexistent/train'"),
 ])
 def test_bad_supervisor_flags_are_one_line_and_exit_2(args, message):
   proc = subprocess.run([sys.executable, 'launch/supervise.py', *args], cwd=ROOT,

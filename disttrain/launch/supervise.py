@@ -22,6 +22,7 @@ is appended to DIR/events.jsonl (`exit` events).
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,7 +167,10 @@ def main(argv):
     if flag.value < 0:
       _fail(f'--{name}={flag.value} is negative; pass 0 or more')
   workdir = workdir_of(command)
-  if workdir is None:
+  if not shutil.which(command[0]):
+    _fail(f'supervise: cannot run {command[0]!r} (not found, or not executable); pass the '
+          'launcher command after --, e.g. disttrain train ... or python launch/train.py ...')
+  if workdir is None or not workdir.strip():
     _fail('supervise: the command has no --workdir=DIR; the supervisor reads the run\'s '
           'committed checkpoints there to tell progress from failure')
   supervisor = Supervisor(command, workdir, _MAX_RESTARTS.value, _MAX_PREEMPTIONS.value,

@@ -206,6 +206,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
           '--fake_devices=8, or leave it out to use the real devices')
   _check_batch_flags()
   workdir = _WORKDIR.value
+  if workdir is not None and not workdir.strip():  # --workdir=$UNSET: not the current directory
+    _fail(f'--workdir={workdir!r} is empty; pass --workdir=DIR')
   if workdir is None:
     if _FIND_BATCH.value:  # nothing is written
       return rest
@@ -215,9 +217,13 @@ def _parse_flags(argv: list[str]) -> list[str]:
     bucket = urls.is_bucket(urls.resolve(workdir))  # a bad URL or a missing extra: now
   except errors.DisttrainError as e:
     _fail(str(e))
-  if not bucket and os.path.exists(workdir) and not os.path.isdir(workdir):
-    _fail(f'--workdir={workdir!r} is a file, not a directory; pass a directory path (it is '
-          'created if missing)')
+  # The path, or the nearest part of it that exists, must be a directory.
+  existing = os.path.abspath(workdir)
+  while not bucket and not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not bucket and not os.path.isdir(existing):
+    _fail(f'--workdir={workdir!r}: {existing} is a file, not a directory; pass a directory path '
+          '(it is created if missing)')
   return rest
 
 

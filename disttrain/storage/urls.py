@@ -34,6 +34,9 @@ SCHEMES = {'gs': ('gcsfs', 'gcs'), 's3': ('s3fs', 's3')}  # scheme -> (module, e
 def scheme(path: str) -> str:
   """'gs', 's3' or '' (a local path); another URL scheme is refused in one line."""
   found = parse.urlparse(str(path)).scheme if '://' in str(path) else ''
+  written = str(path).split('://', 1)[0]
+  if found in SCHEMES and written != found:  # gcsfs and s3fs know the lowercase scheme only
+    raise ConfigError(f'{path!r}: write the scheme in lowercase, {found}://')
   if found and found not in SCHEMES:
     raise ConfigError(f'{path!r}: storage URLs must be gs://BUCKET/PATH or s3://BUCKET/PATH '
                       f'(not {found}://); or pass a local directory')
