@@ -60,6 +60,18 @@ def test_resume_from_the_fast_tier_is_exact_and_stays_in_its_run_and_layout(tmp_
   capfd.readouterr()
   fresh = disttrain.train(_config(num_train_steps=2, **fast), str(work))
   assert 'resumed' not in capfd.readouterr().out and fresh.step == 2
+  # A damaged (truncated) file of the newest fast step: that step is passed over, the older
+  # persistent one restores (the fast step's zip failed the restore on every relaunch).
+  shutil.rmtree(work)
+  disttrain.train(_config(num_train_steps=7, checkpoint_every_steps=4, **fast), str(work))
+  shutil.rmtree(work / 'checkpoints' / '7')
+  own = local / 'process_0' / '5' / 'own.npz'
+  os.truncate(own, os.path.getsize(own) // 2)
+  capfd.readouterr()
+  disttrain.train(_config(num_train_steps=8, checkpoint_every_steps=4, **fast), str(work))
+  out = capfd.readouterr().out
+  assert 'fast tier: step 5 in' in out and 'is damaged (own.npz)' in out, out
+  assert 'resumed from step 4: ' in out, out
 
 
 @pytest.mark.parametrize('overrides,message', [

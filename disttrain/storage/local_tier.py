@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,14 @@ class LocalTier:
     except FileNotFoundError:
       return []
 
+  def _opens(self, step: int, name: str) -> bool:
+    """The step's file is a whole zip (a truncated or damaged one is not restored from)."""
+    try:
+      zipfile.ZipFile(self.dir / str(step) / name).close()
+      return True
+    except (OSError, zipfile.BadZipFile):
+      return False
+
   def _info(self, step: int) -> dict | None:
     try:
       return json.loads((self.dir / str(step) / 'info.json').read_text())
@@ -169,8 +178,14 @@ class LocalTier:
     for step in reversed(self._steps()):
       info = self._info(step)
       if info and info['run'] == self.run:
-        (own if info['layout'] == layout else other).append(step)
-        if info['layout'] == layout and (self.dir / str(step) / 'peer.npz').exists():
+        fits = info['layout'] == layout
+        if fits and not self._opens(step, 'own.npz'):
+          print(f'fast tier: step {step} in {self.dir} is damaged (own.npz); not restored from',
+                flush=True)
+          continue
+        (own if fits else other).append(step)
+        if fits and (self.dir / str(step) / 'peer.npz').exists() and self._opens(step,
+                                                                                  'peer.npz'):
           peer.append(step)
     if other and self.p == 0:
       print(f'fast tier: step {other[0]} in {self.dir} was saved with another layout (mesh, '
