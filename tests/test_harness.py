@@ -167,3 +167,19 @@ def test_in_the_loop_records_equal_the_hf_backend(setup, tmp_path):
       == (ref['local_mc']['acc,none'], ref['local_mc']['acc_norm,none'], 12)
   assert got['local_rolling']['word_perplexity'] == pytest.approx(
       ref['local_rolling']['word_perplexity,none'], rel=1e-5)
+
+
+def test_records_keep_each_filter_of_a_metric():
+  """gsm8k scores exact_match under two filters (strict-match, flexible-extract): both are kept
+  (the filter was dropped, so the last one silently won); a metric of filter none keeps its
+  plain name. The results as lm_eval 0.4.13's simple_evaluate returns them."""
+  results = {'results': {'gsm8k': {'alias': 'gsm8k', 'sample_len': 2,
+                                   'exact_match,strict-match': 0.0,
+                                   'exact_match_stderr,strict-match': 'N/A',
+                                   'exact_match,flexible-extract': 1.0},
+                         'arc_easy': {'acc,none': 0.5, 'acc_norm,none': 0.25}},
+             'n-samples': {'gsm8k': {'effective': 2}, 'arc_easy': {'effective': 4}}}
+  assert harness.records(results) == {
+      'gsm8k': {'exact_match_strict-match': 0.0, 'exact_match_flexible-extract': 1.0,
+                'num_examples': 2},
+      'arc_easy': {'acc': 0.5, 'acc_norm': 0.25, 'num_examples': 4}}

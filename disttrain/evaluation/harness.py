@@ -170,12 +170,16 @@ def run(lm, tasks: list[str], manager, limit: int | None = None, num_fewshot: in
 
 
 def records(results: dict) -> dict[str, dict]:
-  """{task: {metric: value, 'num_examples': n}} of lm_eval's results ('acc,none' -> 'acc'),
-  the in-loop records of data.eval_harness."""
+  """{task: {metric: value, 'num_examples': n}} of lm_eval's results, the in-loop records of
+  data.eval_harness: 'acc,none' -> 'acc'; a filter other than none is kept, as gsm8k's two are
+  ('exact_match,strict-match' -> 'exact_match_strict-match')."""
   out = {}
   for task, fields in results['results'].items():
-    row = {name.split(',')[0]: float(v) for name, v in fields.items()
-           if ',' in name and '_stderr' not in name and isinstance(v, (int, float))}
+    row = {}
+    for name, v in fields.items():
+      if ',' in name and '_stderr' not in name and isinstance(v, (int, float)):
+        metric, kept = name.split(',', 1)
+        row[metric if kept == 'none' else f'{metric}_{kept}'] = float(v)
     row['num_examples'] = int(results.get('n-samples', {}).get(task, {}).get(
         'effective', fields.get('sample_len', 0)))
     out[task] = row
