@@ -20,7 +20,11 @@ it, so XLA turns the dispatch and combine into all-to-alls over `expert`.
 Model losses (the task adds them; `losses` collection): the load-balancing loss E sum_e f_e p_e
 (Switch; f_e the fraction of token choices routed to e, p_e the mean router probability of e),
 times model.router_aux_weight, and the router z-loss mean(logsumexp(logits)^2) (ST-MoE), times
-model.router_z_weight; each over the whole batch of the call, so they are the same on any layout.
+model.router_z_weight; each over the whole batch of the call: the same on any jit layout, but
+products of batch means, so a call on part of the batch (a micro-batch of grad_accum_steps, a
+device's rows under shard_map or pmap) averages them per part, a slightly different objective
+(measured 0.024055 jit, 0.024091 with 2 micro-batches, 0.024118 shard_map on 4 devices); they
+also count padding rows of a partly filled eval batch.
 """
 
 import math
