@@ -69,20 +69,22 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
                  decoder_sparse_step=1, mlp_only_layers=[],
                  router_aux_loss_coef=decoder.router_aux_weight)
   config = {**common, **extra, 'model_type': family, 'hidden_size': decoder.width,
-          'num_hidden_layers': decoder.num_layers, 'num_attention_heads': decoder.num_heads,
-          'num_key_value_heads': decoder.num_kv_heads, 'head_dim': decoder.head_dim,
-          'intermediate_size': decoder.mlp_dim, 'rms_norm_eps': decoder.norm_eps,
-          'rope_theta': cfg.rope_theta, 'rope_scaling': scaling, 'hidden_act': 'silu',
-          'attention_bias': False, 'mlp_bias': False,
-          'max_position_embeddings': cfg.max_seq_len or 2048}
+            'num_hidden_layers': decoder.num_layers, 'num_attention_heads': decoder.num_heads,
+            'num_key_value_heads': decoder.num_kv_heads, 'head_dim': decoder.head_dim,
+            'intermediate_size': decoder.mlp_dim, 'rms_norm_eps': decoder.norm_eps,
+            'rope_theta': cfg.rope_theta, 'rope_scaling': scaling, 'hidden_act': 'silu',
+            'attention_bias': False, 'mlp_bias': False,
+            'max_position_embeddings': cfg.max_seq_len or 2048}
   if family == 'qwen2':  # its query, key and value biases are not a setting
     del config['attention_bias']
   if family in hf_config.GEMMA:
     del config['hidden_act'], config['mlp_bias']
     if family == 'gemma3' or scaling is None:  # Gemma 3's is in rope_parameters, global layers'
       del config['rope_scaling']
-    types = hf_config.layer_types(cfg.sliding_window_pattern, decoder.sliding_window, decoder.num_layers)
-    config.update(model_type=hf_config.GEMMA_TYPES[family], hidden_activation='gelu_pytorch_tanh',
+    types = hf_config.layer_types(cfg.sliding_window_pattern, decoder.sliding_window,
+                                  decoder.num_layers)
+    config.update(model_type=hf_config.GEMMA_TYPES[family],
+                  hidden_activation='gelu_pytorch_tanh',
                   query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or decoder.head_dim),
                   sliding_window=decoder.sliding_window or None, layer_types=types,
                   attn_logit_softcapping=cfg.attn_softcap or None,
