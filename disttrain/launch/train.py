@@ -218,7 +218,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except errors.DisttrainError as e:
     _fail(str(e))
   # The path, or the nearest part of it that exists, must be a directory.
-  existing = os.path.abspath(workdir)
+  existing = os.path.abspath(os.path.expanduser(workdir))
   while not bucket and not os.path.exists(existing):
     existing = os.path.dirname(existing)
   if not bucket and not os.path.isdir(existing):
