@@ -163,8 +163,7 @@ class Scorer:
     def collect(chosen, new_BxN) -> None:
       new = _fetch(new_BxN)
       for row, i in enumerate(chosen):
-        ends = np.flatnonzero(np.isin(new[row], self.stops))
-        out[i] = [int(t) for t in new[row][:ends[0] if len(ends) else max_new]]
+        out[i] = [int(t) for t in generate.until_stop(new[row], self.stops)]
       progress(len(chosen))
     for chosen in self._batches([len(p) for p in prompts]):
       p = bucket(len(prompts[chosen[0]]), limit)

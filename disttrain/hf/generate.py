@@ -76,7 +76,7 @@ def decode_loop(module, max_new: int, stops: int | tuple[int, ...], temperature:
                 top_k: int, top_p: float):
   """(params, prompt tokens, segments, positions [B, P], key) -> (new tokens, their log-probs)
   [B, N]; a row is done at its first id in `stops` (-1: none), then padded with stops[0]."""
-  stops = tuple(int(i) for i in np.ravel(stops)) or (-1,)
+  stops = stop_ids(stops) or (-1,)
   eos = stops[0]
 
   def run(params, tokens_BxP, segments_BxP, positions_BxP, key):
@@ -114,6 +114,17 @@ def decode_loop(module, max_new: int, stops: int | tuple[int, ...], temperature:
       return i + 1, token, logprob, position + 1, done, (out, logprobs), cache, kv
     return jax.lax.while_loop(cond, body, state)[5]
   return run
+
+
+def stop_ids(ids) -> tuple[int, ...]:
+  """`ids` (None, one id, or a sequence of them) as a tuple of ints."""
+  return () if ids is None else tuple(int(i) for i in np.ravel(ids))
+
+
+def until_stop(row: np.ndarray, stops: Sequence[int]) -> np.ndarray:
+  """The tokens of `row` before its first id in `stops` (all of them if none)."""
+  ends = np.flatnonzero(np.isin(row, stops))
+  return row[:ends[0]] if len(ends) else row
 
 
 def left_padded(prompts: list[list[int]], length: int) -> tuple[np.ndarray, ...]:
@@ -159,8 +170,7 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 6
                       f'than the model context of {context} tokens; shorten the prompt or '
                       'generate fewer tokens')
   tokens, segments, positions = left_padded(prompts, p)
-  stops = () if eos_id is None else (int(eos_id),) if np.ndim(eos_id) == 0 else tuple(
-      int(i) for i in eos_id)
+  stops = stop_ids(eos_id)
   if mesh is None:
     mesh = getattr(jax.tree.leaves(params)[0].sharding, 'mesh', None)
   put = lambda x: jax.device_put(x, None if mesh is None else NamedSharding(mesh, P()))
@@ -176,8 +186,7 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 6
   seconds = time.perf_counter() - start
   new, scores = [], []
   for row, row_logprobs in zip(np.asarray(out), np.asarray(logprobs)):
-    ends = np.flatnonzero(np.isin(row, stops))
-    n = ends[0] if len(ends) else len(row)
+    n = len(until_stop(row, stops))
     new.append([int(t) for t in row[:n]])
     scores.append([float(x) for x in row_logprobs[:n]])
   return Generation(new, scores, seconds, compile_seconds, _TRACES[0])
