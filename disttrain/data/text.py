@@ -46,20 +46,16 @@ class _Lines:
   def __init__(self, path: str):
     self.path = path
     size = os.path.getsize(path)
-    newlines = []
-    if size:
-      data = np.memmap(path, np.uint8, mode='r')
-      for at in range(0, size, self._CHUNK):
-        newlines.append(at + np.flatnonzero(data[at:at + self._CHUNK] == ord('\n')))
-      del data
+    data = np.memmap(path, np.uint8, mode='r') if size else np.zeros(0, np.uint8)
+    newlines = [at + np.flatnonzero(data[at:at + self._CHUNK] == ord('\n'))
+                for at in range(0, size, self._CHUNK)]
     ends = np.concatenate(newlines + [np.array([size])]).astype(np.int64)
     starts = np.concatenate([[0], ends[:-1] + 1])
     keep = ends > starts  # blank lines and the final newline are not documents
     if keep.any():  # nor lines of whitespace alone ('\r' of a CRLF file): those starting with it
-      data = np.memmap(path, np.uint8, mode='r')
       for i in np.flatnonzero(keep & np.isin(data[np.minimum(starts, size - 1)], _SPACE)):
         keep[i] = bool(bytes(data[starts[i]:ends[i]]).strip())
-      del data
+    del data
     self.starts, self.ends = starts[keep], ends[keep]
     self.line_numbers = np.flatnonzero(keep) + 1
 
