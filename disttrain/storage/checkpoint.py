@@ -93,14 +93,15 @@ class Checkpointer:
     _whole_small_arrays()
     self.directory = urls.join(urls.resolve(workdir), 'checkpoints')
     keep = [policies.LatestN(n=cfg.max_to_keep)]
-    if cfg.best_metric:
-      keep.append(policies.BestN(get_metric_fn=lambda m: m[cfg.best_metric],
+    metric = (lambda m: m[cfg.best_metric]) if cfg.best_metric else None
+    if metric:
+      keep.append(policies.BestN(get_metric_fn=metric,
                                  reverse=cfg.best_mode == 'min', n=1,
                                  keep_checkpoints_without_metrics=False))
     options = ocp.CheckpointManagerOptions(
         preservation_policy=policies.AnyPreservationPolicy(keep),
         # orbax writes a step's metrics (and reads them back after a relaunch) only with best_fn.
-        best_fn=(lambda m: m[cfg.best_metric]) if cfg.best_metric else None,
+        best_fn=metric,
         best_mode=cfg.best_mode,
         cleanup_tmp_directories=True,  # torn saves from killed runs
         enable_async_checkpointing=True,
