@@ -75,7 +75,7 @@ class Tokenizer:
   def stop_ids(self, vocab_size: int) -> tuple[int, ...]:
     """The ids generation stops at: eos_within first, then generation_config.json's
     eos_token_id (an id or a list, as transformers' generate reads it) where the model has them."""
-    ids = [] if self.eos_within(vocab_size) is None else [self.eos_within(vocab_size)]
+    ids = [i for i in [self.eos_within(vocab_size)] if i is not None]
     config = os.path.join(os.path.dirname(self.file), 'generation_config.json')
     if not self.file or not os.path.isfile(config):
       return tuple(ids)
