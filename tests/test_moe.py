@@ -205,3 +205,18 @@ def test_a_request_scores_the_same_whatever_its_batch_mates():
   alone = scorer.loglikelihoods(params, run.state.mutable, [short])[0][0]
   batched = scorer.loglikelihoods(params, run.state.mutable, [short, long])[0][0]
   assert alone == batched
+
+
+def test_a_prompt_decodes_the_same_whatever_its_batch_mates():
+  """`disttrain generate` routes dropless too: with the training capacity, the prefill's left
+  padding and a longer batch-mate took expert slots and changed a prompt's continuation."""
+  from disttrain.hf import generate  # pylint: disable=g-import-not-at-top
+  cfg = _config(**{'mesh.data': 1, 'model.expert_capacity': 1.25})
+  run = disttrain.setup(cfg, devices=devices(1))
+  params = jax.tree.map(lambda x: x * 3.0, jax.device_get(run.state.params))  # a peaked router
+  rng = np.random.default_rng(3)
+  short, long = list(rng.integers(1, 250, 8)), list(rng.integers(1, 250, 60))  # no padding alone
+  alone = generate.generate(run.model, params, [short], max_new_tokens=12)
+  batched = generate.generate(run.model, params, [short, long], max_new_tokens=12)
+  assert alone.tokens[0] == batched.tokens[0]
+  np.testing.assert_allclose(alone.logprobs[0], batched.logprobs[0], rtol=1e-5, atol=1e-6)

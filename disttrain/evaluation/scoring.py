@@ -20,7 +20,6 @@ the left (as lm-eval cuts them), each row stopping at its first stop id (tokeniz
 """
 
 import collections
-import dataclasses
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -31,7 +30,7 @@ from jax.experimental import multihost_utils
 
 from disttrain.data.batches import Assembler
 from disttrain.hf import generate
-from disttrain.models import lora, preference
+from disttrain.models import lora, moe, preference
 from disttrain.parallel.mesh import Parallelism
 from disttrain.parallel.state import FROZEN
 
@@ -73,11 +72,7 @@ class Scorer:
   def __init__(self, model, batch_sharding, batch_size: int, max_len: int,
                stops: tuple[int, ...]):
     lm, self.adapters = language_model(model)
-    module = lm.module
-    if getattr(module.cfg, 'num_experts', 0) and module.cfg.expert_capacity:
-      # Dropless routing: with a capacity, padding and batch-mates take expert slots, so a
-      # request's score would depend on the batch it lands in.
-      module = module.clone(cfg=dataclasses.replace(module.cfg, expert_capacity=0.0))
+    module = moe.dropless(lm.module)
     self.module, self.max_len, self.stops = module, max_len, tuple(stops)
     ways = Parallelism(batch_sharding.mesh).batch_ways
     self.rows = -(-batch_size // ways) * ways  # B: a whole number of rows per batch shard

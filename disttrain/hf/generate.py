@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from disttrain.data import chat
 from disttrain.errors import ConfigError, one_line_errors
+from disttrain.models import moe
 from disttrain.models.layers import Decode
 
 _BUCKET = 8  # prompt lengths are padded up to a multiple of this (fewer compilations)
@@ -160,7 +161,7 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 6
     mesh: where the prompts go (replicated); default: the parameters' devices.
     context: the longest sequence the model takes; longer prompts + max_new_tokens are refused.
   """
-  module = getattr(model, 'module', model)
+  module = moe.dropless(getattr(model, 'module', model))
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ConfigError('every prompt needs at least one token')
   longest = max(len(p) for p in prompts)
@@ -172,7 +173,7 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 6
   tokens, segments, positions = left_padded(prompts, p)
   stops = stop_ids(eos_id)
   if mesh is None:
-    mesh = getattr(jax.tree.leaves(params)[0].sharding, 'mesh', None)
+    mesh = getattr(getattr(jax.tree.leaves(params)[0], 'sharding', None), 'mesh', None)
   put = lambda x: jax.device_put(x, None if mesh is None else NamedSharding(mesh, P()))
   args = (params, put(tokens), put(segments), put(positions),
           put(jax.random.key_data(jax.random.key(seed))))

@@ -26,6 +26,7 @@ device's rows under shard_map or pmap) averages them per part, a slightly differ
 (docs/scaling.md); they also count padding rows of a partly filled eval batch.
 """
 
+import dataclasses
 import math
 from typing import Any
 
@@ -43,6 +44,14 @@ def capacity(tokens: int, experts: int, top_k: int, factor: float) -> int:
   if factor <= 0:
     return tokens
   return min(tokens, max(1, math.ceil(factor * tokens * top_k / experts)))
+
+
+def dropless(module):
+  """The decoder module routing without a capacity (for scoring and generation): with one,
+  padding and batch-mates take expert slots, so a request's result would depend on its batch."""
+  if getattr(module.cfg, 'num_experts', 0) and module.cfg.expert_capacity:
+    return module.clone(cfg=dataclasses.replace(module.cfg, expert_capacity=0.0))
+  return module
 
 
 def route(experts_BxTxK: jax.Array, gates_BxTxK: jax.Array, num_experts: int, slots: int):
