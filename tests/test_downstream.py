@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from lm_eval.filters import extraction as lm_eval_extraction
 
 import disttrain
 from disttrain.data import tokenizer as tokenizer_lib
@@ -159,6 +160,11 @@ def test_lm_eval_metric_definitions():
   cases = {'so 3 + 4 = 7.': '7', 'steps 1, 2 #### 1,234': '1234', 'none here ': 'none here',
            '#### -3.5 and 9': '-3.5', 'a 5 b 6,000 c': '6000'}
   assert {t: metrics.gsm8k_answer(t) for t in cases} == cases
+  # lm-eval's gsm8k strict-match: its first '#### N', also when a generation runs on.
+  strict = lm_eval_extraction.RegexFilter(r'#### (\-?[0-9\.\,]+)')
+  ran_on = ['48 + 24 = 72 #### 72\n\nQuestion: and 5 more?\nAnswer: 77 #### 77', '#### 3 #### 4']
+  assert [metrics.gsm8k_answer(t) for t in ran_on] == [
+      r[0] for r in strict.apply([[t] for t in ran_on], [{}] * len(ran_on))] == ['72', '3']
   prompts = [tasks.Prompt('p', 'Natalia sold 48 + 24 = 72 clips #### 72')] * 2
   assert metrics.generation(['72', 'it is 71'], prompts) == {'exact_match': 0.5,
                                                             'num_examples': 2}

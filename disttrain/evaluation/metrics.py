@@ -5,8 +5,9 @@
                  (acc_norm: lm-eval divides by len(choice), the string as the task gives it)
   exact_match    extract(generation) == extract(answer)            (exact_match after a filter)
 Ties go to the first choice, as numpy's argmax (which lm-eval calls) gives them. The default
-extraction is GSM8K's: the number after the last '####' when there is one, else the last number
-in the text, commas and whitespace stripped (lm-eval's strict and flexible filters in one); a
+extraction is GSM8K's: the number after the first '####' when there is one (lm-eval's
+strict-match, which also holds when a generation runs on into a question of its own), else the
+last number in the text (its flexible-extract), commas and whitespace stripped; a
 config file's get_eval_extract(config) may return its own text -> str function instead.
 """
 
@@ -25,7 +26,7 @@ _NUMBER = re.compile(r'-?[0-9][0-9,]*(?:\.[0-9]+)?')
 
 def gsm8k_answer(text: str) -> str:
   """The answer GSM8K's references and generations are compared by (module doc)."""
-  after = text.rpartition('####')[2] if '####' in text else None
+  after = text.partition('####')[2] if '####' in text else None
   if after is not None:
     found = _NUMBER.search(after)
     return _clean(found.group() if found else after)
