@@ -8,6 +8,7 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -174,6 +175,8 @@ PEAK_FLOPS = {
     'H200': 989e12,
     'H100': 989e12,  # SXM; the PCIe card is ~756e12: set peak_flops_per_device
     'A100': 312e12,
+    'L40S': 362e12,
+    'L40': 181e12,
     'L4': 121e12,
     'A10G': 125e12,
 }
@@ -182,7 +185,8 @@ PEAK_FLOPS = {
 def peak_flops(device_kind: str) -> float | None:
   """The table's peak for a device kind ('NVIDIA H100 80GB HBM3' -> 989e12), else None."""
   for name, flops in sorted(PEAK_FLOPS.items(), key=lambda item: -len(item[0])):
-    if name.lower() in device_kind.lower():
+    # Whole words: 'L4' is not the L40S, 'TPU v5' not the v5p.
+    if re.search(rf'\b{re.escape(name)}\b', device_kind, re.IGNORECASE):
       return flops
   return None
 
