@@ -72,10 +72,36 @@ def test_early_stopping_state_is_checkpointed_so_a_resumed_run_stops_at_the_same
   (a fresh count would stop at 25)."""
   cfg = lambda steps: _mlp(learning_rate=0.0, num_train_steps=steps,
                            early_stop__metric='eval/accuracy', early_stop__patience=2)
-  first = disttrain.train(cfg(10), str(tmp_path), devices=devices(8))
+  csv_log = lambda: [disttrain.CsvLogger(str(tmp_path / 'log.csv'))]
+  first = disttrain.train(cfg(10), str(tmp_path), devices=devices(8), callbacks=csv_log())
   assert first.step == 10 and not first.stopped_by
-  resumed = disttrain.train(cfg(100), str(tmp_path), devices=devices(8))
+  resumed = disttrain.train(cfg(100), str(tmp_path), devices=devices(8), callbacks=csv_log())
   assert resumed.step == 15 and 'EarlyStopping' in resumed.stopped_by
+  # The CSV keeps the first run's rows (it was rewritten from the resumed run's alone).
+  rows = (tmp_path / 'log.csv').read_text().splitlines()[1:]
+  assert [r.split(',')[:2] for r in rows] == [
+      [str(step), split] for step in (5, 10, 15) for split in ('train', 'eval')]
+
+
+def test_early_stopping_counts_a_nan_eval_as_no_improvement():
+  """A NaN first eval was the best for good: nothing compares greater, so the run stopped
+  after `patience` evals however much the metric improved."""
+  early = disttrain.EarlyStopping('eval/loss', mode='min', patience=2)
+  evals = [float('nan'), 0.9, 0.5, 0.6, float('nan')]
+  answers = [early.on_eval({'step': 100 * (i + 1), 'split': 'eval', 'loss': v})
+             for i, v in enumerate(evals)]
+  assert answers[:4] == [None] * 4, answers
+  assert answers[4].reason.endswith('for 2 evals (best 0.5 at step 300)')
+  nan_only = disttrain.EarlyStopping('eval/loss', mode='min', patience=1)
+  assert 'no finite value' in nan_only.on_eval({'step': 1, 'split': 'eval', 'loss': np.nan}).reason
+
+
+def test_peak_flops_match_whole_device_names():
+  from disttrain.operating.metrics import peak_flops  # pylint: disable=g-import-not-at-top
+  kinds = {'NVIDIA L40S': 362e12, 'NVIDIA L40': 181e12, 'NVIDIA L4': 121e12,
+           'NVIDIA H100 80GB HBM3': 989e12, 'NVIDIA A100-SXM4-80GB': 312e12, 'TPU v5p': 459e12,
+           'TPU v5 lite': 197e12, 'NVIDIA RTX A6000': None}
+  assert {k: peak_flops(k) for k in kinds} == kinds
 
 
 class _Counter(disttrain.Callback):

@@ -15,6 +15,7 @@ every process with the same records; hooks never see device arrays, so they add 
 import csv
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -86,13 +87,16 @@ class EarlyStopping(Callback):
                         f'{self.name!r} (it has {fields}); name one of them')
     value = float(record[self.name])
     sign = 1.0 if self.mode == 'max' else -1.0
-    if self.best is None or sign * (value - self.best) > self.min_delta:
+    # A NaN never becomes the best: every comparison with it is False, so nothing would beat it.
+    if math.isfinite(value) and (self.best is None or sign * (value - self.best) > self.min_delta):
       self.best, self.best_step, self.since_best = value, record['step'], 0
       return None
     self.since_best += 1
     if self.since_best >= self.patience:
+      best = 'no finite value' if self.best is None else \
+          f'best {self.best:.6g} at step {self.best_step}'
       return Stop(f'{self.metric} has not improved by more than {self.min_delta} for '
-                  f'{self.since_best} evals (best {self.best:.6g} at step {self.best_step})')
+                  f'{self.since_best} evals ({best})')
     return None
 
   def state(self) -> dict:
@@ -107,15 +111,31 @@ class CsvLogger(Callback):
   """Appends every train and eval record to a CSV file (process 0), one column per field.
 
   An example of a callback that only reads: the columns are the first record's fields plus
-  any new field, rewritten in full when a new field appears (records are few).
+  any new field, rewritten in full as records come (records are few). A resumed run keeps the
+  file's rows before its first record (those after the checkpoint are written again).
   """
 
   def __init__(self, path: str):
-    self.path, self._rows = path, []
+    self.path, self._rows, self._resumed = path, None, False
+
+  def state(self) -> dict:
+    return {}
+
+  def restore(self, state: dict) -> None:
+    del state
+    self._resumed = True
+
+  def _earlier(self, step: int) -> list[dict]:
+    if not (self._resumed and os.path.exists(self.path)):
+      return []
+    with open(self.path, newline='', encoding='utf-8') as f:
+      return [row for row in csv.DictReader(f) if int(row['step']) < step]
 
   def _add(self, record: dict) -> None:
     if jax.process_index() != 0:
       return
+    if self._rows is None:
+      self._rows = self._earlier(record['step'])
     self._rows.append(record)
     fields = list(dict.fromkeys(k for row in self._rows for k in row))
     os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
