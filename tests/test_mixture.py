@@ -21,6 +21,7 @@ from disttrain import config as config_lib
 from disttrain.data import mixture as mixture_lib, sources
 from disttrain.data.batches import TrainIterator
 from disttrain.data.mixture import Mixture, MixtureRecords
+from disttrain.data.records import Records
 from disttrain.errors import ConfigError, DataError
 from disttrain.parallel import mesh as mesh_lib
 from tests import helpers, mp_mixture
@@ -157,6 +158,15 @@ def test_bad_mixtures_are_one_line_config_or_data_errors(tmp_path):
   with pytest.raises(DataError, match="mixture sources 'a' and 'b' give different rows"):
     MixtureRecords(Mixture({'a': _rows(0, 10), 'b': {'x': np.zeros((10, 3), np.int32)}},
                            {'a': 1, 'b': 1}), 4, 0)
+  # A checkpoint of a mixture run resumed by a one-source run, and the other way round.
+  mixed = _iterator(mp_mixture.mixture())
+  sharding = mesh_lib.batch_sharding(mesh_lib.build(config_lib.MeshConfig(data=8),
+                                                    helpers.devices(8)))
+  one_source = TrainIterator(Records(_rows(0, 100), 'train', 0), mp_mixture.BATCH, 0, sharding)
+  with pytest.raises(DataError, match='read a data.mixture, this run one source; resume with'):
+    one_source.set_state(mixed.get_state())
+  with pytest.raises(DataError, match='read one source, this run a data.mixture; resume with'):
+    mixed.set_state(one_source.get_state())
   # The tuple form a config file may give is the same mixture.
   assert mixture_lib.parse_sources((('a', str(one), 0.7), ('b', str(one), 0.3))) == \
       mixture_lib.parse_sources(f'a={one}:0.7;b={one}:0.3')

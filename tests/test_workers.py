@@ -160,3 +160,38 @@ def test_token_file_example_config(tmp_path):
   assert train[-1]['tokens_per_sec'] > 0 and 'data_wait_fraction' in train[-1]
   assert records[-1]['split'] == 'eval' and records[-1]['num_examples'] == (2**15 // 32)
   assert 'final eval accuracy' in stdout.splitlines()[-1]
+
+
+_NO_MAIN_GUARD = '''
+import disttrain
+from disttrain import config
+cd = config.defaults()
+cd.data.workers, cd.num_train_steps, cd.global_batch_size = 1, 2, 8
+disttrain.train(disttrain.from_config_dict(cd), 'WORKDIR')
+'''
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+  """Each worker imports the script; one that trains at its top level trained again in the
+  worker, which failed, and the parent hung writing the worker's start-up data (SIGTERM too)."""
+  script = tmp_path / 'train_here.py'
+  script.write_text(_NO_MAIN_GUARD.replace('WORKDIR', str(tmp_path / 'run')))
+  proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=120, check=False, env=subprocess_env())
+  assert proc.returncode != 0
+  assert proc.stderr.splitlines()[-1].endswith(
+      f"data.workers=1: {script} starts training at its top level (line 6) and each worker "
+      "process imports it; put that under `if __name__ == '__main__':` or set data.workers=0"), \
+      proc.stderr[-2000:]
+  # Under the guard it trains.
+  script.write_text(_NO_MAIN_GUARD.replace('WORKDIR', str(tmp_path / 'run')).replace(
+      'disttrain.train(', "if __name__ == '__main__':\n  disttrain.train("))
+  proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=120, check=False, env=subprocess_env())
+  assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_worker_room_counts_the_memory_the_kernel_can_reclaim():
+  """MemAvailable (psutil's `available`), not MemFree: page cache left most workers refused."""
+  from disttrain.data import workers  # pylint: disable=g-import-not-at-top
+  assert abs(workers._available_memory() - psutil.virtual_memory().available) < 2**28  # pylint: disable=protected-access

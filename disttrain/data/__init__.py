@@ -12,6 +12,7 @@
   sources     data.name -> the train and eval sources a config names
   transforms  example grain transformations for images
   batches     the grain stream of per-process rows -> global jax.Arrays on a batch sharding
+  workers     what data.workers=N needs: room on the machine, a main script workers can import
   convert     `disttrain convert`: datasets to ArrayRecord shards, token files, JSON lines
 The names below are the layer's public API, imported on first use (they were disttrain.data's).
 """
@@ -20,7 +21,7 @@ from disttrain import moved
 
 _EXPORTS = {
     'Batch': 'batches', 'TrainIterator': 'batches',
-    'check_workers': 'batches', 'element_spec': 'batches', 'eval_batches': 'batches',
+    'check_workers': 'workers', 'element_spec': 'batches', 'eval_batches': 'batches',
     'local_rows': 'batches', 'stacked_sharding': 'batches',
     'Data': 'records', 'ID': 'records', 'MASK': 'records', 'RESERVED': 'records',
     'Mixture': 'mixture',

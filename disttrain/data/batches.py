@@ -180,21 +180,6 @@ class _InWorker:
                       'to see the full traceback') from None
 
 
-def check_workers(workers: int) -> None:
-  """Refuses a worker count this machine cannot run: each worker is a Python process (with jax
-  and grain imported, ~200 MiB) that pays off only with a core of its own."""
-  cpus = os.cpu_count() or 1
-  limit = 4 * cpus
-  try:
-    limit = min(limit, os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') // 2**28)
-  except (ValueError, OSError, AttributeError):  # not Linux: the CPU bound only
-    pass
-  if workers > limit:
-    raise DataError(f'data.workers={workers} is more than this machine can run ({cpus} CPU '
-                    f'cores, room for {limit} worker processes of ~256 MiB); use at most {limit}, '
-                    f'about one per core')
-
-
 class TrainIterator:
   """Infinite, resumable stream of shuffled global train batches (dicts of jax.Arrays)."""
 
@@ -285,8 +270,9 @@ class TrainIterator:
         raise
       raise DataError(f'data.workers={self._workers}: the worker processes failed '
                       f'({type(e).__name__}: {first_line(e)}); the source and transforms must be '
-                      'picklable (defined at the top level of an importable module): fix them, '
-                      'or set data.workers=0 to read in this process') from e
+                      'picklable (defined at the top level of an importable module) and a script '
+                      "that trains needs `if __name__ == '__main__':` around it (workers import "
+                      'it): fix them, or set data.workers=0 to read in this process') from e
     self._next += self._k
     return batch
 
@@ -309,6 +295,11 @@ class TrainIterator:
         'next_batch' in state or 'next_index' in state.get('grain', {})):
       raise DataError(f'data iterator state {state!r} is not from TrainIterator.get_state '
                       f'version {_STATE_VERSION}; restore a checkpoint written by this version')
+    if ('mixture' in state) != (self._mixture is not None):
+      read, runs = ('a data.mixture', 'one source') if 'mixture' in state else (
+          'one source', 'a data.mixture')
+      raise DataError(f'the checkpoint read {read}, this run {runs}; resume with the same data '
+                      'or start a new run')
     for name, value in self._key.items():
       if state.get(name) != value:
         raise DataError(f'data iterator state has {name}={state.get(name)!r} but this run has '
@@ -322,9 +313,6 @@ class TrainIterator:
     self.close()
     self._next = position
     if self._mixture is not None:
-      if 'mixture' not in state:
-        raise DataError('the checkpoint read one source, this run a data.mixture; resume with '
-                        'the same data or start a new run')
       self.changed = self._mixture.set_state(state['mixture'], position)
 
 

@@ -18,7 +18,8 @@ import disttrain
 from disttrain import models, moved
 from disttrain.config import Config
 from disttrain.data import mixture, records as records_lib, sources
-from disttrain.data.batches import check_workers, element_spec
+from disttrain.data.batches import element_spec
+from disttrain.data.workers import check_workers
 from disttrain.data.records import Records
 from disttrain.errors import ConfigError
 from disttrain.evaluation import downstream as downstream_lib, tasks as tasks_lib
