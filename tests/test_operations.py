@@ -291,6 +291,34 @@ def test_healthy_slow_steps_are_never_killed_by_the_watchdog(tmp_path):
   assert not (tmp_path / 'hang').exists() and 'watchdog' not in proc.stderr
 
 
+def test_a_hang_ignores_an_earlier_attempts_reports_and_names_the_loop_between_phases(
+    tmp_path, monkeypatch):
+  """A second hang in one workdir took the first's DIR/hang/process_1.txt at once and named
+  its process; the loop's work between phases (agreeing on a stop) read as set-up."""
+  from disttrain.operating import timing, watchdog  # pylint: disable=g-import-not-at-top
+  phases = timing.Phases()
+  with phases('setup'), phases('compile'):
+    pass
+  with phases('step'):
+    pass
+  phases.finished(5000)
+  assert phases.current == 'loop'
+  (tmp_path / 'hang').mkdir()
+  stale = {'process': 1, 'pid': 1, 'host': 'old-host', 'last_step': 5, 'waiting_for': 'data',
+           'silent_seconds': 700, 'fired_at': time.time() - 3600}
+  (tmp_path / 'hang' / 'process_1.txt').write_text(json.dumps(stale) + '\n')
+  monkeypatch.setattr(watchdog, '_GRACE', 0.5)
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  guard = watchdog.Watchdog(0, phases, str(tmp_path))
+  mine = guard._status(700.0)  # pylint: disable=protected-access
+  (tmp_path / 'hang' / 'process_0.txt').write_text(json.dumps(mine) + '\n')
+  reports = guard._reports(2)  # pylint: disable=protected-access
+  assert [r['process'] for r in reports] == [0]
+  verdict = guard._verdict(reports, len(reports) < 2)  # pylint: disable=protected-access
+  assert verdict.startswith('watchdog: process 0 on') and "the loop's own work" in verdict
+  assert 'some processes wrote no report' in verdict
+
+
 def test_nan_before_the_first_checkpoint_says_there_is_none(tmp_path):
   proc = _launch(tmp_path, '--config.num_train_steps=30', '--config.optimizer=sgd',
                  '--config.learning_rate=1e4', '--config.model.dropout=0')

@@ -23,7 +23,7 @@ class Phases:
   def __init__(self):
     self.start = time.perf_counter()
     self.seconds = {name: 0.0 for name in PHASES}
-    self.current = 'setup'
+    self.current = 'loop'  # outside every phase: the loop's own work
     self.last_step: int | None = None
     self.last_beat = time.monotonic()
     self._outer: list[str] = []  # the phases paused by the current one, innermost last

@@ -3,10 +3,10 @@
 Each process's watchdog thread writes its process id, host, pid, last finished step, what the
 loop was waiting for (data, step, eval, checkpoint, records) and every thread's Python stack
 (faulthandler) to stderr and to DIR/hang/process_<i>.txt. Process 0 then reads the others' files
-(a shared workdir, as checkpoints need anyway) and names the slowest one in one line; every
-process exits with HANG_EXIT_CODE. A process waiting in 'step' is blocked in a collective, so
-it is the others it waits for: the slowest is the one with the lowest last step, and among
-equals the one waiting for anything but a step.
+(a shared workdir, as checkpoints need anyway; an earlier attempt's are ignored) and names the
+slowest one in one line; every process exits with HANG_EXIT_CODE. A process waiting in 'step'
+is blocked in a collective, so it is the others it waits for: the slowest is the one with the
+lowest last step, and among equals the one waiting for anything but a step.
 """
 
 import faulthandler
@@ -26,10 +26,12 @@ from disttrain.storage import urls
 
 HANG_EXIT_CODE = Exit.HANG
 _GRACE = 15.0  # seconds a process waits for the others' reports before it exits
+_CLOCK_SKEW = 5.0  # seconds hosts' clocks may differ by (a new attempt starts far later)
 _WAITING = {'step': 'the step (a collective: waiting for another process)', 'data': 'data',
             'sample': 'sampling (GRPO: the decoder or the reward functions)',
             'eval': 'eval', 'checkpoint': 'a checkpoint', 'records': 'metrics of a step',
-            'profile': 'the profiler', 'compile': 'compilation', 'setup': 'set-up'}
+            'profile': 'the profiler', 'compile': 'compilation', 'setup': 'set-up',
+            'loop': "the loop's own work between phases (callbacks, agreeing on a stop)"}
 
 
 def default_seconds(configured: int) -> int:
@@ -45,6 +47,7 @@ class Watchdog:
   def __init__(self, seconds: float, phases: Phases, workdir: str):
     self.seconds, self.phases = seconds, phases
     self.folder = urls.join(workdir, 'hang')
+    self.since = time.time()  # reports fired before it are an earlier attempt's
     self._stop = threading.Event()
     self._thread = None
     if seconds > 0:
@@ -63,7 +66,7 @@ class Watchdog:
   def _status(self, silent: float) -> dict:
     return {'process': jax.process_index(), 'pid': os.getpid(), 'host': socket.gethostname(),
             'last_step': self.phases.last_step, 'waiting_for': self.phases.current,
-            'silent_seconds': round(silent, 1)}
+            'silent_seconds': round(silent, 1), 'fired_at': time.time()}
 
   def _fire(self, silent: float) -> None:
     status = self._status(silent)
@@ -94,9 +97,11 @@ class Watchdog:
       for i in range(count):
         try:
           text = urls.read_text(urls.join(self.folder, f'process_{i}.txt'))
-          reports.append(json.loads(text.split('\n', 1)[0]))
+          report = json.loads(text.split('\n', 1)[0])
         except (OSError, ValueError, AttributeError):  # not written yet (AttributeError: None)
           continue
+        if report.get('fired_at', 0) > self.since - _CLOCK_SKEW:
+          reports.append(report)
       if len(reports) == count or time.monotonic() > deadline:
         return reports
       time.sleep(0.2)
