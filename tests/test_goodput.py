@@ -15,7 +15,7 @@ def _breakdown(wall: float, **seconds) -> dict:
   return {**phases, 'wall_seconds': wall}
 
 
-def _log(tmp_path) -> None:
+def _log(tmp_path, supervised: bool = True) -> None:
   """Attempt 1 starts at t=100, trains steps 1-35 at 1 s each after 10 s of start-up, commits a
   checkpoint at step 30 and is SIGKILLed at t=150 (its records reach step 35); the supervisor
   restarts it after 5 s; attempt 2 starts at t=158, resumes at 30 and ends at step 100 at t=250."""
@@ -30,7 +30,20 @@ def _log(tmp_path) -> None:
                                eval=1.0)},
       {'time': 250.5, 'event': 'exit', 'attempt': 2, 'reason': 'exited with code 0 (ok)'},
   ]
+  if not supervised:  # killed and restarted by a scheduler: no exit events
+    log = [e for e in log if e['event'] != 'exit']
   (tmp_path / 'events.jsonl').write_text(''.join(json.dumps(e) + '\n' for e in log))
+
+
+def test_an_attempt_killed_without_a_supervisor_lasts_until_the_next_start(tmp_path):
+  """With no exit event, attempt 1 fell out of every category (97 s of 150 accounted)."""
+  _log(tmp_path, supervised=False)
+  report = goodput.report(str(tmp_path))
+  s = report['seconds']
+  assert report['attempts'][0]['exit'] == 'killed (no end or exit event)'
+  assert s['productive'] == 100.0 and s['idle_between_attempts'] == 0.0
+  assert s['killed_other'] == 58.0 - 30.0 - 5.0  # its time up to attempt 2's start
+  assert abs(sum(s.values()) - report['wall_seconds']) < 1e-6
 
 
 def test_the_report_accounts_for_every_second(tmp_path):

@@ -8,7 +8,8 @@ or persistent, that the next attempt resumed from), idle time
 between attempts (backoff, the next process starting) and the rest; and the stragglers the
 runs named (events' `straggler`, operating/stragglers.py). An attempt that ended
 normally or with an error reports its own time breakdown; one that was killed reports none, so
-its steps are costed at the run's mean step time and the rest of its time is `killed, other`.
+its steps are costed at the run's mean step time and the rest of its time is `killed, other`
+(up to the next attempt's start when no supervisor's exit event says when it died).
 """
 
 import dataclasses
@@ -46,6 +47,8 @@ def attempts(workdir: str, log: list[dict] | None = None) -> list[Attempt]:
   for e in events_lib.read(workdir) if log is None else log:
     kind = e.get('event')
     if kind == 'start':
+      if out and out[-1].ended is None:  # killed with no supervisor to say when: till now
+        out[-1].ended, out[-1].exit = e['time'], 'killed (no end or exit event)'
       out.append(Attempt(number=e['attempt'], started=e['time']))
     elif not out:
       continue
@@ -91,7 +94,9 @@ def report(workdir: str) -> dict:
         seconds[name] += t[name]
       seconds['other'] += t.get('other', 0.0) + t.get('profile', 0.0)
     elif a.ended is not None:
-      kept = (runs[i + 1].first_step - a.first_step) * per_step if i + 1 < len(runs) else 0.0
+      # None kept when the next resumed from before this one's start (a damaged checkpoint).
+      kept = max(runs[i + 1].first_step - a.first_step, 0) * per_step if i + 1 < len(runs) \
+          else 0.0
       seconds['productive'] += kept
       seconds['killed_other'] += max(a.ended - a.started - kept - lost, 0.0)
   last = runs[-1]
