@@ -292,7 +292,7 @@ def test_healthy_slow_steps_are_never_killed_by_the_watchdog(tmp_path):
 
 
 def test_a_hang_ignores_an_earlier_attempts_reports_and_names_the_loop_between_phases(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, capfd):
   """A second hang in one workdir took the first's DIR/hang/process_1.txt at once and named
   its process; the loop's work between phases (agreeing on a stop) read as set-up."""
   from disttrain.operating import timing, watchdog  # pylint: disable=g-import-not-at-top
@@ -317,6 +317,20 @@ def test_a_hang_ignores_an_earlier_attempts_reports_and_names_the_loop_between_p
   verdict = guard._verdict(reports, len(reports) < 2)  # pylint: disable=protected-access
   assert verdict.startswith('watchdog: process 0 on') and "the loop's own work" in verdict
   assert 'some processes wrote no report' in verdict
+  # A workdir that cannot take the report: the process still says why and exits (the thread
+  # died with the write's error, leaving the hang silent).
+  class Exited(Exception):
+    pass
+  def refuse(*args):
+    raise OSError('bucket down')
+  monkeypatch.setattr(watchdog.urls, 'write_text', refuse)
+  monkeypatch.setattr(watchdog.Watchdog, '_reports', lambda self, count: [])
+  monkeypatch.setattr(watchdog.os, '_exit', lambda code: (_ for _ in ()).throw(Exited(code)))
+  with pytest.raises(Exited):
+    guard._fire(700.0)  # pylint: disable=protected-access
+  err = capfd.readouterr().err
+  assert 'could not write its report to' in err and 'OSError: bucket down' in err
+  assert 'no process report could be read' in err
 
 
 def test_nan_before_the_first_checkpoint_says_there_is_none(tmp_path):

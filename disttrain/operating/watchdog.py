@@ -74,20 +74,26 @@ class Watchdog:
             f'finished no step for {silent:.0f}s (watchdog_seconds={self.seconds:g}); last '
             f'finished step {status["last_step"]}, waiting for '
             f'{_WAITING.get(status["waiting_for"], status["waiting_for"])}')
-    with tempfile.TemporaryFile('w+', encoding='utf-8') as f:  # faulthandler needs a real file
-      f.write(json.dumps(status) + '\n' + line + '\n\n')
-      f.flush()
-      faulthandler.dump_traceback(f, all_threads=True)
-      f.seek(0)
-      # Complete files only (process 0 reads them), in the workdir, local or a bucket.
-      urls.write_text(urls.join(self.folder, f'process_{status["process"]}.txt'), f.read())
     print(line, file=sys.stderr, flush=True)
-    faulthandler.dump_traceback(sys.stderr, all_threads=True)
-    reports = self._reports(jax.process_count())
-    if status['process'] == 0:
-      print(self._verdict(reports, len(reports) < jax.process_count()), file=sys.stderr,
-            flush=True)
-    os._exit(HANG_EXIT_CODE)  # the main thread is stuck: nothing else can end the process
+    try:  # the process must still exit below if the workdir cannot take the report
+      with tempfile.TemporaryFile('w+', encoding='utf-8') as f:  # faulthandler needs a real file
+        f.write(json.dumps(status) + '\n' + line + '\n\n')
+        f.flush()
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        # Complete files only (process 0 reads them), in the workdir, local or a bucket.
+        urls.write_text(urls.join(self.folder, f'process_{status["process"]}.txt'), f.read())
+    except Exception as e:  # pylint: disable=broad-except
+      print(f'watchdog: could not write its report to {self.folder}: {type(e).__name__}: {e}',
+            file=sys.stderr, flush=True)
+    try:
+      faulthandler.dump_traceback(sys.stderr, all_threads=True)
+      reports = self._reports(jax.process_count())
+      if status['process'] == 0:
+        print(self._verdict(reports, len(reports) < jax.process_count()), file=sys.stderr,
+              flush=True)
+    finally:
+      os._exit(HANG_EXIT_CODE)  # the main thread is stuck: nothing else can end the process
 
   def _reports(self, count: int) -> list[dict]:
     """The statuses in DIR/hang/, waiting up to _GRACE seconds for all `count` processes."""
@@ -108,6 +114,9 @@ class Watchdog:
 
   def _verdict(self, reports: list[dict], incomplete: bool) -> str:
     """One line naming the slowest process."""
+    if not reports:
+      return (f'watchdog: no process report could be read from {self.folder}/; each process '
+              'printed its stacks to its stderr')
     step = lambda r: -1 if r['last_step'] is None else r['last_step']
     slowest = min(reports, key=lambda r: (step(r), r['waiting_for'] == 'step', r['process']))
     missing = ' (some processes wrote no report: they may have died)' if incomplete else ''
