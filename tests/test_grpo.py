@@ -193,7 +193,7 @@ def test_the_trained_log_probabilities_of_sampled_rows_are_the_samplers(tmp_path
   each completion token the log-probability the sampler drew it with (1e-5): prompt, positions,
   segments and targets line up."""
   del tmp_path
-  from disttrain.hf import generate  # pylint: disable=g-import-not-at-top
+  from disttrain.models import decoding  # pylint: disable=g-import-not-at-top
   from disttrain.training import setup as setup_lib  # pylint: disable=g-import-not-at-top
   cfg, rewards = _example(**LAYOUT)
   run = setup_lib.setup(cfg, devices=devices(8), rewards=rewards)
@@ -202,7 +202,7 @@ def test_the_trained_log_probabilities_of_sampled_rows_are_the_samplers(tmp_path
   mask = np.repeat(r.prompt_set.arrays['prompt_mask'][:8], 8, axis=0).astype(np.int32)
   positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
   put = lambda x: jax.device_put(x, run.batch_sharding)
-  loop = generate.decode_loop(run.model.module, r.new, r.stops, 1.0, 0, 1.0)
+  loop = decoding.decode_loop(run.model.module, r.new, r.stops, 1.0, 0, 1.0)
   tokens, sampled = jax.jit(loop)(state.params, put(prompt), put(mask), put(positions),
                                   jax.random.key(3))
   tokens, sampled = np.asarray(tokens), np.asarray(sampled)

@@ -14,9 +14,9 @@ i + 1 is dispatched before batch i is fetched, so the device does not wait for t
 
 A request's row is lm-eval's: (context + continuation)[-(max_len + 1):][:-1], right-padded (a
 causal model's real tokens never see the padding after them); the continuation's tokens are the
-targets of its last positions. Greedy continuations run generate.py's KV-cache decode loop on
-left-padded prompts in batches of the same B rows, prompts longer than max_len - max_new cut from
-the left (as lm-eval cuts them), each row stopping at its first stop id (tokenizer.stop_ids).
+targets of its last positions. Greedy continuations run models/decoding.py's KV-cache decode loop
+on left-padded prompts in batches of the same B rows, prompts longer than max_len - max_new cut
+from the left (as lm-eval cuts them), each row stopping at its first stop id (tokenizer.stop_ids).
 """
 
 import collections
@@ -29,8 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from disttrain.data.batches import Assembler
-from disttrain.hf import generate
-from disttrain.models import lora, moe, preference
+from disttrain.models import decoding, lora, moe, preference
 from disttrain.parallel.mesh import Parallelism
 from disttrain.parallel.state import FROZEN
 
@@ -139,7 +138,7 @@ class Scorer:
 
   def _decoder(self, max_new: int):
     if max_new not in self._decoders:
-      loop = generate.decode_loop(self.module, max_new, self.stops, 0.0, 0, 1.0)
+      loop = decoding.decode_loop(self.module, max_new, self.stops, 0.0, 0, 1.0)
 
       def run(params, mutable, tokens_BxP, segments_BxP, positions_BxP):
         TRACES['greedy'] += 1
@@ -158,13 +157,13 @@ class Scorer:
     def collect(chosen, new_BxN) -> None:
       new = _fetch(new_BxN)
       for row, i in enumerate(chosen):
-        out[i] = [int(t) for t in generate.until_stop(new[row], self.stops)]
+        out[i] = [int(t) for t in decoding.until_stop(new[row], self.stops)]
       progress(len(chosen))
     for chosen in self._batches([len(p) for p in prompts]):
       p = bucket(len(prompts[chosen[0]]), limit)
       # Filler rows repeat the first prompt: they stop with it instead of running to max_new.
       rows = [prompts[i] for i in chosen] + [prompts[chosen[0]]] * (self.rows - len(chosen))
-      tokens, segments, positions = generate.left_padded(rows, p)
+      tokens, segments, positions = decoding.left_padded(rows, p)
       batch = self._placed({'tokens': tokens, 'segments': segments, 'positions': positions})
       result = decode(params, mutable, batch['tokens'], batch['segments'], batch['positions'])
       if pending is not None:

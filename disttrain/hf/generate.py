@@ -11,7 +11,8 @@ positions count from each prompt's first token), prefilled in one forward pass t
 cache, then decoded one token per step inside a `lax.while_loop` until every row has produced a
 stop id (EOS; an instruct model's end of turn from generation_config.json) or max_new_tokens:
 one compilation per (batch, prompt bucket, length), none per token. The cache is an argument and
-a result of the model, never training state. Temperature 0 is greedy.
+a result of the model, never training state. Temperature 0 is greedy. The loop itself is
+models/decoding.py (the scorer and GRPO rollouts run it too).
 """
 
 import dataclasses
@@ -23,14 +24,12 @@ import types
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from disttrain.data import chat
 from disttrain.errors import ConfigError, one_line_errors
-from disttrain.models import moe
-from disttrain.models.layers import Decode
+from disttrain.models import decoding, moe
 
 _BUCKET = 8  # prompt lengths are padded up to a multiple of this (fewer compilations)
 
@@ -49,101 +48,11 @@ class Generation:
     return sum(len(t) for t in self.tokens) / max(self.seconds, 1e-9)
 
 
-def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k: int,
-           top_p: float) -> jax.Array:
-  """Next tokens [B]: argmax at temperature 0, else a draw from the tempered distribution
-  restricted to the top_k tokens and to the smallest set whose probability reaches top_p."""
-  if temperature == 0:
-    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-  logits = logits_BxV.astype(jnp.float32) / temperature
-  if top_k:
-    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if top_p < 1.0:
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    before = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1) - jax.nn.softmax(
-        sorted_logits, axis=-1)
-    sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)  # keeps the first one
-    logits = jnp.full_like(logits, -jnp.inf).at[
-        jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
-_TRACES = [0]
-
-
-def decode_loop(module, max_new: int, stops: int | tuple[int, ...], temperature: float,
-                top_k: int, top_p: float):
-  """(params, prompt tokens, segments, positions [B, P], key) -> (new tokens, their log-probs)
-  [B, N]; a row is done at its first id in `stops` (-1: none), then padded with stops[0]."""
-  stops = stop_ids(stops) or (-1,)
-  eos = stops[0]
-
-  def run(params, tokens_BxP, segments_BxP, positions_BxP, key):
-    _TRACES[0] += 1
-    b, p = tokens_BxP.shape
-    cache = module.init_cache(b, p + max_new)
-    kv_segments = jnp.zeros((b, p + max_new), jnp.int32).at[:, :p].set(segments_BxP)
-    apply = lambda tokens, positions, segments, kv, at, cache: module.apply(
-        {'params': params}, tokens, False, positions=positions, segment_ids=segments,
-        decode=Decode(kv, at), cache=cache)
-    def pick(logits_BxV, i):
-      token = sample(logits_BxV, jax.random.fold_in(key, i), temperature, top_k, top_p)
-      logprob = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV.astype(jnp.float32)),
-                                    token[:, None], axis=-1)[:, 0]
-      return token, logprob
-    logits, cache = apply(tokens_BxP, positions_BxP, segments_BxP, kv_segments, 0, cache)
-    token, logprob = pick(logits[:, -1], 0)
-    out = (jnp.full((b, max_new), eos, jnp.int32), jnp.zeros((b, max_new), jnp.float32))
-    done = jnp.zeros((b,), bool)
-    state = (0, token, logprob, positions_BxP[:, -1] + 1, done, out, cache, kv_segments)
-
-    def cond(state):
-      i, _, _, _, done, *_ = state
-      return (i < max_new) & ~jnp.all(done)
-
-    def body(state):
-      i, token, logprob, position, done, (out, logprobs), cache, kv = state
-      out = out.at[:, i].set(jnp.where(done, eos, token))
-      logprobs = logprobs.at[:, i].set(logprob)
-      done = done | jnp.isin(token, jnp.asarray(stops, jnp.int32))
-      kv = kv.at[:, p + i].set(1)
-      logits, cache = apply(token[:, None], position[:, None], jnp.ones((b, 1), jnp.int32), kv,
-                            p + i, cache)
-      token, logprob = pick(logits[:, 0], i + 1)
-      return i + 1, token, logprob, position + 1, done, (out, logprobs), cache, kv
-    return jax.lax.while_loop(cond, body, state)[5]
-  return run
-
-
-def stop_ids(ids) -> tuple[int, ...]:
-  """`ids` (None, one id, or a sequence of them) as a tuple of ints."""
-  return () if ids is None else tuple(int(i) for i in np.ravel(ids))
-
-
-def until_stop(row: np.ndarray, stops: Sequence[int]) -> np.ndarray:
-  """The tokens of `row` before its first id in `stops` (all of them if none)."""
-  ends = np.flatnonzero(np.isin(row, stops))
-  return row[:ends[0]] if len(ends) else row
-
-
-def left_padded(prompts: list[list[int]], length: int) -> tuple[np.ndarray, ...]:
-  """(tokens, segments, positions) [B, length] int32 of prompts left-padded to `length`:
-  padding is segment 0 at position 0, positions count from each prompt's first token."""
-  tokens, segments, positions = (np.zeros((len(prompts), length), np.int32) for _ in range(3))
-  for row, prompt in enumerate(prompts):
-    tokens[row, length - len(prompt):] = prompt
-    segments[row, length - len(prompt):] = 1
-    positions[row, length - len(prompt):] = np.arange(len(prompt))
-  return tokens, segments, positions
-
-
 @functools.lru_cache(maxsize=16)
 def _compiled_loop(module, max_new: int, stops: tuple[int, ...], temperature: float, top_k: int,
                    top_p: float):
   """The jitted loop of these settings (one per setting: each traces once per shape)."""
-  loop = decode_loop(module, max_new, stops, temperature, top_k, top_p)
+  loop = decoding.decode_loop(module, max_new, stops, temperature, top_k, top_p)
   return jax.jit(lambda params, t, s, q, key: loop(params, t, s, q, jax.random.wrap_key_data(key)))
 
 
@@ -170,8 +79,8 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 6
     raise ConfigError(f'a prompt of {longest} tokens + max_new_tokens={max_new_tokens} is longer '
                       f'than the model context of {context} tokens; shorten the prompt or '
                       'generate fewer tokens')
-  tokens, segments, positions = left_padded(prompts, p)
-  stops = stop_ids(eos_id)
+  tokens, segments, positions = decoding.left_padded(prompts, p)
+  stops = decoding.stop_ids(eos_id)
   if mesh is None:
     mesh = getattr(getattr(jax.tree.leaves(params)[0], 'sharding', None), 'mesh', None)
   put = lambda x: jax.device_put(x, None if mesh is None else NamedSharding(mesh, P()))
@@ -187,10 +96,10 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 6
   seconds = time.perf_counter() - start
   new, scores = [], []
   for row, row_logprobs in zip(np.asarray(out), np.asarray(logprobs)):
-    n = len(until_stop(row, stops))
+    n = len(decoding.until_stop(row, stops))
     new.append([int(t) for t in row[:n]])
     scores.append([float(x) for x in row_logprobs[:n]])
-  return Generation(new, scores, seconds, compile_seconds, _TRACES[0])
+  return Generation(new, scores, seconds, compile_seconds, decoding.TRACES[0])
 
 
 class SampleAtEnd:
@@ -277,7 +186,7 @@ def _as_json(lm, f, prompts: list[list[int]], result: Generation, stops) -> dict
               'stop': 'length' if len(new) == f.max_new_tokens else 'eos'}
              for text, ids, new, logprobs in zip(f.prompt, prompts, result.tokens, result.logprobs)]
   return {'source': lm.source, 'mesh': dict(lm.mesh.shape),
-          'eos_id': stops[0] if stops else None, 'stop_ids': list(stops),
+          'eos_id': stops[0] if stops else None, 'decoding.stop_ids': list(stops),
           'settings': {'max_new_tokens': f.max_new_tokens, 'temperature': f.temperature,
                        'top_k': f.top_k, 'top_p': f.top_p, 'seed': f.seed},
           'samples': samples, 'seconds': result.seconds,

@@ -3,9 +3,9 @@
 Each step (training/loop.py) reads global_batch_size / group_size prompts (data/prompts.py) and
 hands them here with the current state:
   1. sample: each prompt repeated group_size times, rows split over the batch axes of the
-     training mesh, decoded by generate.py's compiled KV-cache loop from the current policy (the
-     LoRA adapters on their frozen base as trained); the key is fold_in(seed, step), so a resumed
-     run samples what the uninterrupted one did;
+     training mesh, decoded by models/decoding.py's compiled KV-cache loop from the current
+     policy (the LoRA adapters on their frozen base as trained); the key is fold_in(seed,
+     step), so a resumed run samples what the uninterrupted one did;
   2. score: every process fetches the completions and calls the reward functions
      f(prompts, completions, completion_ids=..., **fields) -> list[float] (TRL's reward_funcs),
      summed;
@@ -37,8 +37,7 @@ from disttrain.config import Config
 from disttrain.data import batches as batches_lib, prompts as prompts_lib
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.errors import ConfigError, DataError
-from disttrain.hf import generate
-from disttrain.models import grpo, lora, preference
+from disttrain.models import decoding, grpo, lora, preference
 from disttrain.parallel.state import FROZEN
 
 Reward = tuple[str, Callable]
@@ -143,7 +142,7 @@ class Rollout:
                         f'{self.new} exceed the model\'s {context} positions; shorten one')
     self.adapters = isinstance(policy, lora.LoraModel)
     module = (policy.adapted_model if self.adapters else policy).module
-    loop = generate.decode_loop(module, self.new, self.stops, g.temperature, g.top_k, g.top_p)
+    loop = decoding.decode_loop(module, self.new, self.stops, g.temperature, g.top_k, g.top_p)
 
     def sample(params, mutable, tokens, segments, positions, key):
       if self.adapters:
