@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import disttrain
-import disttrain.hf.generate as generate_lib
+from disttrain.models import decoding
 from disttrain.models.decoder import Decoder
 from disttrain.hf import trained
 from tests import helpers
@@ -55,10 +55,10 @@ def test_greedy_decoding_with_the_cache_equals_the_full_forward_argmax(run_dir):
       dataclasses.replace(lm.model.cfg, sliding_window=8)))
   params = jax.device_get(lm.params)
   for model in (lm.model, windowed):
-    before = generate_lib._TRACES[0]  # pylint: disable=protected-access
+    before = decoding.TRACES[0]  # pylint: disable=protected-access
     out = disttrain.generate(model, lm.params, prompts, max_new_tokens=32, mesh=lm.mesh,
                              context=lm.context)
-    assert generate_lib._TRACES[0] == before + 1  # pylint: disable=protected-access
+    assert decoding.TRACES[0] == before + 1  # pylint: disable=protected-access
     for prompt, new, logprobs in zip(prompts, out.tokens, out.logprobs):
       assert len(new) == 32  # the byte tokenizer's EOS (256) is never likely here
       sequence = jnp.asarray([prompt + new])
@@ -84,10 +84,10 @@ def test_sampling_settings(run_dir):
   assert run(temperature=1.0, seed=3) == run(temperature=1.0, seed=3)
   assert run(temperature=1.0, seed=3) != run(temperature=1.0, seed=4)
   logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
-  draws = [int(generate_lib.sample(logits, jax.random.key(i), 1.0, 0, 0.7)[0])
+  draws = [int(decoding.sample(logits, jax.random.key(i), 1.0, 0, 0.7)[0])
            for i in range(300)]
   assert set(draws) == {0, 1}  # top_p 0.7: 0.5 + 0.3 reach it, 0.15 and 0.05 are cut
-  draws = [int(generate_lib.sample(logits, jax.random.key(i), 1.0, 3, 1.0)[0])
+  draws = [int(decoding.sample(logits, jax.random.key(i), 1.0, 3, 1.0)[0])
            for i in range(300)]
   assert set(draws) == {0, 1, 2}
 

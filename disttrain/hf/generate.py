@@ -186,7 +186,7 @@ def _as_json(lm, f, prompts: list[list[int]], result: Generation, stops) -> dict
               'stop': 'length' if len(new) == f.max_new_tokens else 'eos'}
              for text, ids, new, logprobs in zip(f.prompt, prompts, result.tokens, result.logprobs)]
   return {'source': lm.source, 'mesh': dict(lm.mesh.shape),
-          'eos_id': stops[0] if stops else None, 'decoding.stop_ids': list(stops),
+          'eos_id': stops[0] if stops else None, 'stop_ids': list(stops),
           'settings': {'max_new_tokens': f.max_new_tokens, 'temperature': f.temperature,
                        'top_k': f.top_k, 'top_p': f.top_p, 'seed': f.seed},
           'samples': samples, 'seconds': result.seconds,
