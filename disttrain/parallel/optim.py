@@ -48,7 +48,8 @@ def schedule(cfg: Config, peak: float | None = None) -> optax.Schedule:
   end = peak * cfg.min_lr_ratio
   decay_steps = max(cfg.num_train_steps - cfg.warmup_steps, 1)
   if cfg.lr_schedule == 'wsd':
-    decay = max(int(round(cfg.wsd_decay_fraction * cfg.num_train_steps)), 1)
+    # At most what warm-up leaves: a longer decay would end above min_lr_ratio at the last step.
+    decay = min(max(int(round(cfg.wsd_decay_fraction * cfg.num_train_steps)), 1), decay_steps)
     main = optax.join_schedules([optax.constant_schedule(peak),
                                  optax.linear_schedule(peak, end, decay)],
                                 [max(decay_steps - decay, 0)])
