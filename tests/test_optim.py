@@ -117,18 +117,22 @@ def _reference_lr(step: int, kind: str, peak=1.0, warmup=10, total=100, ratio=0.
     return peak * (ratio + (1 - ratio) * 0.5 * (1 + np.cos(np.pi * min(t, span) / span)))
   if kind == 'linear':
     return peak + (ratio * peak - peak) * min(t, span) / span
-  decay = round(fraction * total)
+  decay = min(round(fraction * total), span)  # what warm-up leaves, at most
   return peak if t < span - decay else peak + (ratio * peak - peak) * min(
       t - (span - decay), decay) / decay
 
 
-@pytest.mark.parametrize('kind', ['cosine', 'linear', 'wsd'])
-def test_schedules_warm_up_and_end_at_the_minimum_ratio(kind):
+@pytest.mark.parametrize('kind,fraction', [('cosine', 0.2), ('linear', 0.2), ('wsd', 0.2),
+                                           ('wsd', 0.95)])
+def test_schedules_warm_up_and_end_at_the_minimum_ratio(kind, fraction):
+  """wsd 0.95: a decay longer than warm-up leaves starts after warm-up (it ended at 0.15)."""
   cfg = _config(lr_schedule=kind, learning_rate=1.0, warmup_steps=10, num_train_steps=100,
-                min_lr_ratio=0.1)
+                min_lr_ratio=0.1, wsd_decay_fraction=fraction)
   schedule = optim.schedule(cfg)
   np.testing.assert_allclose([float(schedule(s)) for s in range(101)],
-                             [_reference_lr(s, kind) for s in range(101)], rtol=1e-6, atol=1e-7)
+                             [_reference_lr(s, kind, fraction=fraction) for s in range(101)],
+                             rtol=1e-6, atol=1e-7)
+  assert abs(float(schedule(100)) - 0.1) < 1e-6
 
 
 def test_ema_equals_the_running_average_written_out(problem):
@@ -308,8 +312,12 @@ def test_muon_on_data_fsdp_tensor_equals_one_device():
   helpers.assert_trees_close(params, ref_params, 1e-5, 4e-6, 'muon params on 8 devices')
 
 
-def test_muon_fields_refuse_what_would_be_ignored():
+def test_optimizer_fields_refuse_what_would_be_ignored():
   with pytest.raises(ConfigError, match="adam_learning_rate=0.001 is the AdamW part of optimizer="):
     _config(optimizer='adamw', adam_learning_rate=1e-3)
   with pytest.raises(ConfigError, match='weight_decay_embeddings=True'):
     _config(optimizer='muon', weight_decay_embeddings=True)
+  for optimizer in ('adam', 'sgd'):  # optax's adam and sgd take no decay: it was dropped
+    with pytest.raises(ConfigError,
+                       match=f"weight_decay=0.1 does nothing with optimizer='{optimizer}'"):
+      _config(optimizer=optimizer, weight_decay=0.1)

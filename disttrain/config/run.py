@@ -173,6 +173,10 @@ class Config:
       raise ConfigError(f'adam_learning_rate={self.adam_learning_rate} is the AdamW part of '
                         f"optimizer='muon', got optimizer={self.optimizer!r}; set "
                         "optimizer='muon' or leave adam_learning_rate at 0")
+    if self.weight_decay and self.optimizer in ('adam', 'sgd'):
+      raise ConfigError(f'weight_decay={self.weight_decay} does nothing with optimizer='
+                        f"{self.optimizer!r}; use optimizer='adamw' (or lion, adafactor, muon) "
+                        'or set weight_decay=0')
     if self.optimizer == 'muon' and self.weight_decay_embeddings:
       raise ConfigError("weight_decay_embeddings=True: optimizer='muon' updates the embeddings "
                         'with its AdamW part, which is not decayed; use optimizer=adamw or '
