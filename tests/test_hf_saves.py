@@ -108,3 +108,18 @@ def test_saves_of_a_model_no_hugging_face_layout_holds_are_refused_before_traini
     disttrain.train(helpers.make_config(hf_save_every_steps=2, num_train_steps=2), str(tmp_path),
                     devices=devices(1))
   assert not (tmp_path / 'checkpoints').exists()
+
+
+def test_a_diverged_run_writes_no_hugging_face_save(tmp_path):
+  """hf_save_every_steps wrote DIR/hf/2 of NaN weights (no finite check, no flush of the
+  records at that step) before the NonFiniteError said the state was not saved."""
+  from disttrain.errors import NonFiniteError  # pylint: disable=g-import-not-at-top
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'char_lm.py')
+  cfg = disttrain.from_config_dict(helpers.override(cd, {
+      'num_train_steps': 4, 'hf_save_every_steps': 2, 'log_every_steps': 4, 'optimizer': 'sgd',
+      'learning_rate': 1e38, 'lr_schedule': 'constant', 'warmup_steps': 0,
+      'eval_every_steps': 0, 'global_batch_size': 8, 'data.seq_len': 32,
+      'model.num_layers': 1, 'model.hidden': 32}))
+  with pytest.raises(NonFiniteError, match='that state was not saved'):
+    disttrain.train(cfg, str(tmp_path), devices=devices(1))
+  assert not (tmp_path / 'hf').exists() or not os.listdir(tmp_path / 'hf')

@@ -258,6 +258,16 @@ class Saver:
       return f'there is no checkpoint yet in {self.ckpt.directory}'
     return f'the last checkpoint is step {saved[-1]} in {self.ckpt.directory}'
 
+  def check_finite(self, step_no: int, exported) -> None:
+    """Raises unless every parameter is finite: grad_norm is only computed on logged steps, so
+    the parameters themselves are checked before any save (checkpoint or Hugging Face)."""
+    with self.phases('step'):  # the check waits for the steps still running
+      finite = bool(step_lib.params_finite(exported.params))
+    if not finite:
+      raise NonFiniteError(f'step {step_no}: the parameters are not finite (the losses up to '
+                           f'here were); that state was not saved, {self.last_saved()}; lower '
+                           'learning_rate')
+
   def maybe_save(self, step_no: int, device_state, force: bool = False,
                  evals: dict | None = None) -> bool:
     due = force or (self.cfg.checkpoint_every_steps
@@ -267,14 +277,7 @@ class Saver:
       return False
     with self.phases('checkpoint'):
       exported = self.steps.export(device_state)
-      # grad_norm is only computed on logged steps: the parameters themselves are checked here,
-      # so a non-finite state is never saved whatever step it appears at.
-      with self.phases('step'):  # the check waits for the steps still running
-        finite = bool(step_lib.params_finite(exported.params))
-      if not finite:
-        raise NonFiniteError(f'step {step_no}: the parameters are not finite (the losses up to '
-                             f'here were); that state was not saved, {self.last_saved()}; lower '
-                             'learning_rate')
+      self.check_finite(step_no, exported)
       if not due:  # the fast tier only: each process's own disk (storage/local_tier.py)
         self.ckpt.save_local(step_no, exported, self.batches.get_state(), self.meta(step_no))
         return False

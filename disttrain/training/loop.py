@@ -318,7 +318,8 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
     acts.profiler.maybe_stop(step_no, device_state)
     eval_due = last or (cfg.eval_every_steps and step_no % cfg.eval_every_steps == 0)
     save_due = last or (cfg.checkpoint_every_steps and step_no % cfg.checkpoint_every_steps == 0)
-    if eval_due or save_due:
+    hf_due = acts.hf_saves.due(step_no, last)
+    if eval_due or save_due or hf_due:
       acts.records.flush()  # every step up to here is checked finite before anything is saved
     evals = acts.evaluator.maybe_eval(step_no, device_state, force=last)
     # Records and evals are emitted at the same steps on every process: a matched agreement.
@@ -333,10 +334,11 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
     # would otherwise rank it by an older state's eval and drop the state evaluated).
     acts.saver.maybe_save(step_no, device_state, force=last or stop is not None,
                           evals=acts.evaluator.checkpoint_metrics() if evals else None)
-    if acts.hf_saves.due(step_no, last):
+    if hf_due:
       with phases('checkpoint'):
-        params = adapters.plain_params(run.model, steps.export(device_state))
-        acts.hf_saves.save(step_no, params)
+        exported = steps.export(device_state)
+        acts.saver.check_finite(step_no, exported)
+        acts.hf_saves.save(step_no, adapters.plain_params(run.model, exported))
     phases.finished(step_no)
     if stop is not None:
       break
