@@ -2,6 +2,7 @@
 a run on data x fsdp x tensor equal to 1 device, a SIGKILLed run resuming bit for bit, and the
 example config learning its sums."""
 
+import os
 import subprocess
 import sys
 
@@ -184,6 +185,21 @@ def _example(**overrides):
 
 def _records(workdir) -> dict:
   return {r['step']: r for r in helpers.metrics_records(workdir)}
+
+
+def test_a_resume_with_other_iterations_is_refused_keeping_the_checkpoint(tmp_path):
+  """GRPO's data position counts sampled batches: a checkpoint at step 3 resumed with
+  grpo.iterations=2 never met num_train_steps and ended at 7 'done', with no final save."""
+  from disttrain.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  common = {'global_batch_size': 16, 'log_every_steps': 2, 'checkpoint_every_steps': 0}
+  cfg, rewards = _example(num_train_steps=3, **common)
+  disttrain.train(cfg, str(tmp_path), devices=devices(1), rewards=rewards)
+  cfg, rewards = _example(num_train_steps=8, steps_per_dispatch=2, **{'grpo.iterations': 2},
+                          **common)
+  with pytest.raises(ConfigError, match='checkpoint is at step 3, not a multiple of '
+                                        r'steps_per_dispatch=2 \(grpo.iterations\)'):
+    disttrain.train(cfg, str(tmp_path), devices=devices(1), rewards=rewards)
+  assert os.listdir(tmp_path / 'checkpoints') == ['3']
 
 
 @pytest.mark.slow

@@ -169,6 +169,12 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
       state = _restore_or_init(ckpt, run, batches, hooks, writer, preflight_fresh)
     run.state = None  # donated to the first step: never touch it again
     first_step = int(jax.device_get(state.step))
+    if first_step % cfg.steps_per_dispatch and first_step < cfg.num_train_steps:
+      # GRPO's data position counts sampled batches, so the iterator's own check passes.
+      raise errors.ConfigError(f'the checkpoint is at step {first_step}, not a multiple of '
+                               f'steps_per_dispatch={cfg.steps_per_dispatch} (grpo.iterations); '
+                               'resume with the value it was saved with, or one that divides '
+                               'the step')
     # Records of steps after it, from an attempt killed before its next checkpoint, step aside.
     lost_through = writer.start(first_step)
     if first_step or lost_through is not None:
