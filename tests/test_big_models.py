@@ -339,6 +339,14 @@ def test_bf16_halves_the_activations_kept_for_the_backward_pass():
   assert bf16 <= 0.66 * f32, (bf16 / 2**20, f32 / 2**20)
 
 
+def test_saved_activations_are_one_steps_whatever_steps_per_dispatch():
+  """The count took the loop's [K, B] batch for one step's [B]: K=2 raised a shape error."""
+  saved = [memory.saved_activation_bytes(disttrain.setup(helpers.make_config(
+      num_train_steps=8, steps_per_dispatch=k, log_every_steps=4), devices=devices(1)))
+           for k in (1, 2)]
+  assert saved[0] == saved[1] > 0
+
+
 @pytest.mark.slow
 def test_bf16_trains_like_float32(tmp_path):
   """30 steps from the same start, bf16 compute vs float32. bf16 keeps 8 bits of mantissa, so

@@ -107,8 +107,9 @@ def saved_activation_bytes(run: 'Setup') -> int:
   the backend (XLA:CPU computes bf16 dots in float32)."""
   policy = step_lib.Policy(jnp.dtype(run.cfg.precision.compute_dtype))
   micro = run.cfg.global_batch_size // run.cfg.grad_accum_steps
+  spec = run.step_spec or element_spec(run.train_data)  # [B, ...]: one step's, whatever K
   batch = {k: jax.ShapeDtypeStruct((micro,) + v.shape[1:], v.dtype)
-           for k, v in train_batch_spec(run).items()}
+           for k, v in spec.items() if k != records_lib.MASK}
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.state.params)
   mutable = run.state.mutable
 
