@@ -75,6 +75,23 @@ def test_chunked_loss_equals_full_loss_and_gradients(tied):
                        f'remade chunked loss gradients {row_weights}')
 
 
+def test_a_target_beyond_the_vocabulary_is_nan_full_or_chunked():
+  """V = 1000 pads to 1024: a target in [1000, 1024) met the padded logit -1e9 and cost a
+  finite 1e9 per token, which no NaN guard saw; >= 1024 was already NaN."""
+  batch = _batch()
+  for chunk in (-1, 16):
+    model = _model(chunk, False)
+    variables = model.init(jax.random.key(0), batch)
+    for bad in (V, 1023, 1024):
+      at = np.arange(T) == 20  # counted in every row
+      row = {**batch, 'targets': np.where(at, bad, batch['targets']),
+             'loss_mask': np.where(at, 1, batch['loss_mask'])}
+      outputs = model.apply(variables, row, train=False, rng=None)[0]
+      loss = np.asarray(NextToken().per_example(outputs, row)['loss'])
+      assert np.isnan(loss).all() and np.isfinite(np.asarray(
+          NextToken().per_example(outputs, batch)['loss'])).all(), (chunk, bad, loss)
+
+
 def test_auto_chunks_only_large_logits():
   assert chunked_loss.chunk_tokens(0, 128, 256) == 0  # the tiny test models: one matmul
   assert chunked_loss.chunk_tokens(0, 2048, 262_144) == 64  # 64 MiB of logits per row

@@ -49,6 +49,11 @@ def describe(setting: int, seq_len: int, padded_vocab: int) -> dict:
           'setting': setting}
 
 
+_PADDED = -1e9  # the logit of a padded vocabulary id
+# A target at a padded id costs ~1e9 (/ temperature): no real token's loss comes near this.
+_PADDED_LOSS = 1e7
+
+
 def logits(hidden_BxTxD: jax.Array, unembed: jax.Array, tied: bool, vocab_size: int,
            dtype, softcap: float = 0.0) -> jax.Array:
   """Float32 logits [B, T, padded V], the padded ids at -1e9 (no probability); with `softcap`,
@@ -62,7 +67,7 @@ def logits(hidden_BxTxD: jax.Array, unembed: jax.Array, tied: bool, vocab_size: 
   if softcap:
     logits_BxTxV = softcap * jnp.tanh(logits_BxTxV / softcap)
   real_V = jnp.arange(logits_BxTxV.shape[-1]) < vocab_size
-  return jnp.where(real_V, logits_BxTxV, -1e9)
+  return jnp.where(real_V, logits_BxTxV, _PADDED)
 
 
 @struct.dataclass
@@ -84,7 +89,8 @@ class Features:
 
 def token_values(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
                  weights_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Per-token (loss, correct) [B, T], 0 where the weight is 0; a counted target >= V is NaN."""
+  """Per-token (loss, correct) [B, T], 0 where the weight is 0; a counted target >= V, or at a
+  padded id (>= vocab_size, its logit _PADDED), is NaN."""
   v = logits_BxTxV.shape[-1]
   safe_BxT = jnp.clip(targets_BxT, 0, v - 1)
   counted = weights_BxT > 0
@@ -92,7 +98,8 @@ def token_values(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
   # an expert=8 train step (two collectives waiting on each other's threads, jax 0.12).
   loss_BxT = jnp.where(counted, optax.softmax_cross_entropy_with_integer_labels(
       logits_BxTxV, safe_BxT), 0.0)
-  loss_BxT = jnp.where(counted & (targets_BxT >= v), jnp.nan, loss_BxT)
+  loss_BxT = jnp.where(counted & ((targets_BxT >= v) | (loss_BxT >= _PADDED_LOSS)), jnp.nan,
+                       loss_BxT)
   correct_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT) * weights_BxT
   return loss_BxT, correct_BxT
 
