@@ -109,6 +109,9 @@ def test_a_checkpoint_of_four_stages_resumes_on_one_device_and_on_four_again(tmp
      'mesh.stage=2 pipelines layers inside the jit step, not step_mode=pmap'),
     ({'mesh.stage': 2, 'mesh.data': 1, 'model.num_experts': 4}, 2,
      'mixture-of-experts layers, mesh.context > 1 or dropout is not built'),
+    # The adapters' dropout too (the stages' layers run without dropout keys: it was off).
+    ({'mesh.stage': 2, 'mesh.data': 1, 'lora.rank': 4, 'lora.dropout': 0.5}, 2,
+     r'dropout is not built \(got .*dropout=0.5\)'),
 ])
 def test_bad_stage_settings_are_one_line(overrides, n, message):
   with pytest.raises(errors.ConfigError, match=message):

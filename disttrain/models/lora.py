@@ -163,6 +163,11 @@ class LoraModel:
       raise AttributeError(name)
     return getattr(self.adapted_model, name)
 
+  @property
+  def dropout(self) -> float:
+    """The model's dropout or the adapters' (either needs dropout keys in every layer)."""
+    return max(getattr(self.adapted_model, 'dropout', 0.0), self.spec.dropout)
+
   def init(self, rng: jax.Array, batch: dict) -> dict:
     variables = dict(self.adapted_model.init(rng, batch))
     adapters, frozen = split(variables.pop('params'))
