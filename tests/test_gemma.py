@@ -24,7 +24,7 @@ import transformers
 
 from disttrain import models
 from disttrain.config import ModelConfig
-from disttrain.errors import CheckpointError
+from disttrain.errors import CheckpointError, ConfigError
 from disttrain.hf import config as hf_config, exported_config
 from disttrain.models.decoder import Decoder
 from tests import hf_round_trip, test_llama
@@ -121,6 +121,19 @@ def test_gemma3_local_rope_scaling_is_refused(tmp_path):
   transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / 'g3')
   with pytest.raises(CheckpointError, match="sliding_attention rope_type 'linear'"):
     hf_round_trip.load(str(tmp_path / 'g3'))
+
+
+@pytest.mark.parametrize('name,field', [('gpt', 'sliding_window'), ('llama', 'attn_softcap'),
+                                        ('llama', 'final_softcap'),
+                                        ('qwen3', 'query_pre_attn_scalar'),
+                                        ('mistral', 'sliding_window_pattern')])
+def test_a_field_the_family_does_not_build_is_refused(name, field):
+  """Each was dropped: the logits equalled the default config's (a review, max diff 0.0)."""
+  cfg = ModelConfig(name=name, hidden=32, num_layers=1, num_heads=2, vocab_size=64, **{field: 2})
+  with pytest.raises(ConfigError, match=f"model.{field}=2: model.name='{name}' does not build "
+                                        'it'):
+    models.build(cfg)
+  models.build(dataclasses.replace(cfg, name='gemma2'))  # a family that builds it
 
 
 def test_layer_patterns_read_and_written_as_transformers_lists_them():

@@ -105,9 +105,23 @@ HF_NAMES = {**gpt.HF_NAMES, **llama.HF_NAMES, **qwen.HF_NAMES, **mistral.HF_NAME
             **mixtral.HF_NAMES, **gemma.HF_NAMES}
 
 
+# Fields only some language-model families build: on another they would be silently ignored.
+_GEMMA = ('gemma2', 'gemma3')
+_BUILT_BY = {'sliding_window': ('llama', 'qwen2', 'qwen3', 'mistral', 'mixtral', 'qwen3_moe',
+                                *_GEMMA),
+             **{name: _GEMMA for name in ('sliding_window_pattern', 'local_rope_theta',
+                                          'query_pre_attn_scalar', 'attn_softcap',
+                                          'final_softcap')}}
+
+
 def _entry(cfg: ModelConfig) -> Entry:
   if cfg.name not in MODELS:
     raise ConfigError(f'model.name={cfg.name!r} is not one of {tuple(MODELS)}; pick one of them')
+  if MODELS[cfg.name].task is _NEXT_TOKEN:
+    for name, families in _BUILT_BY.items():
+      if getattr(cfg, name) and cfg.name not in families:
+        raise ConfigError(f'model.{name}={getattr(cfg, name)}: model.name={cfg.name!r} does not '
+                          f'build it (only {", ".join(families)} do); leave it at 0')
   return MODELS[cfg.name]
 
 
