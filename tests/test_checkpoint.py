@@ -432,3 +432,14 @@ def test_small_replicated_arrays_are_saved_whole_and_large_ones_in_slices(tmp_pa
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree))
     np.testing.assert_array_equal(np.asarray(restored[0]['w']), tree['w'])
     ckpt.close()
+
+
+def test_a_finished_run_relaunched_writes_its_last_eval_once(tmp_path):
+  """The relaunch evaluates the last step again (its Result has the eval); metrics.jsonl and
+  TensorBoard held that step's eval twice."""
+  cfg = make_config(num_train_steps=10, log_every_steps=5, eval_every_steps=5)
+  disttrain.train(cfg, str(tmp_path), devices=devices(1))
+  again = disttrain.train(cfg, str(tmp_path), devices=devices(1))
+  assert [r['step'] for r in again.records if r['split'] == 'eval'] == [10]
+  assert [r['step'] for r in metrics_records(tmp_path, 'eval')] == [5, 10]
+  assert sorted(tensorboard_scalars(tmp_path, 'eval/loss')) == [5, 10]

@@ -59,6 +59,7 @@ class Writer:
     self.workdir = workdir
     self.local = workdir  # where this process writes files (a bucket's local mirror)
     self._jsonl = self._tb = self._mirror = None
+    self._present = set()  # (step, split) of records kept at the first step: never written twice
     if enabled:
       try:
         self._mirror = urls.Mirror(workdir, pull=_KEPT)
@@ -77,6 +78,7 @@ class Writer:
       return None
     path = os.path.join(self.local, 'metrics.jsonl')
     moved = supersede(path, first_step)
+    self._present = _records_at(path, first_step)
     progress = _read_step(os.path.join(self.local, PROGRESS))
     if progress is not None and progress > first_step:
       moved.append(progress)
@@ -99,7 +101,8 @@ class Writer:
 
   def write(self, record: dict) -> None:
     """One JSON line; numeric fields also go to TensorBoard as '<split>/<name>'."""
-    if not self.enabled:
+    # A finished run relaunched evaluates its last step again: its record is there already.
+    if not self.enabled or (record['step'], record['split']) in self._present:
       return
     self._jsonl.write(json.dumps(record) + '\n')
     self._jsonl.flush()
@@ -133,6 +136,20 @@ def _read_step(path: str) -> int | None:
       return int(json.load(f)['step'])
   except (OSError, ValueError, KeyError, TypeError):
     return None
+
+
+def _records_at(path: str, step: int) -> set[tuple[int, str]]:
+  """(step, split) of the records of `step` in a metrics.jsonl."""
+  out = set()
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+        if record['step'] == step:
+          out.add((step, record['split']))
+      except (json.JSONDecodeError, KeyError, TypeError):
+        continue
+  return out
 
 
 def supersede(path: str, first_step: int) -> list[int]:
