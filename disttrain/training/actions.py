@@ -70,6 +70,15 @@ class TrainRecords:
   def start(self, step_no: int) -> None:
     self._mark = (step_no, self.phases.active(), self.phases.seconds['data'])
 
+  def state(self) -> list:
+    """The steps since the last record, for a checkpoint: a run resumed between records writes
+    the next one over the same steps as an uninterrupted run."""
+    self.flush()
+    return [[at, {k: float(v) for k, v in m.items()}] for at, _, m in self.window]
+
+  def restore(self, window: list) -> None:
+    self.window = [(at, at, m) for at, m in window]
+
   def maybe_write(self, step_no: int, step_metrics: dict) -> None:
     """Writes the record due at the previous step, then adds this step's metrics."""
     if self.due is not None:

@@ -166,7 +166,8 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
           early['compiled'] = memory.preflight(run, run.state, memory.loop_variants(cfg, 0),
                                                 writer.print)
     with phases('setup'):
-      state = _restore_or_init(ckpt, run, batches, hooks, writer, preflight_fresh)
+      restored_meta = {}
+      state = _restore_or_init(ckpt, run, batches, hooks, writer, preflight_fresh, restored_meta)
     run.state = None  # donated to the first step: never touch it again
     first_step = int(jax.device_get(state.step))
     if first_step % cfg.steps_per_dispatch and first_step < cfg.num_train_steps:
@@ -192,6 +193,7 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
     acts = _Actions.build(run, workdir=workdir, ckpt=ckpt, batches=batches, signals=signals,
                           hooks=hooks, writer=writer, phases=phases, throughput=throughput,
                           hf_saves=hf_saves)
+    acts.records.restore(restored_meta.get('train_window', []))
     acts.records.stragglers = stragglers.Monitor.start(jax.process_count(), jax.process_index(),
                                                        writer.print, log.emit)
     if acts.records.stragglers is not None:
@@ -210,12 +212,14 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
   return result
 
 
-def _restore_or_init(ckpt, run: Setup, batches, hooks, writer, before_weights=lambda: None):
+def _restore_or_init(ckpt, run: Setup, batches, hooks, writer, before_weights=lambda: None,
+                     restored_meta: dict | None = None):
   """The newest checkpoint of this workdir, else a warm start from restore_from, else the fresh
   state; the data position and the callbacks' state come back with a checkpoint.
   `before_weights` runs before a Hugging Face directory's weights are read (the memory
   pre-flight: a model that cannot train here is refused before a download-sized read)."""
   cfg, state = run.cfg, run.state
+  restored_meta = {} if restored_meta is None else restored_meta  # filled on a restore
   abstract = checkpoint.abstract_like(run.layout.shardings, state)
   frozen = state_lib.has_frozen(state)
   if frozen:  # the frozen weights first (LoRA's base, DPO's reference): checkpoints hold none
@@ -234,6 +238,7 @@ def _restore_or_init(ckpt, run: Setup, batches, hooks, writer, before_weights=la
       restored_state = state_lib.with_frozen(restored_state, state.mutable[state_lib.FROZEN])
     batches.set_state(data_state)  # the data order continues exactly where it stopped
     hooks.restore(meta.get('callbacks', {}))
+    restored_meta.update(meta)
     writer.print(f'resumed from step {at}: {ckpt.directory}/{at}' if ckpt.restored_from !=
                  'local' else f'resumed from step {at}: the fast tier in {ckpt.local.root}')
     if batches.changed:
@@ -275,12 +280,13 @@ class _Actions:
             throughput, hf_saves) -> '_Actions':
     cfg = run.cfg
     out = actions.Output(writer, [], hooks)
+    records = actions.TrainRecords(cfg, out, phases, run.lr_schedule, throughput,
+                                   lambda: saver.last_saved(),
+                                   getattr(run.train_data, 'shares', None))
     saver = actions.Saver(cfg, ckpt, run.steps, batches, hooks, phases,
-                          lambda at: _meta(cfg, run.mesh, at, hooks), sync=writer.sync)
-    return cls(out=out,
-               records=actions.TrainRecords(cfg, out, phases, run.lr_schedule, throughput,
-                                            saver.last_saved,
-                                            getattr(run.train_data, 'shares', None)),
+                          lambda at: {**_meta(cfg, run.mesh, at, hooks),
+                                      'train_window': records.state()}, sync=writer.sync)
+    return cls(out=out, records=records,
                evaluator=actions.Evaluator(cfg, run.steps, run.eval_data, run.batch_sharding, out,
                                            phases, run.downstream),
                stopper=actions.Stopper(signals, hooks), saver=saver,
