@@ -318,7 +318,7 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
     sampled = {}
     if run.rollout is not None:  # GRPO: completions of the prompts, scored, become the batch
       with phases('sample'):
-        batch, sampled = run.rollout(device_state, batch, step_no)
+        batch, sampled = run.rollout(device_state, batch, step_no, lambda: phases('compile'))
     with phases('step'):
       device_state, step_metrics = steps.train(device_state, batch, acts.records.variant(step_no))
       if bound_in_flight and previous is not None:

@@ -20,6 +20,7 @@ reads fsdp-split weights by gathering them each token, which a separate inferenc
 avoid at the price of a weight copy per update (docs/post-training.md).
 """
 
+import contextlib
 import importlib
 import numbers
 import os
@@ -170,7 +171,8 @@ class Rollout:
       spec['old_logprobs'] = jax.ShapeDtypeStruct((1, t), jnp.float32)
     return spec
 
-  def __call__(self, state, prompt_batch: dict, step: int) -> tuple[dict, dict]:
+  def __call__(self, state, prompt_batch: dict, step: int,
+               compiling: Callable[[], Any] = contextlib.nullcontext) -> tuple[dict, dict]:
     jax.block_until_ready(state.params)  # the previous update has finished: the policy is fresh
     start = time.perf_counter()
     learn_seconds = None if self._learn_since is None else start - self._learn_since
@@ -186,9 +188,10 @@ class Rollout:
     args = (state.params, state.mutable, inputs['tokens'], inputs['segments'],
             inputs['positions'], key)
     if self._compiled is None:  # once: its compilation is not sampling time
-      compiling = time.perf_counter()
-      self._compiled = self._sample.lower(*args).compile()
-      start += time.perf_counter() - compiling
+      began = time.perf_counter()
+      with compiling():  # the loop's phases('compile'): not training time either
+        self._compiled = self._sample.lower(*args).compile()
+      start += time.perf_counter() - began
     completions = _fetch(self._compiled(*args))
     sample_seconds = time.perf_counter() - start
     ends = np.isin(completions, self.stops)
