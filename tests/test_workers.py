@@ -194,4 +194,5 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
 def test_worker_room_counts_the_memory_the_kernel_can_reclaim():
   """MemAvailable (psutil's `available`), not MemFree: page cache left most workers refused."""
   from disttrain.data import workers  # pylint: disable=g-import-not-at-top
-  assert abs(workers._available_memory() - psutil.virtual_memory().available) < 2**28  # pylint: disable=protected-access
+  available = workers._available_memory()  # pylint: disable=protected-access
+  assert abs(available - psutil.virtual_memory().available) < 2**28

@@ -123,7 +123,8 @@ def table(result: dict) -> str:
   for a in result['attempts']:
     took = f'{a["ended"] - a["started"]:.1f}' if a['ended'] is not None else '?'
     tier = TIERS.get(a['resumed_from'], '-')
-    lines.append(f'{a["number"]:>7} {a["first_step"]:>9} {tier:>10} {"?" if a["last_step"] is None else a["last_step"]:>7} '
+    reached = '?' if a['last_step'] is None else a['last_step']
+    lines.append(f'{a["number"]:>7} {a["first_step"]:>9} {tier:>10} {reached:>7} '
                  f'{a["lost_steps"]:>10} {took:>8}  {a["exit"]}')
   if result['lost_steps_by_tier']:
     lines.append('lost steps by the tier resumed from: ' + ', '.join(
