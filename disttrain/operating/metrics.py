@@ -77,8 +77,7 @@ class Writer:
     if not self.enabled:
       return None
     path = os.path.join(self.local, 'metrics.jsonl')
-    moved = supersede(path, first_step)
-    self._present = _records_at(path, first_step)
+    moved, self._present = supersede(path, first_step)
     progress = _read_step(os.path.join(self.local, PROGRESS))
     if progress is not None and progress > first_step:
       moved.append(progress)
@@ -138,36 +137,25 @@ def _read_step(path: str) -> int | None:
     return None
 
 
-def _records_at(path: str, step: int) -> set[tuple[int, str]]:
-  """(step, split) of the records of `step` in a metrics.jsonl."""
-  out = set()
+def supersede(path: str, first_step: int) -> tuple[list[int], set[tuple[int, str]]]:
+  """Moves the lines of steps after first_step (and any line cut short by a kill) from `path`
+  to its .superseded.jsonl sibling, appended there before `path` is replaced; returns the steps
+  of the records moved and the (step, split) of the records kept at first_step."""
+  if not os.path.isfile(path):
+    return [], set()
+  keep, moved, steps, present = [], [], [], set()
   with open(path, encoding='utf-8') as f:
     for line in f:
       try:
         record = json.loads(line)
-        if record['step'] == step:
-          out.add((step, record['split']))
-      except (json.JSONDecodeError, KeyError, TypeError):
-        continue
-  return out
-
-
-def supersede(path: str, first_step: int) -> list[int]:
-  """Moves the lines of steps after first_step (and any line cut short by a kill) from `path`
-  to its .superseded.jsonl sibling, appended there before `path` is replaced; returns the steps
-  of the records moved."""
-  if not os.path.isfile(path):
-    return []
-  keep, moved, steps = [], [], []
-  with open(path, encoding='utf-8') as f:
-    for line in f:
-      try:
-        step = json.loads(line)['step']
+        step = record['step']
       except (json.JSONDecodeError, KeyError, TypeError):
         moved.append(line if line.endswith('\n') else line + '\n')
         continue
       if step <= first_step:
         keep.append(line)
+        if step == first_step:
+          present.add((step, record.get('split')))
       else:
         moved.append(line)
         steps.append(step)
@@ -177,7 +165,7 @@ def supersede(path: str, first_step: int) -> list[int]:
     with open(path + '.tmp', 'w', encoding='utf-8') as f:
       f.writelines(keep)
     os.replace(path + '.tmp', path)
-  return steps
+  return steps, present
 
 
 # Dense bf16 peak FLOP/s per device (vendor figures), matched against jax's device_kind.
