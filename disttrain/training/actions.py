@@ -278,23 +278,25 @@ class Saver:
                            'learning_rate')
 
   def maybe_save(self, step_no: int, device_state, force: bool = False,
-                 evals: dict | None = None) -> bool:
+                 evals: dict | None = None):
+    """Saves when due; returns the exported state it checked finite (None: nothing was due), so
+    a Hugging Face save at the same step exports and checks it once."""
     due = force or (self.cfg.checkpoint_every_steps
                     and step_no % self.cfg.checkpoint_every_steps == 0)
     local = self.cfg.local_checkpoint_every_steps
     if not due and not (local and step_no % local == 0):
-      return False
+      return None
     with self.phases('checkpoint'):
       exported = self.steps.export(device_state)
       self.check_finite(step_no, exported)
       if not due:  # the fast tier only: each process's own disk (storage/local_tier.py)
         self.ckpt.save_local(step_no, exported, self.batches.get_state(), self.meta(step_no))
-        return False
+        return exported
       self.ckpt.save(step_no, exported, self.batches.get_state(), self.meta(step_no),
                      metrics=evals)
       self.sync()  # a bucket workdir's records reach the bucket with each checkpoint
     self.hooks.call('on_checkpoint', step_no, urls.join(self.ckpt.directory, str(step_no)))
-    return True
+    return exported
 
 
 @dataclasses.dataclass(frozen=True)

@@ -344,12 +344,13 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
         evals = acts.evaluator.maybe_eval(step_no, device_state, force=True) or evals
     # Metrics only where an eval ran at this step: a preemption save carries none (keep-best
     # would otherwise rank it by an older state's eval and drop the state evaluated).
-    acts.saver.maybe_save(step_no, device_state, force=last or stop is not None,
-                          evals=acts.evaluator.checkpoint_metrics() if evals else None)
+    exported = acts.saver.maybe_save(step_no, device_state, force=last or stop is not None,
+                                     evals=acts.evaluator.checkpoint_metrics() if evals else None)
     if hf_due:
       with phases('checkpoint'):
-        exported = steps.export(device_state)
-        acts.saver.check_finite(step_no, exported)
+        if exported is None:
+          exported = steps.export(device_state)
+          acts.saver.check_finite(step_no, exported)
         acts.hf_saves.save(step_no, adapters.plain_params(run.model, exported))
     phases.finished(step_no)
     if stop is not None:
