@@ -123,3 +123,21 @@ def test_a_diverged_run_writes_no_hugging_face_save(tmp_path):
   with pytest.raises(NonFiniteError, match='that state was not saved'):
     disttrain.train(cfg, str(tmp_path), devices=devices(1))
   assert not (tmp_path / 'hf').exists() or not os.listdir(tmp_path / 'hf')
+
+
+def test_a_run_a_callback_ends_exports_its_last_step(tmp_path):
+  """A callback's stop ends the run normally, so its last step is exported as num_train_steps
+  would be (it was not: DIR/hf held nothing when early stopping ended a run between saves)."""
+
+  class StopAt2(disttrain.Callback):  # the run stops at the next step, 3 (records lag one)
+    def on_train_record(self, record):
+      return disttrain.STOP if record['step'] == 2 else None
+
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'char_lm.py')
+  cfg = disttrain.from_config_dict(helpers.override(cd, {
+      'num_train_steps': 8, 'hf_save_every_steps': 4, 'log_every_steps': 1,
+      'eval_every_steps': 0, 'global_batch_size': 8, 'data.seq_len': 32,
+      'model.num_layers': 1, 'model.hidden': 32}))
+  disttrain.train(cfg, str(tmp_path), devices=devices(1), callbacks=[StopAt2()])
+  assert sorted(os.listdir(tmp_path / 'hf')) == ['3']
+  assert (tmp_path / 'hf' / '3' / 'config.json').exists()
