@@ -49,6 +49,16 @@ def test_every_window_holds_each_source_within_one_row_of_its_weight():
   web_ids = x[x // 1000 == 0]
   assert len(set(web_ids)) == 700 and not np.array_equal(web_ids, np.sort(web_ids))
   assert records.shares(0, 100) == {'mixture/web': 0.7, 'mixture/code': 0.3}
+  # Weights are relative: tiny ones are the same mixture (they were rounded to 1/1000 first:
+  # 0.0007 : 0.0003 drew web only, 0.0003 : 0.0001 divided by zero); one under 1e-5 still draws.
+  tiny = MixtureRecords(Mixture({'web': _rows(0, 1000), 'code': _rows(1, 1000)},
+                                {'web': 0.0007, 'code': 0.0003}), 10, seed=0)
+  assert np.array_equal(tiny.read(np.arange(1000))['x'][:, 0] // 1000, x // 1000)
+  assert MixtureRecords(Mixture({'a': _rows(0, 10), 'b': _rows(1, 10)}, {'a': 3e-4, 'b': 1e-4}),
+                        10, 0).shares(0, 100) == {'mixture/a': 0.75, 'mixture/b': 0.25}
+  rare = MixtureRecords(Mixture({'a': _rows(0, 10), 'b': _rows(1, 10)}, {'a': 1, 'b': 1e-7}),
+                        10, 0)
+  assert rare.rows_before(20_001)[1] == 2
 
 
 def test_stages_switch_at_their_step_and_stop_ends_before_a_source_repeats():
@@ -154,6 +164,24 @@ def test_bad_mixtures_are_one_line_config_or_data_errors(tmp_path):
       mixture=f'a={one}:1;b={one}:1', mixture_stages='20:a=1;10:b=1')
   assert "names 'c', not a source" in error(mixture=f'a={one}:1;b={one}:1',
                                             mixture_stages='20:c=1')
+  for typo in ('20:a=0.5,b0.5', '20:a=0.2,a=0.9'):  # b was dropped, a's second weight kept
+    assert 'is not STEP:NAME=WEIGHT,... with each name once' in error(
+        mixture=f'a={one}:1;b={one}:1', mixture_stages=typo)
+  # Held out or from eval_files, 0 meaning no eval, beside a mixture (eval_examples=0 was refused).
+  for eval_files, eval_examples, sets in (('', 0, []), ('', 16, ['a', 'b']),
+                                           (str(one), -1, ['eval'])):
+    cd = config_lib.defaults()
+    cd.data.name, cd.model.name, cd.data.mixture = 'tokens', 'gpt', f'a={one}:1;b={one}:1'
+    cd.data.eval_files, cd.data.eval_examples = eval_files, eval_examples
+    built = sources.build(config_lib.from_config_dict(cd))
+    assert sorted(built['eval_data'] or {}) == sets
+  # Stages built in Python are checked as the flag's are.
+  for stages, message in ((((4, {'a': -1.0, 'b': 1.0}),), 'must be >= 0'),
+                          (((4, {'a': 0.0, 'b': 0.0}),), 'give some source a weight'),
+                          (((8, {'a': 1.0}), (4, {'b': 1.0})), 'positive and increasing')):
+    with pytest.raises(ConfigError, match=message):
+      MixtureRecords(Mixture({'a': _rows(0, 10), 'b': _rows(1, 10)}, {'a': 1, 'b': 1}, stages),
+                     4, 0)
   assert 'drop data.train_files' in error(mixture=f'a={one}:1', train_files=str(one))
   with pytest.raises(DataError, match="mixture sources 'a' and 'b' give different rows"):
     MixtureRecords(Mixture({'a': _rows(0, 10), 'b': {'x': np.zeros((10, 3), np.int32)}},

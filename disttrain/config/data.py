@@ -138,8 +138,9 @@ class DataConfig:
     if self.name in FILE_SOURCES and not self.train_files and not self.mixture:
       raise ConfigError(f'data.name={self.name!r} needs data.train_files; pass '
                         '--config.data.train_files=GLOB (comma-separate several)')
-    if self.eval_examples != -1:
-      positive('data.eval_examples', self.eval_examples)
+    if self.eval_examples < -1:
+      raise ConfigError(f'data.eval_examples={self.eval_examples} must be -1 (the source\'s '
+                        'default), 0 (no eval) or the examples to hold out; pass one')
     positive('data.seq_len', self.seq_len)
     positive('data.eval_max_new_tokens', self.eval_max_new_tokens)
     positive('data.eval_harness_limit', self.eval_harness_limit, allow_zero=True)

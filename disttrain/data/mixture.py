@@ -74,10 +74,13 @@ def parse_stages(spec: Any, names: list[str]) -> list[tuple[int, dict[str, float
     stages = []
     for part in filter(None, (p.strip() for p in spec.split(';'))):
       step, colon, pairs = part.partition(':')
-      weights = dict(pair.split('=', 1) for pair in pairs.split(',') if '=' in pair)
-      if not colon or not weights or not step.strip().isdigit():
-        raise ConfigError(f'data.mixture_stages entry {part!r} is not STEP:NAME=WEIGHT,...; '
-                          "write e.g. '1000:web=0.5,code=0.5'")
+      pairs = [pair.split('=', 1) for pair in filter(None, (p.strip() for p in pairs.split(',')))]
+      weights = dict(pair for pair in pairs if len(pair) == 2)
+      names_given = [name.strip() for name, *_ in pairs]
+      if (not colon or not weights or not step.strip().isdigit() or len(weights) < len(pairs)
+          or len(set(names_given)) < len(names_given)):
+        raise ConfigError(f'data.mixture_stages entry {part!r} is not STEP:NAME=WEIGHT,... '
+                          "with each name once; write e.g. '1000:web=0.5,code=0.5'")
       stages.append((int(step), {k.strip(): _number(v, f'data.mixture_stages {part!r}')
                                  for k, v in weights.items()}))
   elif isinstance(spec, (tuple, list)) and all(
@@ -137,9 +140,10 @@ class MixtureRecords:
       raise ConfigError(f'data.mixture_exhausted={mixture.exhausted!r} is not one of {EXHAUSTED}')
     self.exhausted = mixture.exhausted
     check_weights('the mixture', mixture.weights)
+    stages = parse_stages(tuple(mixture.stages), self.names)  # a Mixture built in Python too
     # (first batch, weights): a stage from step S on starts at batch S - 1 (steps count from 1).
     self.stages = [(0, _vector(mixture.weights, self.names))] + [
-        (int(step) - 1, _vector(w, self.names)) for step, w in mixture.stages]
+        (step - 1, _vector(w, self.names)) for step, w in stages]
     self.origin = (0, np.zeros(len(self.names), np.int64))  # where the schedule starts
     self.schedule = self._schedule(*self.origin, self.stages)
     self._perms = {}

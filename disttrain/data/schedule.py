@@ -17,16 +17,17 @@ _MAX_PERIOD = 100_000  # rows per period: weights are exact to 1e-5 at worst
 
 def _counts(weights: np.ndarray) -> np.ndarray:
   """Integer counts per period in the weights' proportions (a small exact period if there is one)."""
-  fractions = [Fraction(float(w)).limit_denominator(1000) for w in weights]
+  shares = np.asarray(weights, np.float64) / np.sum(weights)  # relative: 7e-4 : 3e-4 is 0.7 : 0.3
+  fractions = [Fraction(float(w)).limit_denominator(1000) for w in shares]
   total = sum(fractions)
   fractions = [f / total for f in fractions]
   period = math.lcm(*(f.denominator for f in fractions))
-  if period <= _MAX_PERIOD:
+  if period <= _MAX_PERIOD and all(f > 0 for f, w in zip(fractions, shares) if w > 0):
     return np.array([int(f * period) for f in fractions], np.int64)
-  exact = np.asarray(weights, np.float64) / np.sum(weights) * _MAX_PERIOD  # largest remainder
+  exact = shares * _MAX_PERIOD  # largest remainder
   counts = np.floor(exact).astype(np.int64)
   counts[np.argsort(counts - exact)[:_MAX_PERIOD - counts.sum()]] += 1
-  return counts
+  return np.where(shares > 0, np.maximum(counts, 1), 0)  # a source under 1e-5 still gets rows
 
 
 class _Stage:
