@@ -8,11 +8,13 @@ relaunches, before a repeat; the launcher's SIGKILL-and-relaunch run equals the 
 one; bad input is one line and exit status 2.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
+import grain
 import numpy as np
 import pytest
 
@@ -21,11 +23,17 @@ from disttrain import config as config_lib
 from disttrain.data import mixture as mixture_lib, sources
 from disttrain.data.batches import TrainIterator
 from disttrain.data.mixture import Mixture, MixtureRecords
-from disttrain.data.records import Records
+from disttrain.data.records import Data, Records
 from disttrain.errors import ConfigError, DataError
 from disttrain.parallel import mesh as mesh_lib
 from tests import helpers, mp_mixture
 from tests.conftest import ROOT, subprocess_env
+
+
+@dataclasses.dataclass(frozen=True)
+class _Noise(grain.transforms.RandomMap):
+  def random_map(self, example, rng):
+    return {**example, 'noise': rng.normal(size=3).astype(np.float32)}
 
 
 def _rows(source: int, n: int) -> dict:
@@ -56,6 +64,12 @@ def test_every_window_holds_each_source_within_one_row_of_its_weight():
   assert np.array_equal(tiny.read(np.arange(1000))['x'][:, 0] // 1000, x // 1000)
   assert MixtureRecords(Mixture({'a': _rows(0, 10), 'b': _rows(1, 10)}, {'a': 3e-4, 'b': 1e-4}),
                         10, 0).shares(0, 100) == {'mixture/a': 0.75, 'mixture/b': 0.25}
+  # Random transforms draw per source: example i of web and of code got one draw (same seed).
+  noisy = lambda v: Data({'x': np.full((50, 1), v, np.int32)}, [_Noise()])
+  out = MixtureRecords(Mixture({'web': noisy(0), 'code': noisy(1)}, {'web': 1, 'code': 1}), 10,
+                       seed=0).read(np.arange(100))
+  by_id = {int(i): n.tolist() for i, n in zip(out['_id'], out['noise'])}
+  assert all(by_id[i] != by_id[50 + i] for i in range(50))
   rare = MixtureRecords(Mixture({'a': _rows(0, 10), 'b': _rows(1, 10)}, {'a': 1, 'b': 1e-7}),
                         10, 0)
   assert rare.rows_before(20_001)[1] == 2

@@ -5,9 +5,9 @@
   Mixture({'web': src, 'code': src}, {'web': 0.7, 'code': 0.3})    the same from Python / get_data
 
 Rows come from the sources by the deterministic schedule of disttrain/data/schedule.py, never a
-random draw per row. Each source walks its own shuffled epochs (seed, source name, epoch), as it
-would alone; adding a source leaves the others' orders alone. The iterator state keeps each
-source's draw count, so a restart whose weights differ from the checkpoint's (a new stage, an
+random draw per row. Each source walks its own shuffled epochs (seed, source name, epoch), and
+its random transforms draw from (seed, source name, epoch, index); adding a source leaves the
+others' orders alone. The iterator state keeps each source's draw count, so a restart whose weights differ from the checkpoint's (a new stage, an
 edited mixture) continues every source where it stopped under the new weights.
 """
 
@@ -125,7 +125,7 @@ class MixtureRecords:
 
   def __init__(self, mixture: Mixture, batch_size: int, seed: int):
     self.names = list(mixture.sources)
-    self.parts = [Records(source, f'{name} (mixture source)', seed)
+    self.parts = [Records(source, f'{name} (mixture source)', seed, (_key(name),))
                   for name, source in mixture.sources.items()]
     first = self.parts[0]
     for name, part in zip(self.names[1:], self.parts[1:]):
@@ -171,9 +171,8 @@ class MixtureRecords:
       if key not in self._perms:
         if len(self._perms) > 4 * len(self.names):  # keep the current epochs only
           self._perms.clear()
-        name_key = zlib.crc32(self.names[s].encode())
-        self._perms[key] = np.random.default_rng([self.seed, name_key, int(epoch)]).permutation(
-            self.lengths[s])
+        rng = np.random.default_rng([self.seed, _key(self.names[s]), int(epoch)])
+        self._perms[key] = rng.permutation(self.lengths[s])
       out[epochs == epoch] = self._perms[key][at[epochs == epoch]]
     return out
 
@@ -261,6 +260,11 @@ class MixtureRecords:
     return (f'data.mixture changed since the checkpoint: from step {next_batch + 1} the sources '
             f'{self.names} continue from rows {base.tolist()} with weights '
             f'{[round(float(x), 4) for x in [w for b, w in self.stages if b <= next_batch][-1]]}')
+
+
+def _key(name: str) -> int:
+  """A source's seed word: its shuffles and random transforms draw apart from the others'."""
+  return zlib.crc32(name.encode())
 
 
 def _vector(weights: dict[str, float], names: list[str]) -> np.ndarray:

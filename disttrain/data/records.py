@@ -73,16 +73,17 @@ def _transform_name(transform: Any) -> str:
 class Records:
   """The examples of one source after its transforms; reads batches of them as stacked arrays."""
 
-  def __init__(self, data: Any, name: str, seed: int):
+  def __init__(self, data: Any, name: str, seed: int, stream: tuple[int, ...] = ()):
     """Checks the source and derives the element spec from its first example.
 
     Args:
       data: a source (see module doc) or `Data(source, transforms)`.
       name: what the errors call it ('train', 'eval', 'val', ...).
       seed: the run's seed, for random transforms.
+      stream: words added to the seed (a mixture source's name), so sources draw apart.
     """
     data = data if isinstance(data, Data) else Data(data)
-    self.name, self.seed, self.source = name, seed, data.source
+    self.name, self.seed, self.source = name, [seed, *stream], data.source
     self.transforms = tuple(data.transforms)
     for t in self.transforms:
       if isinstance(t, (grain.transforms.Filter, grain.transforms.Batch)) or not (
@@ -157,7 +158,7 @@ class Records:
   def _transformed(self, example, index: int, epoch: int):
     if not self.transforms:
       return example
-    rng = np.random.default_rng([self.seed, epoch, index]) if self._random else None
+    rng = np.random.default_rng([*self.seed, epoch, index]) if self._random else None
     for t in self.transforms:
       try:
         if isinstance(t, grain.transforms.RandomMap):
