@@ -8,6 +8,7 @@ one and must find the same tokens and the same trained tokens by itself, through
 pipeline (data.name=sft, the template in the tokenizer directory's tokenizer_config.json).
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -215,3 +216,76 @@ def test_generate_chat_prompts_are_the_templates_generation_prompt(tokenizer_dir
       new = greedy(row)  # transformers' generate reads the saved generation_config.json
     assert sample['tokens'] == (new[:-1] if new[-1] in (end, second) else new), (sample, new)
   assert out['samples'][0]['stop'] == 'eos'  # at `second`, before max_new_tokens
+
+
+PAIRS = [{'prompt': 'Q: x = f(', 'completion': 'y) means?\nA: a call'},
+         {'prompt': 'Tell me a story.', 'completion': ' Once upon a time, théré was a dragon.'}]
+
+
+@pytest.fixture(scope='module')
+def sentencepiece_dirs(tmp_path_factory):
+  """Llama 2 / Mistral style tokenizers trained here: a tokenizer.json with a Metaspace
+  pre-tokenizer and a SentencePiece .model, both prefixing words with '▁'."""
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  texts = [m['content'] for c in CONVERSATIONS for m in c] + [v for p in PAIRS for v in p.values()]
+  metaspace = tmp_path_factory.mktemp('metaspace')
+  tok = Tokenizer(models.BPE(unk_token='<unk>'))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme='first')
+  tok.decoder = decoders.Metaspace(prepend_scheme='first')
+  tok.train_from_iterator(texts * 20, trainers.BpeTrainer(
+      vocab_size=300, special_tokens=['<unk>', '<s>', '</s>']))
+  tok.save(str(metaspace / 'tokenizer.json'))
+  (metaspace / 'tokenizer_config.json').write_text(json.dumps({
+      'bos_token': '<s>', 'eos_token': '</s>', 'tokenizer_class': 'PreTrainedTokenizerFast'}))
+  model = tmp_path_factory.mktemp('spm')
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(texts * 20), model_prefix=str(
+      model / 'tokenizer'), vocab_size=120, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+      hard_vocab_limit=False, minloglevel=2)
+  return {'metaspace': metaspace, 'sentencepiece': model / 'tokenizer.model'}
+
+
+def _pair_reference(path, pair: dict) -> tuple[list[int], list[int]]:
+  """TRL's prompt-completion rows: the joined text encoded once with the tokenizer's specials,
+  EOS after; trained from the end of the prompt's own encoding on."""
+  if str(path).endswith('.model'):
+    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    encode, eos = lambda text: [sp.bos_id()] + sp.EncodeAsIds(text), sp.eos_id()
+  else:
+    from transformers import PreTrainedTokenizerFast  # pylint: disable=g-import-not-at-top
+    config = json.loads((path / 'tokenizer_config.json').read_text())
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(path / 'tokenizer.json'),
+                                 bos_token=config['bos_token'], eos_token=config['eos_token'])
+    encode, eos = lambda text: hf(text)['input_ids'], hf.eos_token_id
+  ids, prompt = encode(pair['prompt'] + pair['completion']), encode(pair['prompt'])
+  assert ids[:len(prompt)] == prompt
+  return ids + [eos], [0] * len(prompt) + [1] * (len(ids) + 1 - len(prompt))
+
+
+def test_prompt_completion_pairs_are_trls_rows_with_any_tokenizer(tokenizer_dirs,
+                                                                  sentencepiece_dirs, tmp_path):
+  """Plain pairs (data.name=sft and preference) are the joined text encoded once and ended with
+  a trained EOS. Each piece was encoded apart (a '▁' SentencePiece added at the completion's
+  start), and with a chat template in the directory the pairs lost their EOS."""
+  train = tmp_path / 'train.jsonl'
+  train.write_text(''.join(json.dumps(p) + '\n' for p in PAIRS * 2))
+  pairs = tmp_path / 'pairs.jsonl'
+  pairs.write_text(''.join(json.dumps({'prompt': p['prompt'], 'chosen': p['completion'],
+                                       'rejected': ' no.'}) + '\n' for p in PAIRS))
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'llama.py')
+  for path in (tokenizer_dirs['chatml'], *sentencepiece_dirs.values()):
+    cfg = disttrain.from_config_dict(helpers.override(cd, {
+        'data.name': 'sft', 'data.train_files': str(train), 'data.eval_examples': 0,
+        'data.tokenizer': str(path), 'model.vocab_size': 512, 'data.seq_len': 64}))
+    docs = sources.build(cfg)['train_data'].docs
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, name='preference', train_files=str(pairs)))
+    rows = sources.build(cfg)['train_data']
+    for i, pair in enumerate(PAIRS):
+      want_ids, want_mask = _pair_reference(path, pair)
+      ids, mask = docs.tokens(i)
+      assert (ids.tolist(), mask.tolist()) == (want_ids, want_mask), (path, ids, want_ids)
+      n = len(want_ids) - 1
+      assert rows['tokens'][i, 0, :n].tolist() == want_ids[:-1]
+      assert rows['loss_mask'][i, 0, :n].tolist() == want_mask[1:]

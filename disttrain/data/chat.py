@@ -26,6 +26,11 @@ from disttrain.errors import DataError
 _OPEN, _CLOSE = '\ue000', '\ue001'  # private-use marks around {% generation %} output
 
 
+class Rendered(list):
+  """(text, trained) pieces a chat template rendered: they hold the template's own special and
+  end-of-turn tokens, so they are encoded with none added and no EOS after (Tokenizer.encode_pieces)."""
+
+
 def find(tokenizer_file: str) -> tuple[str, str] | None:
   """(template, where it came from) beside a tokenizer file, or None."""
   folder = os.path.dirname(tokenizer_file)
@@ -154,7 +159,7 @@ class ChatTemplate:
       out += [(text[at:start], False), (text[start:end], True)]
       at = end
     out.append((text[at:], False))
-    return [(t, trained) for t, trained in out if t]
+    return Rendered((t, trained) for t, trained in out if t)
 
 
 def load(tokenizer_file: str, setting: str = 'auto') -> ChatTemplate | None:

@@ -36,8 +36,8 @@ def tokenize(docs, tokenizer, name: str, vocab_size: int, path: str,
   `docs[i]` is a string (disttrain.data.text.Documents) or, for supervised fine-tuning, a list of
   (text, trained) pieces (disttrain.data.text.Conversations), whose loss mask (1 on trained pieces'
   tokens and on the final EOS) goes to PATH.mask.bin. Each document ends with EOS, except a
-  conversation rendered by a chat template (`docs.whole_text`): its text is encoded whole, as
-  `apply_chat_template` does, and ends with the template's own end-of-turn token. Ids are uint16
+  conversation rendered by a chat template (chat.Rendered), which ends with the template's own
+  end-of-turn token (Tokenizer.encode_pieces). Ids are uint16
   when the vocabulary allows, else uint32. Prints progress with rate and ETA on long corpora.
   """
   tokenizer.check_vocab(vocab_size)
@@ -73,17 +73,7 @@ def _encode(docs, lo: int, hi: int, tokenizer, sft: bool):
   if not sft:
     return [(ids + [eos], ()) for ids in
             tokenizer.encode_batch([docs[i] for i in range(lo, hi)])]
-  if getattr(docs, 'whole_text', False):  # a chat template's text: its own end-of-turn tokens
-    return [tokenizer.encode_whole(docs[i]) for i in range(lo, hi)]
-  out = []
-  for i in range(lo, hi):
-    ids, mask = [], []
-    for k, (piece, trained) in enumerate(docs[i]):
-      piece_ids = tokenizer.encode(piece, special=k == 0)  # the tokenizer's BOS once, first
-      ids += piece_ids
-      mask += [int(trained)] * len(piece_ids)
-    out.append((ids + [eos], mask + [1]))
-  return out
+  return [tokenizer.encode_pieces(docs[i]) for i in range(lo, hi)]
 
 
 class _Null:

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from disttrain.data import formats
+from disttrain.data import chat, formats
 from disttrain.errors import DataError
 
 PIECES = list[tuple[str, bool]]
@@ -52,22 +52,11 @@ def pieces(record: dict, where: str, template, fields=('prompt', 'chosen', 'reje
         for text, trained in template.pieces(prompt + completion, where):
           kept.append((text, trained and at >= prompt_chars))
           at += len(text)
-        out.append(kept)
+        out.append(chat.Rendered(kept))
     else:
       raise DataError(f'{where}: {prompt_f!r} and {field!r} must both be text or both lists of '
                       '{"role", "content"} turns')
   return out[0], out[1]
-
-
-def _ids(pieces_: PIECES, tokenizer, whole: bool) -> tuple[list[int], list[int]]:
-  if whole:
-    return tokenizer.encode_whole(pieces_)
-  ids, mask = [], []
-  for k, (text, trained) in enumerate(pieces_):
-    piece = tokenizer.encode(text, special=k == 0)
-    ids += piece
-    mask += [int(trained)] * len(piece)
-  return ids + [tokenizer.eos_id], mask + [1]
 
 
 def _row(ids: list[int], mask: list[int], seq_len: int, where: str):
@@ -93,12 +82,11 @@ def read(paths: list[str], tokenizer, seq_len: int, template=None, verbose: bool
   """Every pair of the JSON-lines files as arrays [N, 2, seq_len] (tokens, targets, loss_mask)."""
   rows = {'tokens': [], 'targets': [], 'loss_mask': []}
   start, last, count = time.monotonic(), time.monotonic(), 0
-  whole = template is not None
   for where, record in formats.json_lines(
       paths, 'preference data is JSON lines (.jsonl) of prompt/chosen/rejected'):
     if not isinstance(record, dict):
       raise DataError(f'{where} is not a JSON object with prompt/chosen/rejected')
-    pair = [_row(*_ids(p, tokenizer, whole), seq_len, where)
+    pair = [_row(*tokenizer.encode_pieces(p), seq_len, where)
             for p in pieces(record, where, template)]
     for k, name in enumerate(rows):
       rows[name].append(np.stack([pair[0][k], pair[1][k]]))

@@ -180,8 +180,7 @@ class Conversations:
       raise DataError(f'{bad[0]}: supervised fine-tuning reads JSON lines (.jsonl) of '
                       f'{prompt_field}/{completion_field} pairs or {messages_field} turns')
     self.fields = (prompt_field, completion_field, messages_field)
-    self.template = template  # a chat.ChatTemplate: turns rendered by it, its text encoded whole
-    self.whole_text = template is not None
+    self.template = template  # a chat.ChatTemplate: `messages` rendered by it (chat.Rendered)
     self._files = _Files([_Lines(p) for p in paths])
     if not len(self):
       raise DataError(f'the SFT files {paths[:3]} hold no examples; pass non-empty files')

@@ -19,6 +19,7 @@ import json
 import os
 import time
 
+from disttrain.data import chat
 from disttrain.errors import DataError, one_line_errors
 
 _EOS_NAMES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>', '<|im_end|>', '<|eot_id|>')
@@ -124,21 +125,42 @@ class Tokenizer:
       return [[self.bos_id] + x for x in ids]
     return ids
 
+  def encode_pieces(self, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of a document's (text, trained) pieces. Their joined text is encoded at
+    once (a piece boundary is no token boundary: SentencePiece adds no '▁' per piece), a token
+    trained when any of its characters is in a trained piece. Plain pieces get what the
+    tokenizer adds (BOS) and a trained EOS; a chat template's (chat.Rendered) neither, as
+    `apply_chat_template` encodes its text."""
+    if isinstance(pieces, chat.Rendered):
+      return self.encode_whole(pieces)
+    ids, mask = self._joined(pieces, special=True)
+    return ids + [self.eos_id], mask + [1]
+
   def encode_whole(self, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
-    """(ids, loss mask) of the pieces' joined text encoded at once with no added specials (as
-    `apply_chat_template` encodes a rendered chat): a token is trained when any of its
-    characters is in a trained piece."""
+    """(ids, loss mask) of a chat template's rendered text, encoded with no added specials."""
     if self.kind != 'hf':
       raise DataError(f'data.tokenizer={self.path!r}: chat templates need a Hugging Face '
                       'tokenizer.json (character offsets); pass the directory that holds one, or '
                       'set data.sft.chat_template=plain')
+    return self._joined(pieces, special=False)
+
+  def _joined(self, pieces, special: bool) -> tuple[list[int], list[int]]:
     import numpy as np  # pylint: disable=g-import-not-at-top
     text = ''.join(t for t, _ in pieces)
+    if self.kind == 'bytes':  # one id per byte: the pieces' bytes are the text's
+      return (list(text.encode('utf-8')),
+              [int(k) for t, k in pieces for _ in range(len(t.encode('utf-8')))])
     trained = np.concatenate([np.full(len(t), bool(k), np.int64) for t, k in pieces] + [[0]])
     counts = np.concatenate([[0], np.cumsum(trained)])
-    encoding = self._impl.encode(text, add_special_tokens=False)
-    mask = [int(counts[end] > counts[start]) for start, end in encoding.offsets]
-    return list(encoding.ids), mask
+    if self.kind == 'hf':
+      encoding = self._impl.encode(text, add_special_tokens=special)
+      ids, offsets = list(encoding.ids), encoding.offsets
+    else:  # character offsets, as tokenizers gives (sentencepiece >= 0.2.2)
+      encoding = self._impl.encode(text, return_type='offset_mapping')
+      ids, offsets = list(encoding['ids']), encoding['offsets']
+      if special and self.bos_id is not None:
+        ids, offsets = [self.bos_id] + ids, [(0, 0)] + list(offsets)
+    return ids, [int(counts[end] > counts[start]) for start, end in offsets]
 
   def decode(self, ids: list[int]) -> str:
     ids = [int(i) for i in ids]
