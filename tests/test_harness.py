@@ -169,6 +169,26 @@ def test_in_the_loop_records_equal_the_hf_backend(setup, tmp_path):
       ref['local_rolling']['word_perplexity,none'], rel=1e-5)
 
 
+def test_a_harness_task_generating_a_whole_row_is_refused_at_setup(setup):
+  """local_gen generates 10 tokens; rows of 10 leave no prompt. The run stops before its first
+  step, naming data.seq_len (it stopped at the first eval, saying 'raise --max_length')."""
+  cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'hf.py')
+  helpers.override(cd, {
+      'restore_from': str(setup['hf_dir']), 'data.name': 'text', 'data.text.bytes': 2_000,
+      'data.seq_len': 10, 'data.eval_examples': 8, 'global_batch_size': 8,
+      'eval_batch_size': 8, 'data.eval_harness': 'local_mc,local_gen',
+      'data.eval_harness_include': str(setup['task_dir'])})
+  with pytest.raises(ConfigError, match=r"data.eval_harness task 'local_gen' generates 10 "
+                     r'tokens, which leaves no room for a prompt in the 10 tokens a row holds '
+                     r'\(data.seq_len\); generate fewer tokens'):
+    disttrain.setup(disttrain.from_config_dict(cd), devices=helpers.devices(1))
+  cd = disttrain.config.defaults()  # an MLP: the message named data.eval_tasks, not set here
+  cd.data.eval_harness = 'local_mc'
+  with pytest.raises(ConfigError, match=r'data.eval_harness scores a language model, .* or '
+                     r'drop data.eval_harness'):
+    disttrain.setup(disttrain.from_config_dict(cd), devices=helpers.devices(1))
+
+
 def test_records_keep_each_filter_of_a_metric():
   """gsm8k scores exact_match under two filters (strict-match, flexible-extract): both are kept
   (the filter was dropped, so the last one silently won); a metric of filter none keeps its

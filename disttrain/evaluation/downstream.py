@@ -48,7 +48,16 @@ class Downstream:
     if self.harness_tasks:  # lm-evaluation-harness's tasks, answered by the same scorer
       self.manager = harness.task_manager(self.harness_tasks,
                                           cfg.data.eval_harness_include or None)
-      self.harness = harness.backend(self.scorer, self.tokenizer, self.vocab, self.max_new)
+      room = ('generate fewer tokens (the task\'s max_gen_toks, else data.eval_max_new_tokens) '
+              'or raise data.seq_len')
+      for task, new in harness.generation_lengths(self.manager, self.harness_tasks,
+                                                  self.max_new).items():
+        if new >= self.max_len:  # found before the first step, not at the first eval
+          raise ConfigError(f'data.eval_harness task {task!r} generates {new} tokens, which '
+                            f'leaves no room for a prompt in the {self.max_len} tokens a row '
+                            f'holds (data.seq_len); {room}')
+      self.harness = harness.backend(self.scorer, self.tokenizer, self.vocab, self.max_new,
+                                     room)
 
   @classmethod
   def build(cls, cfg: Config, model, batch_sharding, eval_splits=(),
@@ -74,9 +83,10 @@ class Downstream:
                         'task (records are named task/metric); rename one')
     lm, _ = scoring.language_model(model)
     if lm is None:
-      raise ConfigError(f'data.eval_tasks scores a language model, and model.name='
+      field = 'data.eval_tasks' if cfg.data.eval_tasks else 'data.eval_harness'
+      raise ConfigError(f'{field} scores a language model, and model.name='
                         f'{cfg.model.name!r} ({type(model).__name__}) is not one; use a gpt, '
-                        'llama, qwen, mistral, mixtral or gemma model, or drop data.eval_tasks')
+                        f'llama, qwen, mistral, mixtral or gemma model, or drop {field}')
     if extract is not None and not callable(extract):
       raise ConfigError(f'get_eval_extract() returned {extract!r}, which is not callable; return '
                         'a function text -> answer string')

@@ -35,9 +35,11 @@ def _lm_eval():
   return lm_eval, api_model
 
 
-def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: int = 256) -> Any:
+def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: int = 256,
+            room: str = 'raise --max_length') -> Any:
   """A DisttrainLM answering with `scorer` (its batch, mesh and window length); set its `params`
-  (and `mutable`: a LoRA run's frozen base) before each evaluation."""
+  (and `mutable`: a LoRA run's frozen base) before each evaluation. `room`: the fix for a task
+  that generates a whole window."""
   _, api_model = _lm_eval()
 
   class DisttrainLM(api_model.TemplateLM):
@@ -102,7 +104,7 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
         new = int(kwargs.get('max_gen_toks', self.max_gen_toks))
         if new >= self.max_length:
           raise ConfigError(f'task {req.task_name!r} generates {new} tokens, which leaves no '
-                            f'room for a prompt in {self.max_length}; raise --max_length')
+                            f'room for a prompt in {self.max_length}; {room}')
         groups.setdefault((new, tuple(until)), []).append(i)
       out = [''] * len(requests)
       for (new, until), indices in groups.items():
@@ -143,6 +145,24 @@ def task_manager(tasks: list[str], include_path: str | None = None):
                       + '; list them with `lm_eval ls tasks`, or pass --include_path=DIR of '
                       'your YAML tasks')
   return manager
+
+
+def generation_lengths(manager, tasks: list[str], default: int) -> dict[str, int]:
+  """{task: max_gen_toks} of the generate_until tasks among `tasks` (groups expanded) that
+  lm-eval's task index describes without loading them (a type from an included YAML is not
+  seen here: the backend checks it when the task runs)."""
+  index, out, todo, seen = getattr(manager, 'task_index', {}), {}, list(tasks), set()
+  while todo:
+    name = todo.pop()
+    cfg = getattr(index.get(name), 'cfg', None) if name not in seen else None
+    seen.add(name)
+    if not isinstance(cfg, dict):
+      continue
+    if 'group' in cfg and isinstance(cfg.get('task'), list):
+      todo += [t for t in cfg['task'] if isinstance(t, str)]
+    elif cfg.get('output_type') == 'generate_until':
+      out[name] = int((cfg.get('generation_kwargs') or {}).get('max_gen_toks', default))
+  return out
 
 
 def evaluate(trained, tasks: list[str], *, batch_size: int = 32, limit: int | None = None,
