@@ -197,11 +197,13 @@ def test_bad_pairs_and_models_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=needle):
       tasks.pairs(spec)
   mc = _write(tmp_path / 'mc.jsonl', _questions()[:2])
-  cfg = helpers.make_config(data__eval_tasks=(('arc', mc),), early_stop__metric='arc/accuracy')
+  cfg = helpers.make_config(data__eval_tasks=(('arc', mc),), early_stop__metric='arc/accuracy',
+                            eval_every_steps=1)
   setup_lib._check_metric_names(cfg, {'eval': None})  # a task is a split metrics may name
   with pytest.raises(ConfigError, match=r"names eval data 'arcx', .* \['arc', 'eval'\]"):
     setup_lib._check_metric_names(helpers.make_config(
-        data__eval_tasks=f'arc={mc}', early_stop__metric='arcx/accuracy'), {'eval': None})
+        data__eval_tasks=f'arc={mc}', early_stop__metric='arcx/accuracy',
+        eval_every_steps=1), {'eval': None})
   with pytest.raises(ConfigError, match="model.name='mnist_mlp' .* is not one"):
     downstream.Downstream.build(cfg, object(), None)
   with pytest.raises(ConfigError, match="'eval', which is also an eval split"):

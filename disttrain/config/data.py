@@ -6,8 +6,9 @@ from typing import Any
 from disttrain.config.checks import one_of, positive
 from disttrain.errors import ConfigError
 
-# Sources that read data.train_files.
+# Sources that read data.train_files, and the built-in ones that read none.
 FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft', 'preference', 'prompts')
+FILELESS_SOURCES = ('digits', 'mnist', 'synthetic', 'synthetic_tokens', 'text')
 PACKING = ('concat', 'documents')
 MIXABLE = ('array_record', 'tokens', 'documents', 'sft')  # sources data.mixture can join
 TOKEN_DTYPES = ('uint16', 'uint32')
@@ -135,6 +136,9 @@ class DataConfig:
     if self.mixture_stages and not self.mixture:
       raise ConfigError('data.mixture_stages needs data.mixture (the sources whose weights it '
                         "changes); set data.mixture='NAME=GLOB:WEIGHT;...'")
+    if self.name in FILELESS_SOURCES and (self.train_files or self.eval_files):
+      raise ConfigError(f'data.name={self.name!r} reads no data.train_files or eval_files (it '
+                        f'would ignore them); pick a file source {FILE_SOURCES} or drop them')
     if self.name in FILE_SOURCES and not self.train_files and not self.mixture:
       raise ConfigError(f'data.name={self.name!r} needs data.train_files; pass '
                         '--config.data.train_files=GLOB (comma-separate several)')

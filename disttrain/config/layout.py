@@ -3,6 +3,7 @@ them, the sharding and step styles, and tensor-parallel rules naming mesh axes."
 
 import dataclasses
 import math
+import re
 
 from disttrain.errors import ConfigError
 
@@ -99,6 +100,10 @@ def check_rules(param_rules, logical_rules) -> None:
             and isinstance(rule[1], (tuple, list))):
       raise ConfigError(f'param_rules entry {rule!r} must be (regex, (axis or None, ...)); pass '
                         'e.g. --config.param_rules="((\'Dense_0/kernel\', (None, \'tensor\')),)"')
+    try:
+      re.compile(rule[0])
+    except re.error as e:
+      raise ConfigError(f'param_rules regex {rule[0]!r} does not compile ({e}); fix it') from None
     _check_axes(f'param_rules {rule[0]!r}', rule[1])
   for rule in logical_rules:
     if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):

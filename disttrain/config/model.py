@@ -23,6 +23,7 @@ class RopeScalingConfig:
   def __post_init__(self):
     one_of('model.rope_scaling.kind', self.kind, ('', 'llama3', 'linear'))
     positive('model.rope_scaling.factor', self.factor)
+    positive('model.rope_scaling.original_max_len', self.original_max_len)
     if self.kind == 'llama3' and not 0 < self.low_freq_factor < self.high_freq_factor:
       raise ConfigError(f'model.rope_scaling: low_freq_factor={self.low_freq_factor} must be > 0 '
                         f'and below high_freq_factor={self.high_freq_factor}')

@@ -173,6 +173,10 @@ class Config:
       raise ConfigError(f'adam_learning_rate={self.adam_learning_rate} is the AdamW part of '
                         f"optimizer='muon', got optimizer={self.optimizer!r}; set "
                         "optimizer='muon' or leave adam_learning_rate at 0")
+    if not 0.0 <= self.momentum < 1.0 or (self.momentum and self.optimizer != 'sgd'):
+      raise ConfigError(f'momentum={self.momentum} must be in [0, 1) and is read by '
+                        f"optimizer='sgd' only (got {self.optimizer!r}); set b1 for adam-like "
+                        'optimizers, or momentum=0')
     if self.weight_decay and self.optimizer in ('adam', 'sgd'):
       raise ConfigError(f'weight_decay={self.weight_decay} does nothing with optimizer='
                         f"{self.optimizer!r}; use optimizer='adamw' (or lion, adafactor, muon) "
@@ -215,6 +219,10 @@ class Config:
           f'checkpoint_every_steps={self.checkpoint_every_steps} must be a positive multiple of '
           f'eval_every_steps={self.eval_every_steps}; set both, e.g. eval_every_steps=100 '
           'checkpoint_every_steps=100')
+    if self.early_stop.metric and not self.eval_every_steps:
+      raise ConfigError(f'early_stop.metric={self.early_stop.metric!r} acts on evals during the '
+                        'run, and eval_every_steps=0 evaluates at the end only; set '
+                        'eval_every_steps > 0')
     check_rules(self.param_rules, self.logical_rules)
     self._check_dispatch()
     self._check_post_training()
