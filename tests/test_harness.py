@@ -145,6 +145,18 @@ def test_unknown_task_is_one_line_before_the_model_loads(setup, tmp_path):
   errors = [line for line in proc.stderr.splitlines() if line.strip()]
   assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
   assert errors[0].startswith("error: ConfigError: lm-eval knows no task 'definitely_not_a_task'")
+  # Bad flags are one line too (tracebacks from numpy, range() and int(), exit 1).
+  proc = subprocess.run(
+      [sys.executable, '-m', 'disttrain', 'lm-eval', f'--hf_dir={setup["hf_dir"]}',
+       '--tasks=local_mc', '--batch_size=0'], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=180, check=False)
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+      'error: ConfigError: --batch_size=0 must be >= 1; pass one, or leave it out for the '
+      'default'], proc.stderr[-2000:]
+  assert trained_lib.parse_mesh(' data=-1, fsdp=2') == {'data': -1, 'fsdp': 2}
+  for bad in ('data', 'data=abc', 'bogus=2'):
+    with pytest.raises(ConfigError, match=f"--mesh='{bad}': '{bad}' is not AXIS=SIZE"):
+      trained_lib.parse_mesh(bad)
 
 
 @pytest.mark.slow  # an 8-device run

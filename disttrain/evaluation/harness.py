@@ -215,13 +215,17 @@ def main(argv) -> None:
     raise ConfigError(f'unexpected arguments {argv[1:]}; pass --tasks=a,b')
   f = flags.FLAGS
   tasks = names(f.tasks)
+  for flag, low in (('batch_size', 1), ('max_length', 2), ('limit', 1), ('num_fewshot', 0)):
+    if getattr(f, flag) is not None and getattr(f, flag) < low:
+      raise ConfigError(f'--{flag}={getattr(f, flag)} must be >= {low}; pass one, or leave it '
+                        'out for the default')
+  mesh = trained_lib.parse_mesh(f.mesh)
   manager = task_manager(tasks, f.include_path)  # before the model loads: a typo fails at once
   if f.fake_devices:
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', f.fake_devices)
-  mesh = dict(kv.split('=') for kv in f.mesh.split(',')) if f.mesh else None
   lm = trained_lib.load(workdir=f.workdir, hf_dir=f.hf_dir, step=f.step, tokenizer=f.tokenizer,
-                        mesh={k: int(v) for k, v in mesh.items()} if mesh else None)
+                        mesh=mesh)
   start = time.perf_counter()
   results = evaluate(lm, tasks, batch_size=f.batch_size, limit=f.limit, manager=manager,
                      max_length=f.max_length, num_fewshot=f.num_fewshot)

@@ -142,9 +142,7 @@ def main(argv) -> None:
   if f.fake_devices:
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', f.fake_devices)
-  mesh = dict(kv.split('=') for kv in f.mesh.split(',')) if f.mesh else None
-  lm = trained.load(workdir=f.workdir, hf_dir=f.hf_dir, step=f.step,
-                    mesh={k: int(v) for k, v in mesh.items()} if mesh else None,
+  lm = trained.load(workdir=f.workdir, hf_dir=f.hf_dir, step=f.step, mesh=f.mesh,
                     tokenizer=f.tokenizer, ema=f.ema)
   prompts = [lm.tokenizer.encode(text) for text in f.prompt]
   if f.chat:  # each prompt a user turn in the tokenizer's own chat template

@@ -7,6 +7,7 @@ moving average of the parameters is asked for.
 
 import dataclasses
 import os
+import re
 from typing import Any
 
 import jax
@@ -61,11 +62,26 @@ def _mesh(cfg: Config, devices):
                       'model out on the devices present') from None
 
 
+def parse_mesh(text: str) -> dict[str, int] | None:
+  """A CLI's --mesh: 'data=-1,fsdp=2' -> {'data': -1, 'fsdp': 2}; '' -> None."""
+  if not text:
+    return None
+  out = {}
+  for part in text.split(','):
+    axis, eq, size = (p.strip() for p in part.partition('='))
+    if not (eq and axis in mesh_lib.AXES and re.fullmatch(r'-?[0-9]+', size)):
+      raise ConfigError(f'--mesh={text!r}: {part!r} is not AXIS=SIZE with AXIS one of '
+                        f'{mesh_lib.AXES}; pass e.g. --mesh=data=-1')
+    out[axis] = int(size)
+  return out
+
+
 def load(*, workdir: str = '', hf_dir: str = '', step: int | None = None, devices=None,
-         mesh: dict | None = None, tokenizer: str | None = None, ema: bool = False,
+         mesh: dict | str | None = None, tokenizer: str | None = None, ema: bool = False,
          compute_dtype: str | None = None) -> Trained:
   """The model of `workdir` (latest checkpoint, or `step`) or of `hf_dir`, on a mesh of `devices`
-  with the run's mesh and rules (`mesh` overrides axis sizes, e.g. {'data': -1})."""
+  with the run's mesh and rules (`mesh` overrides axis sizes, e.g. {'data': -1} or 'data=-1')."""
+  mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
   if bool(workdir) == bool(hf_dir):
     raise ConfigError('pass --workdir=RUN_DIR (a run with a checkpoint) or --hf_dir=DIR, one')
   if hf_dir:
