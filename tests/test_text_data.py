@@ -276,6 +276,23 @@ def test_bad_text_inputs_are_one_line_and_exit_2(corpus, tmp_path, case, flags, 
   assert errors[0].startswith('error: DataError: ') and message in errors[0], errors[0]
 
 
+@pytest.mark.parametrize('flags,message', [
+    (['--source=text', '--format=tokens', '--eval_tokens=0'],
+     '--eval_tokens=0 must be >= 1'),  # it wrote an empty train.bin and said it wrote the text
+    (['--source=docstrings'],  # it said docstrings is not a data.name, give get_data
+     '--source=docstrings --format=array_record is not a conversion; use documents -> tokens, '
+     'text -> jsonl or docstrings -> jsonl'),
+])
+def test_bad_conversions_are_one_line_and_exit_2(tmp_path, flags, message):
+  proc = subprocess.run([sys.executable, '-m', 'disttrain', 'convert', f'--out={tmp_path}',
+                         *flags], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                        timeout=180, check=False)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+  assert lines[0].startswith(f'error: DataError: {message}'), lines
+  assert not list(tmp_path.iterdir())
+
+
 def _launch_args(corpus, workdir, workers: int, steps: int = 12, every: int = 0,
                  train_files: str = '') -> list[str]:
   return [sys.executable, 'launch/train.py', '--config=launch/configs/llama.py',

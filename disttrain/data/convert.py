@@ -159,7 +159,7 @@ def convert() -> str:
   """Writes the files; returns the flags that train on them."""
   from disttrain.data import formats, in_memory  # pylint: disable=g-import-not-at-top
   out = _OUT.value
-  if _SOURCE.value == 'documents' or _FORMAT.value == 'jsonl':
+  if _SOURCE.value in ('documents', 'docstrings') or _FORMAT.value == 'jsonl':
     if (_SOURCE.value, _FORMAT.value) not in (('documents', 'tokens'), ('text', 'jsonl'),
                                               ('docstrings', 'jsonl')):
       raise DataError(f'--source={_SOURCE.value} --format={_FORMAT.value} is not a conversion; '
@@ -169,6 +169,9 @@ def convert() -> str:
     if _SOURCE.value != 'text':
       raise DataError(f'--format=tokens writes token ids of text, not --source={_SOURCE.value}; '
                       'use --format=array_record')
+    if _EVAL_TOKENS.value < 1:  # ids[:-0] would be an empty train.bin
+      raise DataError(f'--eval_tokens={_EVAL_TOKENS.value} must be >= 1 (eval.bin is the held-out '
+                      'tail); pass a count')
     ids = in_memory.text_bytes(_DATA_DIR.value, _TEXT_BYTES.value)
     if len(ids) <= 2 * _EVAL_TOKENS.value:
       raise DataError(f'the text has {len(ids)} bytes, not more than twice --eval_tokens='
