@@ -17,7 +17,7 @@ import pytest
 
 import disttrain
 from disttrain import data
-from disttrain.data import packing, sources, text, tokenizer as tokenizer_lib
+from disttrain.data import formats, packing, sources, text, tokenizer as tokenizer_lib
 from disttrain.errors import DataError
 from tests import helpers
 from tests.conftest import ROOT, subprocess_env
@@ -88,6 +88,11 @@ def test_bad_json_lines_name_the_file_and_line(tmp_path):
     docs[1]  # pylint: disable=pointless-statement
   with pytest.raises(DataError, match=r"d.jsonl line 3 has no field 'text' \(it has \['body'\]\)"):
     docs[2]  # pylint: disable=pointless-statement
+  # JSON lines read whole (preference pairs, GRPO prompts): a Latin-1 line was a traceback.
+  (tmp_path / 'p.jsonl').write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+  with pytest.raises(DataError, match=r'p.jsonl line 2 is not UTF-8 \(invalid continuation '
+                     r'byte at byte 15\); re-encode'):
+    list(formats.json_lines([str(tmp_path / 'p.jsonl')], 'prompts'))
 
 
 class _Docs:

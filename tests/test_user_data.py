@@ -20,6 +20,7 @@ from disttrain.config import MeshConfig
 from disttrain.data import formats
 from disttrain.data.records import ID, Records
 from disttrain.data.transforms import RandomShift
+from disttrain.errors import DataError
 from disttrain.parallel import mesh as mesh_lib
 from tests.configs import user_data
 from tests.helpers import devices, make_config, to_numpy
@@ -93,6 +94,8 @@ def test_array_record_files_give_the_in_memory_batches_and_losses(cancer, refere
   paths = formats.write_array_record(str(tmp_path / 'shards' / 'train'), train, num_shards=3)
   eval_paths = formats.write_array_record(str(tmp_path / 'shards' / 'eval'), held_out)
   assert len(paths) == 3 and all(p.endswith('.array_record') for p in paths)
+  with pytest.raises(DataError, match=r'num_examples=4 but the source gave more'):  # IndexError
+    formats.write_array_record(str(tmp_path / 'short' / 'x'), train, 2, num_examples=4)
   from_files = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths)).map(
       data.decode)
   eval_files = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(eval_paths)).map(

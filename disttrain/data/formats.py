@@ -72,6 +72,9 @@ def write_array_record(prefix: str, examples: Iterable[dict], num_shards: int = 
         if writer is not None:
           writer.close()
         shard += 1
+        if shard == num_shards:
+          raise DataError(f'write_array_record({prefix!r}): num_examples={num_examples} but '
+                          f'the source gave more; pass its true count')
         writer = ArrayRecordWriter(paths[shard], options)
       writer.write(encode(example))
       written += 1
@@ -107,11 +110,16 @@ def json_lines(paths: Sequence[str], what: str) -> Iterable[tuple[str, object]]:
   for path in paths:
     if not path.endswith(('.jsonl', '.json')):
       raise DataError(f'{path}: {what}')
-    with open(path, encoding='utf-8') as f:
-      for number, line in enumerate(f, 1):
+    with open(path, 'rb') as f:  # bytes: a line that is not UTF-8 is named like a bad one
+      for number, raw in enumerate(f, 1):
+        where = f'{path} line {number}'
+        try:
+          line = raw.decode('utf-8')
+        except UnicodeDecodeError as e:
+          raise DataError(f'{where} is not UTF-8 ({e.reason} at byte {e.start}); re-encode the '
+                          'file as UTF-8') from None
         if not line.strip():
           continue
-        where = f'{path} line {number}'
         try:
           yield where, json.loads(line)
         except json.JSONDecodeError as e:
