@@ -6,6 +6,7 @@ made here in a temporary folder) with a byte-level BPE tokenizer trained on it, 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -66,6 +67,13 @@ def test_tokenizers_round_trip_and_know_their_end_of_sequence(corpus, tmp_path):
     assert decoded.replace(' ', '') == sample.replace(' ', '') or tok.kind == 'sentencepiece'
   assert tokenizer_lib.load(str(corpus / 'tokenizer.json')).eos_id == 0  # <|endoftext|>
   assert tokenizer_lib.load(str(corpus)).file.endswith('tokenizer.json')  # a directory works
+  typo = tmp_path / 'typo'  # an eos_token the vocabulary lacks: it said none was named
+  typo.mkdir()
+  shutil.copy(corpus / 'tokenizer.json', typo)
+  (typo / 'tokenizer_config.json').write_text('{"eos_token": "<|endoftex|>"}')
+  with pytest.raises(DataError, match=r"names eos_token '<\|endoftex\|>', which .* does not "
+                                      r'have; fix the name'):
+    tokenizer_lib.load(str(typo))
 
 
 def test_documents_from_txt_jsonl_and_parquet(tmp_path):

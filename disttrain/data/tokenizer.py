@@ -99,7 +99,11 @@ class Tokenizer:
         name = json.load(f).get(key)
       name = name.get('content') if isinstance(name, dict) else name
     if name is not None:
-      return self._impl.token_to_id(name)
+      found = self._impl.token_to_id(name)
+      if found is None and key == 'eos_token':  # else 'no end-of-sequence token (none named)'
+        raise DataError(f'{config} names eos_token {name!r}, which {self.file} does not have; '
+                        'fix the name or use the tokenizer it belongs to')
+      return found
     if key != 'eos_token':
       return None
     return next((i for i in map(self._impl.token_to_id, _EOS_NAMES) if i is not None), None)
