@@ -155,6 +155,10 @@ def test_lm_eval_metric_definitions():
   q = tasks.Question('ctx', ('ab', 'abcdef'), 1)
   assert metrics.choice_scores([-4.0, -6.0], q) == (False, True)  # -4 > -6; -2 < -1
   assert metrics.choice_scores([-3.0, -3.0], tasks.Question('c', ('a', 'b'), 0)) == (True, True)
+  # A choice's leading space is lm-eval's target delimiter, not counted: -4 / 1 < -6.5 / 2 (it
+  # divided by 2 and 3, and picked ' 7').
+  q = tasks.Question('3 + 9 =', (' 7', ' 12'), 1)
+  assert metrics.choice_scores([-4.0, -6.5], q) == (False, True)
   assert metrics.multiple_choice([[-4.0, -6.0], [-1.0, -9.0]], [q, q]) == {
       'accuracy': 0.0, 'accuracy_norm': 0.5, 'num_examples': 2}
   cases = {'so 3 + 4 = 7.': '7', 'steps 1, 2 #### 1,234': '1234', 'none here ': 'none here',

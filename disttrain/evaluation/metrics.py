@@ -41,7 +41,10 @@ def _clean(answer: str) -> str:
 def choice_scores(loglikelihoods: Sequence[float], question: Question) -> tuple[bool, bool]:
   """(acc, acc_norm) of one question from its choices' summed log-likelihoods."""
   lls = np.asarray(loglikelihoods, np.float64)
-  lengths = np.asarray([float(len(choice)) for choice in question.choices])
+  # lm-eval divides by the choice's characters without its target delimiter, ' ': the leading
+  # space our format writes into the choice is that delimiter.
+  lengths = np.asarray([float(len(choice) - choice.startswith(' ')) or 1.0
+                        for choice in question.choices])
   return (int(np.argmax(lls)) == question.answer,
           int(np.argmax(lls / lengths)) == question.answer)
 
