@@ -105,6 +105,11 @@ BAD_INPUTS = [
      ['early_stop.metric', 'eval_every_steps=0'], r'set eval_every_steps > 0'),
     ('rope_original_len', ['--config.model.rope_scaling.original_max_len=0'],
      ['model.rope_scaling.original_max_len'], r'> 0'),
+    # `disttrain check` parses what setup would (it printed ok for these).
+    ('check_mixture', ['--check', '--config.data.name=tokens', '--config.data.mixture=garbage'],
+     ["data.mixture entry 'garbage' is not NAME=GLOB:WEIGHT"], r'write e\.g\.'),
+    ('check_eval_tasks', ['--check', "--config.data.eval_tasks=a=x.jsonl;a=y.jsonl"],
+     ["data.eval_tasks names 'a' twice"], r'give each task its own name'),
     ('param_rule_too_many_dims',
      ['--fake_devices=8', "--config.param_rules=(('Dense_0/kernel', (None, 'tensor', 'data')),)"],
      ['ShardingError', 'Dense_0/kernel', 'spec of 3 dims'], r'give one entry per dimension'),

@@ -83,6 +83,19 @@ _OVERRIDE = re.compile(r'^-{1,2}(?:no)?config\.([^=]+)')
 _FLAG_VALUE_ERROR = re.compile(r'^flag --(\S+?)=(.*?): (.*)$')
 
 
+def _check_specs(cfg) -> None:
+  """The string fields a run parses when it sets up (eval tasks, a mixture and its stages),
+  parsed now, so `disttrain check` refuses what the run would."""
+  from disttrain.data import mixture  # pylint: disable=g-import-not-at-top
+  from disttrain.evaluation import tasks  # pylint: disable=g-import-not-at-top
+  if cfg.data.eval_tasks:
+    tasks.pairs(cfg.data.eval_tasks)
+  if cfg.data.mixture:
+    names = [name for name, _, _ in mixture.parse_sources(cfg.data.mixture)]
+    if cfg.data.mixture_stages:
+      mixture.parse_stages(cfg.data.mixture_stages, names)
+
+
 def main(argv):
   del argv  # _parse_flags rejected positional arguments
   import disttrain  # pylint: disable=g-import-not-at-top  (names load on first use)
@@ -92,6 +105,10 @@ def main(argv):
   except disttrain.DisttrainError as e:
     _fail(f'{type(e).__name__}: {e}')
   if _CHECK.value:
+    try:
+      _check_specs(cfg)
+    except disttrain.DisttrainError as e:
+      _fail(f'{type(e).__name__}: {e}')
     hooks = [name for name in HOOKS if callable(_config_module().get(name))]
     print(f'ok: --config={_config_path(sys.argv)} builds a valid config (model {cfg.model.name}, '
           f'data {cfg.data.name}, {cfg.num_train_steps} steps'
