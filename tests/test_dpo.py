@@ -120,6 +120,19 @@ def test_without_a_template_only_the_answers_turns_are_trained():
   assert ''.join(text for text, _ in chosen).count('Yes.') == 2
 
 
+def test_a_long_pair_keeps_one_prompt_for_both_answers(tmp_path):
+  """Rows of 16: a short chosen kept 14 prompt tokens, a long rejected 8; both now keep the
+  same 8 (the prompt's end), so the two answers are scored on one context, as TRL truncates the
+  prompt once per pair."""
+  path = tmp_path / 'pairs.jsonl'
+  path.write_text(json.dumps({'prompt': 'p' * 29 + 'q', 'chosen': 'aa', 'rejected': 'b' * 20}))
+  rows = preference.read([str(path)], tokenizer_lib.load(''), seq_len=16)
+  tokens, mask = rows['tokens'][0], rows['loss_mask'][0]
+  prompts = [bytes(row[:int(np.argmax(m > 0)) + 1].tolist()) for row, m in zip(tokens, mask)]
+  assert prompts == [b'ppppppp' + b'q'] * 2, prompts
+  assert bytes(tokens[0, 8:10].tolist()) == b'aa' and bytes(tokens[1, 8:16].tolist()) == b'b' * 8
+
+
 @pytest.mark.parametrize('name,field', [('preference', 'model.dropout'),
                                         ('prompts', 'lora.dropout')])
 def test_dropout_on_the_policy_is_refused(tmp_path, name, field):

@@ -9,7 +9,8 @@ turns followed by the chosen (or rejected) turns; plain text is the prompt then 
 Row 0 of an example is the chosen sequence, row 1 the rejected one: tokens, next-token targets
 and a loss mask on the completion's tokens (the template's assistant turns), padded to
 data.seq_len with targets of -1. A sequence longer than a row keeps the prompt's end and the
-completion's start (TRL's keep_end for prompts), so the completion is never dropped whole.
+completion's start (TRL's keep_end for prompts), so the completion is never dropped whole; both
+rows of a pair keep the same prompt tokens (the fewer either needs), one context for both.
 """
 
 import time
@@ -59,17 +60,20 @@ def pieces(record: dict, where: str, template, fields=('prompt', 'chosen', 'reje
   return out[0], out[1]
 
 
-def _row(ids: list[int], mask: list[int], seq_len: int, where: str):
-  """tokens, targets, loss_mask of length seq_len (one more id than positions is needed)."""
-  ids, mask = np.asarray(ids, np.int64), np.asarray(mask, np.int64)
-  if not mask.any():
+def _prompt_kept(ids: list[int], mask: list[int], seq_len: int, where: str) -> int:
+  """Prompt tokens a row keeps: its end (at least half a row of it) and the completion's start."""
+  if not any(mask):
     raise DataError(f'{where}: the completion has no tokens to train; check the line')
-  first = int(np.argmax(mask > 0))  # the completion's first token
-  window = seq_len + 1
-  if len(ids) > window:  # the prompt's end (at least half a row of it) and the completion's start
-    keep = max(window - (len(ids) - first), min(first, window // 2))
-    start = first - keep
-    ids, mask = ids[start:start + window], mask[start:start + window]
+  first = int(np.argmax(np.asarray(mask) > 0))  # the completion's first token
+  window = seq_len + 1  # one more id than positions
+  return first if len(ids) <= window else max(window - (len(ids) - first), min(first, window // 2))
+
+
+def _row(ids: list[int], mask: list[int], seq_len: int, keep: int):
+  """tokens, targets, loss_mask of length seq_len, from the last `keep` prompt tokens on."""
+  ids, mask = np.asarray(ids, np.int64), np.asarray(mask, np.int64)
+  start = int(np.argmax(mask > 0)) - keep
+  ids, mask = ids[start:start + seq_len + 1], mask[start:start + seq_len + 1]
   tokens = np.zeros(seq_len, np.int32)
   targets = np.full(seq_len, -1, np.int32)
   loss_mask = np.zeros(seq_len, np.int8)
@@ -86,8 +90,10 @@ def read(paths: list[str], tokenizer, seq_len: int, template=None, verbose: bool
       paths, 'preference data is JSON lines (.jsonl) of prompt/chosen/rejected'):
     if not isinstance(record, dict):
       raise DataError(f'{where} is not a JSON object with prompt/chosen/rejected')
-    pair = [_row(*tokenizer.encode_pieces(p), seq_len, where)
-            for p in pieces(record, where, template)]
+    encoded = [tokenizer.encode_pieces(p) for p in pieces(record, where, template)]
+    # Both rows keep the same prompt tokens, so chosen and rejected answer the same context.
+    keep = min(_prompt_kept(ids, mask, seq_len, where) for ids, mask in encoded)
+    pair = [_row(ids, mask, seq_len, keep) for ids, mask in encoded]
     for k, name in enumerate(rows):
       rows[name].append(np.stack([pair[0][k], pair[1][k]]))
     count += 1
