@@ -19,9 +19,10 @@ import transformers
 
 import disttrain
 from disttrain.data import tokenizer as tokenizer_lib
-from disttrain.errors import ConfigError
-from disttrain.evaluation import harness
+from disttrain.errors import ConfigError, DataError
+from disttrain.evaluation import harness, scoring
 from disttrain.hf import trained as trained_lib
+from disttrain.parallel import mesh as mesh_lib
 from tests import helpers
 from tests.conftest import ROOT, subprocess_env
 
@@ -153,6 +154,11 @@ def test_unknown_task_is_one_line_before_the_model_loads(setup, tmp_path):
   assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
       'error: ConfigError: --batch_size=0 must be >= 1; pass one, or leave it out for the '
       'default'], proc.stderr[-2000:]
+  # A continuation longer than the window: a numpy broadcast traceback inside lm-eval.
+  lm = setup['lm']
+  scorer = scoring.Scorer(lm.model, mesh_lib.batch_sharding(lm.mesh), 8, 8, (0,))
+  with pytest.raises(DataError, match='a continuation of 9 tokens is longer than the 8 tokens'):
+    scorer.loglikelihoods(lm.params, {}, [([1, 2], [3] * 9)])
   assert trained_lib.parse_mesh(' data=-1, fsdp=2') == {'data': -1, 'fsdp': 2}
   for bad in ('data', 'data=abc', 'bogus=2'):
     with pytest.raises(ConfigError, match=f"--mesh='{bad}': '{bad}' is not AXIS=SIZE"):

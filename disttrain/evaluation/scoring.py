@@ -29,6 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from disttrain.data.batches import Assembler
+from disttrain.errors import DataError
 from disttrain.models import decoding, lora, moe, preference
 from disttrain.parallel.mesh import Parallelism
 from disttrain.parallel.state import FROZEN
@@ -108,6 +109,11 @@ class Scorer:
   def loglikelihoods(self, params, mutable, requests: Sequence[Request],
                      progress: Progress = lambda n: None) -> list[tuple[float, bool]]:
     """(log-likelihood, is greedy) of each (context, continuation) request, in order."""
+    longest = max((len(continuation) for _, continuation in requests), default=0)
+    if longest > self.max_len:  # its first tokens would have no row to be scored in
+      raise DataError(f'a continuation of {longest} tokens is longer than the {self.max_len} '
+                      'tokens a scoring window holds; raise the window (--max_length, '
+                      'data.seq_len) or drop the request\'s task')
     rows = [(list(context) + list(continuation))[-(self.max_len + 1):]
             for context, continuation in requests]
     out: list = [None] * len(requests)
