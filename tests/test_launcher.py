@@ -105,6 +105,10 @@ BAD_INPUTS = [
      ['early_stop.metric', 'eval_every_steps=0'], r'set eval_every_steps > 0'),
     ('rope_original_len', ['--config.model.rope_scaling.original_max_len=0'],
      ['model.rope_scaling.original_max_len'], r'> 0'),
+    ('deprecated_and_new_name', ['--config.data.synthetic_examples=10',
+                                 '--config.data.synthetic.examples=20'],
+     ['data.synthetic_examples=10 (deprecated) and data.synthetic.examples=20 are both set'],
+     r'drop data\.synthetic_examples'),  # the deprecated value silently won
     # `disttrain check` parses what setup would (it printed ok for these).
     ('check_mixture', ['--check', '--config.data.name=tokens', '--config.data.mixture=garbage'],
      ["data.mixture entry 'garbage' is not NAME=GLOB:WEIGHT"], r'write e\.g\.'),

@@ -55,12 +55,15 @@ def _apply_deprecated(tree: dict) -> None:
     value = tree.get(group, {}).pop(name, -1)
     if value == -1:
       continue
-    print(f'warning: config field {old} is deprecated; use {new} (set to {value!r})',
-          file=sys.stderr, flush=True)
-    node = tree
+    node, default = tree, Config()
     *parents, leaf = new.split('.')
     for part in parents:
-      node = node.setdefault(part, {})
+      node, default = node.setdefault(part, {}), getattr(default, part)
+    if node.get(leaf, value) not in (value, getattr(default, leaf)):  # the deprecated one won
+      raise ConfigError(f'config fields {old}={value!r} (deprecated) and {new}={node[leaf]!r} '
+                        f'are both set; drop {old}')
+    print(f'warning: config field {old} is deprecated; use {new} (set to {value!r})',
+          file=sys.stderr, flush=True)
     node[leaf] = value
 
 
