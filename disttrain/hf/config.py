@@ -204,6 +204,10 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
                         f'model.rope_scaling.{ours}', getattr(cfg.rope_scaling, ours))
 
 
+# Model fields that shape training, not the model: a run's value wins over config.json's.
+TRAINING_CHOICES = ('router_aux_weight', 'router_z_weight')
+
+
 def model_fields(config: dict, family: str) -> dict:
   """The model.* config fields that build the model a config.json describes."""
   values = {field: value for field, (_, value) in _hf_values(config, family).items()}
@@ -223,7 +227,9 @@ def model_fields(config: dict, family: str) -> dict:
     fields.update(num_experts=values['num_experts'],
                   experts_per_token=values['experts_per_token'],
                   moe_norm_topk=bool(values['moe_norm_topk']), expert_capacity=0.0,
-                  router_aux_weight=float(config.get('router_aux_loss_coef', 0.0)),
+                  # transformers adds the balancing loss only with output_router_logits
+                  router_aux_weight=float(config.get('router_aux_loss_coef', 0.0))
+                  if config.get('output_router_logits') else 0.0,
                   router_z_weight=0.0)
   scaling = rope(config, family)[1]
   if scaling.get('rope_type', scaling.get('type')) == 'linear':
@@ -279,8 +285,8 @@ _TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model')
 def from_directory(cfg: Config) -> Config:
   """model.name='hf' (launch/configs/hf.py): the family and every model field from
   restore_from's config.json, as from_pretrained builds it. A field left at ModelConfig's default
-  is taken; one set otherwise must agree (a contradiction is one line naming both). dropout stays
-  the run's (a training choice); data.tokenizer '' becomes the directory's tokenizer if it has
+  is taken; one set otherwise must agree (a contradiction is one line naming both). dropout and
+  the router loss weights set in the run are the run's (training choices); data.tokenizer '' becomes the directory's tokenizer if it has
   one."""
   if cfg.model.name != FROM_DIRECTORY:
     return cfg
@@ -293,6 +299,9 @@ def from_directory(cfg: Config) -> Config:
   fields = model_fields(config, family)
   fields.pop('dropout')
   default, given = ModelConfig(), {}
+  for name in TRAINING_CHOICES:  # the run's own where it sets them
+    if name in fields and getattr(cfg.model, name) != getattr(default, name):
+      fields.pop(name)
   for name, value in fields.items():
     mine = getattr(cfg.model, name)
     if name == 'rope_scaling':

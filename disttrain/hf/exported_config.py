@@ -62,12 +62,14 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
   if family == 'mixtral':
     extra.update(num_local_experts=decoder.num_experts,
                  num_experts_per_tok=decoder.experts_per_token,
-                 router_aux_loss_coef=decoder.router_aux_weight)
+                 router_aux_loss_coef=decoder.router_aux_weight,
+                 output_router_logits=decoder.router_aux_weight > 0)
   elif family == 'qwen3_moe':
     extra.update(num_experts=decoder.num_experts, num_experts_per_tok=decoder.experts_per_token,
                  moe_intermediate_size=decoder.mlp_dim, norm_topk_prob=decoder.moe_norm_topk,
                  decoder_sparse_step=1, mlp_only_layers=[],
-                 router_aux_loss_coef=decoder.router_aux_weight)
+                 router_aux_loss_coef=decoder.router_aux_weight,
+                 output_router_logits=decoder.router_aux_weight > 0)
   config = {**common, **extra, 'model_type': family, 'hidden_size': decoder.width,
             'num_hidden_layers': decoder.num_layers, 'num_attention_heads': decoder.num_heads,
             'num_key_value_heads': decoder.num_kv_heads, 'head_dim': decoder.head_dim,
