@@ -160,7 +160,9 @@ def microbatched(grads_fn, m: int, gather: Gather | None = None):
     compute_params = policy.cast(params)
     if gather is not None:
       compute_params = jax.lax.with_sharding_constraint(compute_params, gather.whole)
-    one = functools.partial(grads_fn, compute_params, policy=Policy(jnp.float32), share=share / m)
+    # The policy casts the model's inputs in each call (the parameters again: a no-op); the task
+    # reads the batch uncast, as at M = 1 (bf16 targets or GRPO advantages would round).
+    one = functools.partial(grads_fn, compute_params, policy=policy, share=share / m)
 
     def body(carry, xs):
       grads, sums, mutable = carry
@@ -172,7 +174,7 @@ def microbatched(grads_fn, m: int, gather: Gather | None = None):
         grads = jax.lax.with_sharding_constraint(grads, gather.split)
       return (grads, jax.tree.map(add, sums, s), mutable), None
 
-    micro = micro_batches(policy.cast_batch(batch), m)
+    micro = micro_batches(batch, m)
     shapes = jax.eval_shape(lambda: one(mutable, jax.tree.map(lambda x: x[0], micro), rng))
     zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
     with jax.named_scope('micro_batches'):
