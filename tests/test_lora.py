@@ -143,3 +143,22 @@ def test_a_bfloat16_adapter_is_peft_s_product_bit_for_bit():
   reference = (bf16(x) @ bf16(a)) @ bf16(b) * spec.scale
   np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)),
                                 reference.float().numpy())
+
+
+def test_lora_mfu_counts_the_frozen_base():
+  """Model FLOPs of a LoRA run: every weight runs forward and passes gradients back (4 per token
+  and weight), only the adapters also get weight gradients (2 more). They counted the adapters
+  alone (0.14 of the full model's figure here; negative with a large untied vocabulary)."""
+  from disttrain.training import setup as setup_lib  # pylint: disable=g-import-not-at-top
+  full = disttrain.setup(_config(**ONE), devices=devices(1))
+  adapted = disttrain.setup(_config(**{**LORA, **ONE}), devices=devices(1))
+  count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+  n, adapters = count(full.state.params), count(adapted.state.params)
+  cfg = full.model.cfg
+  t = int(full.step_spec['tokens'].shape[1]) if full.step_spec else cfg.max_seq_len
+  lookups = 0 if cfg.tied_embeddings else cfg.padded_vocab * cfg.width  # a table read, no matmul
+  attention = 12 * cfg.num_layers * t * t * cfg.num_heads * cfg.head_dim
+  want = 4 * t * (n - lookups) + 6 * t * adapters + attention
+  assert setup_lib.throughput(adapted).flops_per_example == pytest.approx(want, rel=1e-12)
+  assert setup_lib.throughput(full).flops_per_example == pytest.approx(
+      6 * t * (n - lookups) + attention, rel=1e-12)

@@ -294,7 +294,9 @@ class LanguageModel(LinenModel):
     (tokens,) = model_inputs(spec, self.input_key)
     return int(tokens.shape[1])
 
-  def flops_per_example(self, spec: dict, num_params: int) -> float:
+  def flops_per_example(self, spec: dict, num_params: int, frozen_params: int = 0) -> float:
+    """6 per token and weight it runs through (2 forward, 4 backward), 4 for the frozen ones
+    (LoRA's base: no weight gradients), and attention's 12 L T width per token."""
     cfg = self.cfg
     t = self.tokens_per_example(spec)
     lookups = cfg.learned_positions * cfg.width
@@ -304,4 +306,6 @@ class LanguageModel(LinenModel):
       per_expert = (3 if cfg.mlp == 'swiglu' else 2) * cfg.width * cfg.mlp_dim
       lookups += (cfg.num_experts - cfg.experts_per_token) * per_expert * cfg.num_layers
     attended = cfg.num_heads * cfg.head_dim  # the width, unless head_dim is set apart from it
-    return float(t * (6 * (num_params - lookups) + 12 * cfg.num_layers * t * attended))
+    frozen = max(frozen_params - lookups, 0)  # the lookups are in a frozen base when there is one
+    return float(t * (6 * (num_params - lookups) - 2 * frozen
+                      + 12 * cfg.num_layers * t * attended))

@@ -92,13 +92,13 @@ class WithReference:
   def tokens_per_example(self, spec: dict) -> int:
     return (2 if self.pairs else 1) * int(spec['tokens'].shape[-1])
 
-  def flops_per_example(self, spec: dict, num_params: int) -> float:
+  def flops_per_example(self, spec: dict, num_params: int, frozen_params: int = 0) -> float:
     if not self.pairs:  # the reference's forward pass: a third of a trained one
-      return self.model.flops_per_example(spec, num_params) * 4 / 3
+      return self.model.flops_per_example(spec, num_params, frozen_params) * 4 / 3
     one = {k: jax.ShapeDtypeStruct((v.shape[0],) + tuple(v.shape[2:]), v.dtype)
            for k, v in spec.items() if k in PAIR_FIELDS}
     # Two sequences trained, and the reference's forward pass (a third of a trained one) on both.
-    return 2 * self.model.flops_per_example(one, num_params) * 4 / 3
+    return 2 * self.model.flops_per_example(one, num_params, frozen_params) * 4 / 3
 
 
 def sequence_logps(outputs: Any, flat: dict) -> jax.Array:

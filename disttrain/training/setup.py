@@ -258,9 +258,14 @@ def throughput(run: Setup) -> metrics.Throughput:
   flops = getattr(run.model, 'flops_per_example', None)
   tokens = getattr(run.model, 'tokens_per_example', None)
   spec = run.step_spec or element_spec(run.train_data)
-  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.state.params))
+  count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+  # LoRA's base is frozen state, not parameters: its weights still run every token.
+  lora_base = isinstance(run.model, lora.LoraModel) or getattr(run.model, 'adapters', False)
+  mutable = getattr(run.state, 'mutable', None) or {}
+  frozen = count(mutable.get(state_lib.FROZEN, {})) if lora_base else 0
+  num_params = count(run.state.params) + frozen
   device = run.mesh.devices.flat[0]
   peak = run.cfg.peak_flops_per_device or metrics.peak_flops(device.device_kind)
   return metrics.Throughput(tokens(spec) if tokens else None,
-                            flops(spec, num_params) if flops else None,
+                            flops(spec, num_params, frozen) if flops else None,
                             peak * run.mesh.size if peak else None)
