@@ -67,6 +67,25 @@ def test_rule_that_does_not_divide_is_one_line_error():
   assert '\n' not in str(err.value)
 
 
+def test_an_axis_named_twice_is_one_line_or_kept_whole_as_flax_does():
+  """A rule splitting two dimensions over one axis failed inside jax (DuplicateSpecError, a
+  traceback). An explicit param rule is refused; logical names mapping two dimensions to one axis
+  split the first and keep the second whole, as flax's logical_to_mesh_axes does."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ShardingError, match=r"names mesh axis 'tensor' twice; an axis splits one "
+                                          r'dimension'):
+    _state(make_config(mesh__data=4, mesh__tensor=2,
+                       param_rules=(('Dense_0/kernel', ('tensor', 'tensor')),)))
+  rules = (('hidden', 'tensor'), ('mlp', 'tensor'))
+  cfg = make_config(mesh__data=4, mesh__tensor=2, logical_rules=rules)
+  mesh = mesh_lib.build(MeshConfig(data=4, tensor=2), devices(8))
+  specs, whole = sharding.specs_for({'w': jax.ShapeDtypeStruct((8, 8), 'float32')}, cfg, mesh,
+                                    logical={'w': P('hidden', 'mlp')})
+  assert specs['w'] == nn.logical_to_mesh_axes(('hidden', 'mlp'), rules) == P('tensor', None)
+  assert whole == ['w (8, 8): mlp maps to tensor, which an earlier dimension splits, kept whole']
+
+
 def test_one_object_owns_the_axes_and_splits_each_batch_field():
   """mesh.Parallelism: sizes by role, rows over the batch axes, and inside a jit step the
   sequence fields ([B, T]) also over context; no other module spells an axis."""

@@ -55,6 +55,11 @@ def _check_spec(path: str, shape: tuple[int, ...], spec: tuple, mesh: Mesh, orig
     if dim % _axis_size(mesh, entry):
       raise ShardingError(f'{origin}: {path} dim {dim} of shape {shape} is not divisible by '
                           f'{entry}={_axis_size(mesh, entry)}; change the rule or the mesh')
+  named = spec_axes(spec)
+  twice = next((n for n in named if named.count(n) > 1), None)
+  if twice is not None:
+    raise ShardingError(f'{origin} gives {path} (shape {shape}) the spec {spec}, which names mesh '
+                        f'axis {twice!r} twice; an axis splits one dimension, use it once')
 
 
 # Logical axes split only where the mesh axis divides them, else kept whole (and listed): a
@@ -77,6 +82,11 @@ def _rule_spec(path: str, shape, logical: P | None, cfg: Config, mesh: Mesh,
       if name in WHEN_DIVISIBLE and axis is not None and dim % _axis_size(mesh, axis):
         whole.append(f'{path} {shape}: {name}={dim} is not divisible by {axis}='
                      f'{_axis_size(mesh, axis)}, kept whole')
+        axis = None
+      if axis is not None and set(spec_axes((axis,))) & set(spec_axes(spec)):
+        # flax's logical_to_mesh_axes: an axis a dimension before took is not used again
+        whole.append(f'{path} {shape}: {name} maps to {axis}, which an earlier dimension '
+                     'splits, kept whole')
         axis = None
       spec.append(axis)
     spec = tuple(spec)
