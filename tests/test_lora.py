@@ -145,10 +145,11 @@ def test_a_bfloat16_adapter_is_peft_s_product_bit_for_bit():
                                 reference.float().numpy())
 
 
-def test_lora_mfu_counts_the_frozen_base():
+def test_model_flops_count_a_frozen_base_and_a_sliding_window():
   """Model FLOPs of a LoRA run: every weight runs forward and passes gradients back (4 per token
   and weight), only the adapters also get weight gradients (2 more). They counted the adapters
-  alone (0.14 of the full model's figure here; negative with a large untied vocabulary)."""
+  alone (0.14 of the full model's figure here; negative with a large untied vocabulary). A
+  sliding window of 8 attends to at most 8 positions per query (every layer counted all t)."""
   from disttrain.training import setup as setup_lib  # pylint: disable=g-import-not-at-top
   full = disttrain.setup(_config(**ONE), devices=devices(1))
   adapted = disttrain.setup(_config(**{**LORA, **ONE}), devices=devices(1))
@@ -162,3 +163,6 @@ def test_lora_mfu_counts_the_frozen_base():
   assert setup_lib.throughput(adapted).flops_per_example == pytest.approx(want, rel=1e-12)
   assert setup_lib.throughput(full).flops_per_example == pytest.approx(
       6 * t * (n - lookups) + attention, rel=1e-12)
+  windowed = disttrain.setup(_config(**ONE, **{'model.sliding_window': 8}), devices=devices(1))
+  assert t > 8 and setup_lib.throughput(windowed).flops_per_example == pytest.approx(
+      6 * t * (n - lookups) + attention * 8 / t, rel=1e-12)

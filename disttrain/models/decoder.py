@@ -306,6 +306,8 @@ class LanguageModel(LinenModel):
       per_expert = (3 if cfg.mlp == 'swiglu' else 2) * cfg.width * cfg.mlp_dim
       lookups += (cfg.num_experts - cfg.experts_per_token) * per_expert * cfg.num_layers
     attended = cfg.num_heads * cfg.head_dim  # the width, unless head_dim is set apart from it
+    # Positions each layer's queries see: a sliding window's, at most (MaxText's count).
+    windows = cfg.layer_windows or (cfg.sliding_window,) * cfg.num_layers
+    seen = sum(min(w, t) if w else t for w in windows)
     frozen = max(frozen_params - lookups, 0)  # the lookups are in a frozen base when there is one
-    return float(t * (6 * (num_params - lookups) - 2 * frozen
-                      + 12 * cfg.num_layers * t * attended))
+    return float(t * (6 * (num_params - lookups) - 2 * frozen + 12 * seen * attended))
