@@ -269,11 +269,12 @@ def measure(layout: str, python: str, gpu: bool, scratch: str) -> dict:
   if len(profiles) == 2:
     print(f'  {layout}, where the step time goes (traced runs):')
     print(op_profile.table(['disttrain', _PEER.value], [profiles['disttrain'], profiles['peer']]))
-  ratios = [ours[p] / peers[p] for p in sorted(ours) if p in peers]  # complete pairs only
+  paired = sorted(p for p in ours if p in peers)  # every figure from complete pairs only
+  ratios = [ours[p] / peers[p] for p in paired]
   median = lambda values: statistics.median(values) if values else None
   return dict(layout=layout, devices=_devices(sizes), peer=_PEER.value,
-              disttrain_tokens_per_sec=median(list(ours.values())),
-              peer_tokens_per_sec=median(list(peers.values())),
+              disttrain_tokens_per_sec=median([ours[p] for p in paired]),
+              peer_tokens_per_sec=median([peers[p] for p in paired]),
               ratio=median(ratios), ratios=ratios, failures=failures, size=_SIZE.value, global_batch_size=_BATCH.value,
               seq_len=_SEQ.value, precision=_PRECISION.value, steps=_STEPS.value,
               warmup=_WARMUP.value, remat=_REMAT.value, peer_remat=_PEER_REMAT.value,

@@ -176,3 +176,33 @@ def test_op_profile_files_a_traced_step_by_kind(tmp_path):
   assert not any(op.startswith('while') for op, _ in summary['top']), summary['top']
   assert op_profile.kind('while.12') is None and op_profile.kind('all-reduce.69') == 'collectives'
   assert '| collectives |' in op_profile.table(['a'], [summary])
+
+
+_PEERS_UNPAIRED = """
+import json, sys, tempfile
+sys.path[:0] = ['benchmarks']
+from absl import flags
+import peers
+flags.FLAGS(['peers', '--pairs=2', '--layouts=data2.fsdp2.tensor2'])
+ours, theirs = iter([8986.0, 9726.0]), iter([8258.0])
+def maxtext(*args, **kwargs):
+  try:
+    return next(theirs)
+  except StopIteration:
+    raise peers.PeerError('MaxText hung (simulated)') from None
+peers.disttrain_run, peers.maxtext_run = lambda *a, **k: next(ours), maxtext
+row = peers.measure('data2.fsdp2.tensor2', 'python', False, tempfile.mkdtemp())
+print(json.dumps({k: row[k] for k in ('disttrain_tokens_per_sec', 'peer_tokens_per_sec',
+                                      'ratios', 'failures')}))
+"""
+
+
+def test_peers_rows_are_made_of_complete_pairs():
+  """The docs' 2026-11-27 row replayed: the peer's second run hung, so disttrain's second run
+  (9,726) has no partner and is in no figure (its median was 9,356 beside a ratio of 1.09)."""
+  proc = subprocess.run([sys.executable, '-c', _PEERS_UNPAIRED], cwd=ROOT, env=subprocess_env(),
+                        capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  row = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert (row['disttrain_tokens_per_sec'], row['peer_tokens_per_sec']) == (8986.0, 8258.0)
+  assert row['ratios'] == [8986.0 / 8258.0] and 'MaxText hung' in row['failures'][0]
