@@ -25,6 +25,7 @@ bench() {  # name, limit in seconds, flags...
   local name=$1 limit=$2
   shift 2
   echo "== $name: throughput.py $*"
+  rm -f "$OUT/$name.json"  # a run that fails leaves no result, not the last call's
   timeout "$limit" $py benchmarks/throughput.py --windows=10 --json="$OUT/$name.json" "$@" \
     2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tail -4
   $py -c 'import json, sys; r = json.load(open(sys.argv[1]))["results"][0]; print({k: r.get(k) for k in ("ratio", "tokens_per_sec", "mfu", "mfu_peak", "peak_flops_per_sec")})' "$OUT/$name.json" 2>/dev/null
@@ -50,6 +51,7 @@ if part levers; then
     local name=$1 limit; limit=$(left "$2"); shift 2
     [ "$limit" -lt 20 ] && { echo "== $name: skipped (part budget spent)"; return 1; }
     echo "== $name (limit ${limit}s): levers.py $*"
+    rm -f "$OUT/$name.json"
     timeout "$limit" $py benchmarks/levers.py --json="$OUT/$name.json" "$@" 2>&1 \
       | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -12
   }
@@ -97,6 +99,7 @@ if part ab; then
   flags=$($py -c 'from disttrain.parallel import xla_flags; print(xla_flags.merge("", True)[0])')
   ab() {  # name, limit, config, --set, variants
     echo "== ab $1: $3 $4"
+    rm -f "$OUT/ab_$1.json"
     XLA_FLAGS="$flags" timeout "$2" $py benchmarks/levers.py --json="$OUT/ab_$1.json" \
       --config="$3" --windows=4 --window_sec=0.75 --set="$4" --variants="$5" 2>&1 \
       | grep -v "^WARNING\|^I0000\|^W0000\|^E0000" | tail -4
@@ -133,6 +136,7 @@ if part peers; then
     # SmolLM2-135M (tied embeddings, as peers.py maps them), 32 x 2,048, each side's cuDNN attention;
     # PEER_PROFILE=1 adds a traced run per side and their op_profile table (about 2 minutes)
     echo "== peers: disttrain against MaxText, ${PEER_SIZE:-smollm2_135m}, one GPU"
+    rm -f "$OUT/peers.json"
     timeout ${PEER_SEC:-$([ "$PEER_PROFILE" = 1 ] && echo 500 || echo 300)} $py benchmarks/peers.py --peer_venv="$venv" --layouts=1 \
       --size=${PEER_SIZE:-smollm2_135m} --global_batch_size=32 --seq_len=${PEER_SEQ:-2048} \
       --precision=bfloat16 --remat=minimal --pairs=${PEER_PAIRS:-1} --steps=50 --warmup=15 \
