@@ -122,9 +122,10 @@ def _throughput(with_feature: bool, bucket: str = '', blocked: list | None = Non
   if blocked is not None:  # seconds the loop waited for saves (their synchronous part)
     blocked.append({'wait': result.time['checkpoint']['seconds'], 'wall': wall, 'cpu': cpu})
   records = [r for r in result.records if r['split'] == 'train'][1:-1]
-  if _FEATURE.value == 'profile':  # the record whose window holds the traced steps
+  if _FEATURE.value == 'profile':  # the records whose windows hold a traced step
+    traced = range(_PROFILE_START, _PROFILE_START + 3)
     records = [r for r in records
-               if not r['step'] - _LOG_EVERY < _PROFILE_START + 2 <= r['step'] + 1]
+               if not any(r['step'] - _LOG_EVERY < s <= r['step'] for s in traced)]
   rates = [r['examples_per_sec'] for r in records]
   # Every window has the same number of steps: total examples / total time = harmonic mean.
   return len(rates) / sum(1 / r for r in rates), result.trace_count
