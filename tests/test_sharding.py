@@ -1,5 +1,7 @@
 """Partition rules really split memory, and name what they cannot split."""
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -130,3 +132,20 @@ def test_dcn_mesh_refuses_layer_axes_across_granules_and_a_granule_count_that_is
     mesh_lib.build(MeshConfig(data=-1), devices(8), DcnMeshConfig(data=2))
   flat = mesh_lib.build(MeshConfig(data=2, tensor=4), devices(8), DcnMeshConfig())
   assert mesh_lib.crossing_axes(flat) == []  # one process: nothing crosses
+  # TPU slices (device stand-ins): in numeric order (slice 10 sorted before 2), several to a
+  # granule as processes are (half the devices were left out), a count that does not divide
+  # them refused as such (it blamed unequal slices).
+  @dataclasses.dataclass(frozen=True)
+  class Device:
+    id: int
+    process_index: int
+    slice_index: int
+    platform: str = 'cpu'
+    device_kind: str = 'cpu'
+  chips = lambda slices, per: [Device(s * per + i, s, s) for s in range(slices) for i in range(per)]
+  grid = mesh_lib.hybrid_devices(MeshConfig(data=2), DcnMeshConfig(data=12), chips(12, 2))
+  assert [d.slice_index for d in grid.reshape(-1)] == [s for s in range(12) for _ in range(2)]
+  grid = mesh_lib.hybrid_devices(MeshConfig(data=-1), DcnMeshConfig(data=2), chips(4, 2))
+  assert [d.slice_index for d in grid.reshape(-1)] == [0, 0, 1, 1, 2, 2, 3, 3]
+  with pytest.raises(ConfigError, match=r'the 2 TPU slices do not split into 4 equal groups'):
+    mesh_lib.hybrid_devices(MeshConfig(data=-1), DcnMeshConfig(data=4), chips(2, 4))

@@ -63,9 +63,15 @@ def granule_ids(devices: Sequence[jax.Device], count: int) -> dict[jax.Device, i
   """Each device's granule, 0..count-1: its TPU slice where there are several slices, else its
   process's block of consecutive processes (one process each when count equals the processes;
   a node's processes when they are numbered node by node, as srun and torchrun do)."""
-  slices = sorted({getattr(d, 'slice_index', None) for d in devices}, key=str)
+  slices = {getattr(d, 'slice_index', None) for d in devices}
   if len(slices) > 1 and None not in slices:
-    return {d: slices.index(d.slice_index) for d in devices}
+    slices = sorted(slices)  # numerically: slice 10 comes after 9
+    if len(slices) % count:
+      raise ConfigError(f'dcn_mesh multiplies to {count} granules, but the {len(slices)} TPU '
+                        f'slices do not split into {count} equal groups; set dcn_mesh.* to '
+                        'multiply to the number of slices or one that divides it')
+    block = len(slices) // count  # consecutive slices per granule, as processes below
+    return {d: slices.index(d.slice_index) // block for d in devices}
   processes = sorted({d.process_index for d in devices})
   if len(processes) % count:
     raise ConfigError(f'dcn_mesh multiplies to {count} granules, but the {len(processes)} '
