@@ -74,23 +74,40 @@ class DcnMeshConfig:
     return math.prod(getattr(self, a) for a in MESH_AXES)
 
 
-def check_step_mode(mesh: MeshConfig, step_mode: str, sharding: str) -> None:
+def check_step_mode(mesh: MeshConfig, step_mode: str, sharding: str,
+                    dcn: DcnMeshConfig | None = None) -> None:
   """The mesh axes each step style can carry: pmap is data parallel only, shard_map splits the
-  batch, and the axes that split work inside one program (context, stage, expert) need jit."""
-  if step_mode == 'pmap' and (mesh.fsdp != 1 or mesh.tensor != 1 or sharding != 'replicate'):
+  batch, and the axes that split work inside one program (context, stage, expert) need jit. An
+  axis counts with its dcn_mesh part: the whole mesh is mesh x dcn_mesh."""
+  size = lambda axis: axis_size(mesh, dcn, axis)
+  name = lambda axis: axis_name(mesh, dcn, axis)
+  if step_mode == 'pmap' and (size('fsdp') != 1 or size('tensor') != 1
+                              or sharding != 'replicate'):
     raise ConfigError(
-        f'step_mode=pmap is data parallel only, got mesh.fsdp={mesh.fsdp} '
-        f'mesh.tensor={mesh.tensor} sharding={sharding}; use step_mode=jit or '
-        'shard_map for fsdp/tensor layouts')
+        f'step_mode=pmap is data parallel only, got {name("fsdp")} {name("tensor")} '
+        f'sharding={sharding}; use step_mode=jit or shard_map for fsdp/tensor layouts')
   for axis, what in (('context', 'splits sequences'), ('stage', 'pipelines layers'),
                      ('expert', 'splits experts')):
-    if getattr(mesh, axis) != 1 and step_mode != 'jit':
-      raise ConfigError(f'mesh.{axis}={getattr(mesh, axis)} {what} inside the jit step, not '
+    if size(axis) != 1 and step_mode != 'jit':
+      raise ConfigError(f'{name(axis)} {what} inside the jit step, not '
                         f'step_mode={step_mode}; use step_mode=jit')
-  if step_mode == 'shard_map' and mesh.tensor != 1:
+  if step_mode == 'shard_map' and size('tensor') != 1:
     raise ConfigError(
-        f'step_mode=shard_map splits the batch only, got mesh.tensor={mesh.tensor}; use '
+        f'step_mode=shard_map splits the batch only, got {name("tensor")}; use '
         'step_mode=jit for tensor parallelism')
+
+
+def axis_size(mesh: MeshConfig, dcn: DcnMeshConfig | None, axis: str) -> int:
+  """The whole mesh's size along `axis`, mesh x dcn_mesh (-1: mesh.* fills, so some size)."""
+  inner = getattr(mesh, axis)
+  return -1 if inner == -1 else inner * (getattr(dcn, axis) if dcn is not None else 1)
+
+
+def axis_name(mesh: MeshConfig, dcn: DcnMeshConfig | None, axis: str) -> str:
+  """'mesh.stage=2', or 'mesh.stage=1 x dcn_mesh.stage=2' where dcn_mesh has a part of it."""
+  outer = getattr(dcn, axis) if dcn is not None else 1
+  return f'mesh.{axis}={getattr(mesh, axis)}' + (f' x dcn_mesh.{axis}={outer}' if outer != 1
+                                                   else '')
 
 
 def check_rules(param_rules, logical_rules) -> None:

@@ -7,7 +7,7 @@ import re
 from disttrain.config.checks import one_of, positive
 from disttrain.config.data import DataConfig
 from disttrain.config.layout import (SHARDINGS, STEP_MODES, DcnMeshConfig, MeshConfig,
-                                     check_rules, check_step_mode)
+                                     axis_name, axis_size, check_rules, check_step_mode)
 from disttrain.config.model import ModelConfig, PrecisionConfig
 from disttrain.config.post_training import DpoConfig, GrpoConfig, LoraConfig
 from disttrain.errors import ConfigError
@@ -237,12 +237,13 @@ class Config:
       raise ConfigError(f'profile.start_step={self.profile.start_step} profile.num_steps='
                         f'{self.profile.num_steps}: set both (> 0) to trace, or both 0 for no '
                         'trace')
-    check_step_mode(self.mesh, self.step_mode, self.sharding)
-    if self.mesh.stage > 1 and self.grad_accum_steps < self.mesh.stage:
+    check_step_mode(self.mesh, self.step_mode, self.sharding, self.dcn_mesh)
+    stages = axis_size(self.mesh, self.dcn_mesh, 'stage')
+    if stages > 1 and self.grad_accum_steps < stages:
       raise ConfigError(
-          f'mesh.stage={self.mesh.stage} needs at least as many micro-batches as stages, got '
-          f'grad_accum_steps={self.grad_accum_steps}; set grad_accum_steps >= '
-          f'{self.mesh.stage} (more cut the pipeline bubble, (S - 1) / (M + S - 1))')
+          f'{axis_name(self.mesh, self.dcn_mesh, "stage")} needs at least as many micro-batches '
+          f'as stages, got grad_accum_steps={self.grad_accum_steps}; set grad_accum_steps >= '
+          f'{stages} (more cut the pipeline bubble, (S - 1) / (M + S - 1))')
     if self.precision.matmul == 'float8' and self.step_mode != 'jit':
       raise ConfigError(
           f"precision.matmul='float8' scales each tensor by its amax over the whole batch, which "
