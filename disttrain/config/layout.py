@@ -80,7 +80,7 @@ def check_step_mode(mesh: MeshConfig, step_mode: str, sharding: str,
   batch, and the axes that split work inside one program (context, stage, expert) need jit. An
   axis counts with its dcn_mesh part: the whole mesh is mesh x dcn_mesh."""
   size = lambda axis: axis_size(mesh, dcn, axis)
-  name = lambda axis: axis_name(mesh, dcn, axis)
+  name = lambda axis: axis_label(mesh, dcn, axis)
   if step_mode == 'pmap' and (size('fsdp') != 1 or size('tensor') != 1
                               or sharding != 'replicate'):
     raise ConfigError(
@@ -103,7 +103,7 @@ def axis_size(mesh: MeshConfig, dcn: DcnMeshConfig | None, axis: str) -> int:
   return -1 if inner == -1 else inner * (getattr(dcn, axis) if dcn is not None else 1)
 
 
-def axis_name(mesh: MeshConfig, dcn: DcnMeshConfig | None, axis: str) -> str:
+def axis_label(mesh: MeshConfig, dcn: DcnMeshConfig | None, axis: str) -> str:
   """'mesh.stage=2', or 'mesh.stage=1 x dcn_mesh.stage=2' where dcn_mesh has a part of it."""
   outer = getattr(dcn, axis) if dcn is not None else 1
   return f'mesh.{axis}={getattr(mesh, axis)}' + (f' x dcn_mesh.{axis}={outer}' if outer != 1

@@ -7,7 +7,7 @@ import re
 from disttrain.config.checks import one_of, positive
 from disttrain.config.data import DataConfig
 from disttrain.config.layout import (SHARDINGS, STEP_MODES, DcnMeshConfig, MeshConfig,
-                                     axis_name, axis_size, check_rules, check_step_mode)
+                                     axis_label, axis_size, check_rules, check_step_mode)
 from disttrain.config.model import ModelConfig, PrecisionConfig
 from disttrain.config.post_training import DpoConfig, GrpoConfig, LoraConfig
 from disttrain.errors import ConfigError
@@ -241,7 +241,7 @@ class Config:
     stages = axis_size(self.mesh, self.dcn_mesh, 'stage')
     if stages > 1 and self.grad_accum_steps < stages:
       raise ConfigError(
-          f'{axis_name(self.mesh, self.dcn_mesh, "stage")} needs at least as many micro-batches '
+          f'{axis_label(self.mesh, self.dcn_mesh, "stage")} needs at least as many micro-batches '
           f'as stages, got grad_accum_steps={self.grad_accum_steps}; set grad_accum_steps >= '
           f'{stages} (more cut the pipeline bubble, (S - 1) / (M + S - 1))')
     if self.precision.matmul == 'float8' and self.step_mode != 'jit':
