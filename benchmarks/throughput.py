@@ -184,6 +184,8 @@ def run() -> list[dict]:
                 devices=len(devices), global_batch_size=cfg.global_batch_size,
                 steps_per_dispatch=k, windows=windows, steps_per_window=steps,
                 host_load_1m=round(max(load), 2), **info)
+  # The whole run's peak: XLA:CPU's fake devices share the cores one dot already uses; GPUs add.
+  total_peak = peak_flops * (len(devices) if devices[0].platform != 'cpu' else 1)
   rows = []
   for measured, against, (secs, base_secs) in timings:
     eps = [steps * cfg.global_batch_size / s for s in secs]
@@ -194,9 +196,9 @@ def run() -> list[dict]:
                      ratio=round(baselines.median([a / b for a, b in zip(eps, base_eps)]), 4),
                      ms_per_step=round(1e3 * cfg.global_batch_size / med, 4),
                      baseline_ms_per_step=round(1e3 * cfg.global_batch_size / base_med, 4),
-                     fraction_of_peak=round(med * info['flops_per_example'] / peak_flops, 4),
+                     fraction_of_peak=round(med * info['flops_per_example'] / total_peak, 4),
                      peak_flops_per_sec=round(peak_flops), peak_dtype=np.dtype(peak.dtype).name,
-                     **_lm_fields(lm, len(devices), med, peak_flops)))
+                     **_lm_fields(lm, med, total_peak)))
   return rows
 
 
@@ -211,14 +213,14 @@ def _keras_fit(run_: disttrain.Setup, k: int) -> baselines.KerasFit:
                      'keras, or drop --with_keras') from e
 
 
-def _lm_fields(throughput, num_devices: int, examples_per_sec: float,
-               measured_peak: float) -> dict:
+def _lm_fields(throughput, examples_per_sec: float, measured_peak: float) -> dict:
   """tokens_per_sec and MFU (model FLOPs: 6 N + attention, per token) for language models,
-  against the accelerator table's peak, or on CPU the measured dot peak of this run."""
+  against the accelerator table's peak, or on CPU the measured dot peak of this run (the whole
+  run's, as fraction_of_peak's)."""
   if not throughput.flops_per_example:
     return {}
   table_peak = throughput.peak
-  peak = table_peak or measured_peak * num_devices
+  peak = table_peak or measured_peak
   return {'tokens_per_sec': round(examples_per_sec * throughput.tokens_per_example, 1),
           'model_flops_per_example': throughput.flops_per_example,
           'mfu': round(examples_per_sec * throughput.flops_per_example / peak, 4),
