@@ -100,7 +100,8 @@ def test_peak_flops_match_whole_device_names():
   from disttrain.operating.metrics import peak_flops  # pylint: disable=g-import-not-at-top
   kinds = {'NVIDIA L40S': 362e12, 'NVIDIA L40': 181e12, 'NVIDIA L4': 121e12,
            'NVIDIA H100 80GB HBM3': 989e12, 'NVIDIA A100-SXM4-80GB': 312e12, 'TPU v5p': 459e12,
-           'TPU v5 lite': 197e12, 'NVIDIA RTX A6000': None}
+           'TPU v5 lite': 197e12, 'NVIDIA RTX A6000': None, 'NVIDIA GH200 480GB': 989e12,
+           'NVIDIA H100 PCIe': 756e12}  # GH200 was no match; the PCIe card took the SXM's
   assert {k: peak_flops(k) for k in kinds} == kinds
 
 

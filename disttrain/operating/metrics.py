@@ -178,7 +178,9 @@ PEAK_FLOPS = {
     'TPU v6 lite': 918e12,  # Trillium
     'TPU v6e': 918e12,
     'H200': 989e12,
-    'H100': 989e12,  # SXM; the PCIe card is ~756e12: set peak_flops_per_device
+    'GH200': 989e12,  # Grace Hopper: the H100's tensor cores
+    'H100': 989e12,  # SXM
+    'H100 PCIe': 756e12,
     'A100': 312e12,
     'L40S': 362e12,
     'L40': 181e12,
