@@ -28,7 +28,8 @@ _OPEN, _CLOSE = '\ue000', '\ue001'  # private-use marks around {% generation %} 
 
 class Rendered(list):
   """(text, trained) pieces a chat template rendered: they hold the template's own special and
-  end-of-turn tokens, so they are encoded with none added and no EOS after (Tokenizer.encode_pieces)."""
+  end-of-turn tokens, so they are encoded with none added and no EOS after
+  (Tokenizer.encode_pieces)."""
 
 
 def find(tokenizer_file: str) -> tuple[str, str] | None:

@@ -7,8 +7,9 @@
 Rows come from the sources by the deterministic schedule of disttrain/data/schedule.py, never a
 random draw per row. Each source walks its own shuffled epochs (seed, source name, epoch), and
 its random transforms draw from (seed, source name, epoch, index); adding a source leaves the
-others' orders alone. The iterator state keeps each source's draw count, so a restart whose weights differ from the checkpoint's (a new stage, an
-edited mixture) continues every source where it stopped under the new weights.
+others' orders alone. The iterator state keeps each source's draw count, so a restart whose
+weights differ from the checkpoint's (a new stage, an edited mixture) continues every source
+where it stopped under the new weights.
 """
 
 import dataclasses

@@ -286,8 +286,8 @@ def from_directory(cfg: Config) -> Config:
   """model.name='hf' (launch/configs/hf.py): the family and every model field from
   restore_from's config.json, as from_pretrained builds it. A field left at ModelConfig's default
   is taken; one set otherwise must agree (a contradiction is one line naming both). dropout and
-  the router loss weights set in the run are the run's (training choices); data.tokenizer '' becomes the directory's tokenizer if it has
-  one."""
+  the router loss weights set in the run are the run's (training choices); data.tokenizer ''
+  becomes the directory's tokenizer if it has one."""
   if cfg.model.name != FROM_DIRECTORY:
     return cfg
   directory = cfg.restore_from

@@ -347,7 +347,8 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
     exported = acts.saver.maybe_save(step_no, device_state, force=last or stop is not None,
                                      evals=acts.evaluator.checkpoint_metrics() if evals else None)
     # A callback's stop ends the run normally: its last step is exported as the last step is.
-    if hf_due or (stop is not None and stop.kind == 'callback' and acts.hf_saves.due(step_no, True)):
+    if hf_due or (stop is not None and stop.kind == 'callback'
+                  and acts.hf_saves.due(step_no, True)):
       with phases('checkpoint'):
         if exported is None:
           exported = steps.export(device_state)
