@@ -354,6 +354,7 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
           exported = steps.export(device_state)
           acts.saver.check_finite(step_no, exported)
         acts.hf_saves.save(step_no, adapters.plain_params(run.model, exported))
+    del exported  # released here: held to the next step its release fell outside every phase
     phases.finished(step_no)
     if stop is not None:
       break
