@@ -194,3 +194,12 @@ def test_eval_examples_too_large(tmp_path):
   _raises_one_line(lambda: _mnist(tmp_path, eval_examples=20), 'data.eval_examples=20')
   _raises_one_line(lambda: _load(name='digits', eval_examples=1797),
                    'data.eval_examples=1797', '1797')
+
+
+def test_the_configs_source_lists_name_every_built_in_source():
+  # The config checks files by these lists: a source added to SOURCES but not to one of them
+  # would skip the 'needs data.train_files' / 'would ignore them' checks.
+  known = set(config_lib.FILE_SOURCES) | set(config_lib.data.FILELESS_SOURCES)
+  assert known == set(sources.SOURCES)
+  assert not set(config_lib.FILE_SOURCES) & set(config_lib.data.FILELESS_SOURCES)
+  assert set(config_lib.MIXABLE) <= set(config_lib.FILE_SOURCES)
