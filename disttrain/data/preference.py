@@ -60,19 +60,21 @@ def pieces(record: dict, where: str, template, fields=('prompt', 'chosen', 'reje
   return out[0], out[1]
 
 
-def _prompt_kept(ids: list[int], mask: list[int], seq_len: int, where: str) -> int:
-  """Prompt tokens a row keeps: its end (at least half a row of it) and the completion's start."""
+def _prompt_kept(ids: list[int], mask: list[int], seq_len: int, where: str) -> tuple[int, int]:
+  """(the completion's first id, the prompt tokens a row keeps: its end, at least half a row of
+  it, and the completion's start)."""
   if not any(mask):
     raise DataError(f'{where}: the completion has no tokens to train; check the line')
   first = int(np.argmax(np.asarray(mask) > 0))  # the completion's first token
   window = seq_len + 1  # one more id than positions
-  return first if len(ids) <= window else max(window - (len(ids) - first), min(first, window // 2))
+  if len(ids) <= window:
+    return first, first
+  return first, max(window - (len(ids) - first), min(first, window // 2))
 
 
-def _row(ids: list[int], mask: list[int], seq_len: int, keep: int):
-  """tokens, targets, loss_mask of length seq_len, from the last `keep` prompt tokens on."""
+def _row(ids: list[int], mask: list[int], seq_len: int, start: int):
+  """tokens, targets, loss_mask of length seq_len, from ids[start] on."""
   ids, mask = np.asarray(ids, np.int64), np.asarray(mask, np.int64)
-  start = int(np.argmax(mask > 0)) - keep
   ids, mask = ids[start:start + seq_len + 1], mask[start:start + seq_len + 1]
   tokens = np.zeros(seq_len, np.int32)
   targets = np.full(seq_len, -1, np.int32)
@@ -92,8 +94,10 @@ def read(paths: list[str], tokenizer, seq_len: int, template=None, verbose: bool
       raise DataError(f'{where} is not a JSON object with prompt/chosen/rejected')
     encoded = [tokenizer.encode_pieces(p) for p in pieces(record, where, template)]
     # Both rows keep the same prompt tokens, so chosen and rejected answer the same context.
-    keep = min(_prompt_kept(ids, mask, seq_len, where) for ids, mask in encoded)
-    pair = [_row(ids, mask, seq_len, keep) for ids, mask in encoded]
+    kept = [_prompt_kept(ids, mask, seq_len, where) for ids, mask in encoded]
+    keep = min(k for _, k in kept)
+    pair = [_row(ids, mask, seq_len, first - keep)
+            for (ids, mask), (first, _) in zip(encoded, kept)]
     for k, name in enumerate(rows):
       rows[name].append(np.stack([pair[0][k], pair[1][k]]))
     count += 1
