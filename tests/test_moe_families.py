@@ -10,6 +10,9 @@ gives transformers' greedy `generate` tokens for 16 new tokens from 2 prompts of
 lengths. On fsdp x expert x tensor (8 devices) one step of each equals 1 device.
 """
 
+import dataclasses
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +20,7 @@ import transformers
 
 import jax.numpy as jnp
 
+from disttrain.hf import compare
 from tests import hf_round_trip, test_llama
 from tests.helpers import assert_trees_close
 
@@ -64,6 +68,14 @@ def test_moe_family_imports_exports_and_decodes_as_transformers(tmp_path, family
   with torch.no_grad():
     want = reference(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(_logits(lm, tokens), want, rtol=1e-4, atol=1e-4)
+  # disttrain compare of a run trained with a capacity still runs the model as transformers does
+  capped = lm.model.module.clone(cfg=dataclasses.replace(lm.model.cfg, expert_capacity=1.0))
+  assert np.abs(_logits(types.SimpleNamespace(model=types.SimpleNamespace(module=capped),
+                                              params=lm.params), tokens) - want).max() > 1e-2
+  run = types.SimpleNamespace(model=types.SimpleNamespace(module=capped, cfg=lm.model.cfg),
+                              params=lm.params)
+  np.testing.assert_allclose(compare._ours(run, tokens[0].tolist())[:, :VOCAB], want[0],
+                             rtol=1e-4, atol=1e-4)
 
   hf_round_trip.assert_exports_reimports_and_decodes(
       lm, path, tmp_path, tokens, _logits(lm, tokens), [[5, 17, 3, 99, 42], [8, 1, 64, 23, 7, 90, 11, 2, 36]])
