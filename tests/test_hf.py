@@ -199,11 +199,13 @@ def test_imported_gpt2_logits_equal_transformers_from_sharded_files(tmp_path, ti
 def test_keys_a_config_json_leaves_out_are_transformers_defaults():
   """A config.json without its norm epsilon, rotary base, window or caps describes the model
   transformers' config class fills in (Mixtral's 1e-5 and 1e6, Mistral's window of 4096, Gemma
-  2's caps of 50 and 30, ...): the model fields read from it equal those of the full dict."""
+  2's caps of 50 and 30, Mixtral's 8 experts, 2 a token, ...): the model fields read from it
+  equal those of the full dict."""
   small = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2)
   left_out = ('rms_norm_eps', 'rope_theta', 'rope_parameters', 'rope_scaling', 'sliding_window',
-              'attn_logit_softcapping', 'final_logit_softcapping', 'rope_local_base_freq')
+              'attn_logit_softcapping', 'final_logit_softcapping', 'rope_local_base_freq',
+              'num_local_experts', 'num_experts', 'num_experts_per_tok', 'norm_topk_prob')
   for arch, family in hf_config.ARCHITECTURES.items():
     if family == 'gpt':
       continue
@@ -217,12 +219,15 @@ def test_keys_a_config_json_leaves_out_are_transformers_defaults():
 
 def test_exports_no_hugging_face_model_builds_are_refused():
   """What the family's transformers model would compute otherwise: a window on a family
-  without one, RMSNorm in GPT-2, an attention cap in Gemma 3 (transformers applies none)."""
+  without one, RMSNorm in GPT-2, an attention cap in Gemma 3 (transformers applies none),
+  unnormalised top-k gates in Mixtral (transformers always renormalises)."""
   cases = [(_model_config('llama', 2, sliding_window=8), 'model.sliding_window=8'),
            (_model_config('qwen3', 2, sliding_window=8), 'the qwen3 Hugging Face model'),
            (_model_config('gpt', norm='rmsnorm'), "model.norm='rmsnorm'"),
            (_model_config('gemma3', 2, head_dim=16, attn_softcap=50.0),
-            'model.attn_softcap=50.0')]
+            'model.attn_softcap=50.0'),
+           (_model_config('mixtral', 2, num_experts=4, experts_per_token=2, moe_norm_topk=False),
+            'model.moe_norm_topk=False')]
   for cfg, message in cases:
     with pytest.raises(ConfigError, match=re.escape(message)):
       exported_config.check_exportable(models.build(cfg, 'float32', 16), 'the run')

@@ -27,6 +27,11 @@ def check_exportable(model, where: str) -> None:
                       f'{cfg.sliding_window}), which the {family} Hugging Face model does not '
                       'build (it would attend to every position); export a model trained with '
                       'model.sliding_window=0, or train the mistral family')
+  if family == 'mixtral' and not cfg.moe_norm_topk:
+    raise ConfigError(f"{where} keeps its top-k gates unnormalised (model.moe_norm_topk=False); "
+                      "transformers' Mixtral always renormalises them; export a model trained "
+                      'with model.moe_norm_topk=True, or train the qwen3_moe family '
+                      '(norm_topk_prob holds the choice)')
   if family == 'gpt' and cfg.norm != 'layernorm':
     raise ConfigError(f"{where} uses model.norm={cfg.norm!r}; GPT-2's Hugging Face model has "
                       'LayerNorm only; export a gpt model trained with model.norm=layernorm')
