@@ -20,7 +20,9 @@ import transformers
 
 import jax.numpy as jnp
 
+from disttrain.config import ModelConfig
 from disttrain.hf import compare
+from disttrain.hf import config as hf_config
 from tests import hf_round_trip, test_llama
 from tests.helpers import assert_trees_close
 
@@ -105,6 +107,10 @@ def test_qwen3_moe_with_dense_layers_among_the_experts_is_refused_naming_the_fie
   with pytest.raises(CheckpointError, match=r"config.json mlp_only_layers=\[1\]; the qwen3_moe "
                                             r"family has mlp_only_layers=\[\]"):
     hf_round_trip.load(path)
+  # null is transformers' [] (it loads such a config); the family checks pass
+  null = {**config, 'mlp_only_layers': None}
+  cfg = ModelConfig(**hf_config.model_fields(null, 'qwen3_moe'))
+  hf_config._check_rotary(path, 'qwen3_moe', null, cfg)  # pylint: disable=protected-access
 
 
 def test_the_balancing_loss_is_imported_where_transformers_adds_it(tmp_path):

@@ -79,11 +79,15 @@ def _hf_values(config: dict, family: str) -> dict:
     if family in MOE:
       mlp = 'moe_intermediate_size' if family == 'qwen3_moe' else 'intermediate_size'
       # Qwen3-MoE's published key is num_experts; transformers 5 saves num_local_experts.
-      experts = next(k for k in ('num_local_experts', 'num_experts') if k in config)
-      moe = {'mlp_dim': (mlp, config[mlp]), 'num_experts': (experts, config[experts]),
-             'experts_per_token': ('num_experts_per_tok', config['num_experts_per_tok']),
-             'moe_norm_topk': ('norm_topk_prob', config.get('norm_topk_prob', False)
-                               if family == 'qwen3_moe' else True)}
+      experts = next((k for k in ('num_local_experts', 'num_experts') if k in config),
+                     'num_local_experts')
+      qwen = family == 'qwen3_moe'  # else Mixtral: transformers' defaults, 8 experts, 2 a token
+      moe = {'mlp_dim': (mlp, config[mlp]),
+             'num_experts': (experts, config.get(experts, 128 if qwen else 8)),
+             'experts_per_token': ('num_experts_per_tok',
+                                   config.get('num_experts_per_tok', 8 if qwen else 2)),
+             'moe_norm_topk': ('norm_topk_prob', config.get('norm_topk_prob', False)) if qwen
+                              else ('norm_topk_prob (always, in Mixtral)', True)}
     return {'width': ('hidden_size', config['hidden_size']),
             'head_dim': ('head_dim', head_dim),
             'sliding_window': ('sliding_window', (_get(config, family, 'sliding_window') or 0)
@@ -164,7 +168,7 @@ def rope(config: dict, family: str) -> tuple[float, dict]:
 
 def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -> None:
   for key, value in _FIXED[family].items():
-    if config.get(key, value) != value:
+    if config.get(key, value) != value and not (value == [] and config[key] is None):
       raise CheckpointError(f'{directory}: config.json {key}={config[key]!r}; the {family} family '
                             f'has {key}={value!r}')
   local = (config.get('rope_parameters') or {}).get('sliding_attention') or {}
