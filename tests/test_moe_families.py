@@ -116,7 +116,8 @@ def test_qwen3_moe_with_dense_layers_among_the_experts_is_refused_naming_the_fie
 def test_the_balancing_loss_is_imported_where_transformers_adds_it(tmp_path):
   """transformers adds router_aux_loss_coef x its balancing loss only with output_router_logits
   (off in Mixtral's and Qwen3-MoE's configs): an import trained with it on anyway (0.02 here).
-  A run's own weight is a training choice, not a contradiction of config.json; an export says
+  A run's own weight or capacity is a training choice, not a contradiction of config.json,
+  whatever its value; an export says
   output_router_logits where it has a weight, so its import has it again."""
   import json  # pylint: disable=g-import-not-at-top
   import disttrain  # pylint: disable=g-import-not-at-top
@@ -130,13 +131,17 @@ def test_the_balancing_loss_is_imported_where_transformers_adds_it(tmp_path):
   assert hf_config.model_fields(on, 'mixtral')['router_aux_weight'] == 0.02
   (tmp_path / 'config.json').write_text(json.dumps({**config,
                                                     'architectures': ['MixtralForCausalLM']}))
-  for run_weight, want in ((None, 0.0), (0.05, 0.05)):
+  # Set to ModelConfig's defaults (0.01, 1.25) they are the run's too, not read as unset.
+  for run_weight, want, capacity in ((None, 0.0, 0.0), (0.05, 0.05, 0.0), (0.01, 0.01, 1.25)):
     cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'hf.py')
     overrides = {'restore_from': str(tmp_path), 'data.name': 'text'}
     if run_weight is not None:
       overrides['model.router_aux_weight'] = run_weight
+    if capacity:
+      overrides['model.expert_capacity'] = capacity
     cfg = hf_config.from_directory(disttrain.from_config_dict(helpers.override(cd, overrides)))
     assert cfg.model.router_aux_weight == want and cfg.model.router_z_weight == 0.0
+    assert cfg.model.expert_capacity == capacity
     decoder = models.build(cfg.model).cfg
     exported = exported_config.for_export('mixtral', cfg.model, decoder, 'float32', {})
     assert hf_config.model_fields(exported, 'mixtral')['router_aux_weight'] == want

@@ -89,7 +89,8 @@ class ModelConfig:
   num_experts: int = 0  # language models: experts per mixture-of-experts layer; 0 = dense MLP
   experts_per_token: int = 2  # MoE: experts each token is routed to (top k)
   # MoE: slots per expert per row = this x T k / E (at most T; 0 = T, dropless); choices beyond
-  # are dropped and reported as moe_dropped.
+  # are dropped and reported as moe_dropped. These three, -1 with model.name='hf': as a Hugging
+  # Face directory's config.json trains (dropless; router losses as transformers adds them).
   expert_capacity: float = 1.25
   router_aux_weight: float = 0.01  # MoE: weight of the load-balancing loss (Switch)
   router_z_weight: float = 0.001  # MoE: weight of the router z-loss (ST-MoE)
@@ -127,9 +128,9 @@ class ModelConfig:
     positive('model.attention_block', self.attention_block)
     positive('model.num_experts', self.num_experts, allow_zero=True)
     positive('model.experts_per_token', self.experts_per_token)
-    positive('model.expert_capacity', self.expert_capacity, allow_zero=True)
-    positive('model.router_aux_weight', self.router_aux_weight, allow_zero=True)
-    positive('model.router_z_weight', self.router_z_weight, allow_zero=True)
+    for name in ('expert_capacity', 'router_aux_weight', 'router_z_weight'):
+      if not (self.name == 'hf' and getattr(self, name) == -1):  # -1: the directory's
+        positive(f'model.{name}', getattr(self, name), allow_zero=True)
     if self.num_experts and self.experts_per_token > self.num_experts:
       raise ConfigError(f'model.experts_per_token={self.experts_per_token} > model.num_experts='
                         f'{self.num_experts}: a token picks distinct experts; use at most '

@@ -208,8 +208,9 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
                         f'model.rope_scaling.{ours}', getattr(cfg.rope_scaling, ours))
 
 
-# Model fields that shape training, not the model: a run's value wins over config.json's.
-TRAINING_CHOICES = ('router_aux_weight', 'router_z_weight')
+# Model fields that shape training, not the model: a run's value wins over config.json's (the
+# hf recipe sets them to -1: config.json's, as transformers trains the model).
+TRAINING_CHOICES = ('router_aux_weight', 'router_z_weight', 'expert_capacity')
 
 
 def model_fields(config: dict, family: str) -> dict:
@@ -289,9 +290,10 @@ _TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model')
 def from_directory(cfg: Config) -> Config:
   """model.name='hf' (launch/configs/hf.py): the family and every model field from
   restore_from's config.json, as from_pretrained builds it. A field left at ModelConfig's default
-  is taken; one set otherwise must agree (a contradiction is one line naming both). dropout and
-  the router loss weights set in the run are the run's (training choices); data.tokenizer ''
-  becomes the directory's tokenizer if it has one."""
+  is taken; one set otherwise must agree (a contradiction is one line naming both). dropout, the
+  expert capacity and the router loss weights are the run's (training choices), or config.json's
+  where they are -1 (launch/configs/hf.py); data.tokenizer '' becomes the directory's tokenizer
+  if it has one."""
   if cfg.model.name != FROM_DIRECTORY:
     return cfg
   directory = cfg.restore_from
@@ -303,9 +305,11 @@ def from_directory(cfg: Config) -> Config:
   fields = model_fields(config, family)
   fields.pop('dropout')
   default, given = ModelConfig(), {}
-  for name in TRAINING_CHOICES:  # the run's own where it sets them
-    if name in fields and getattr(cfg.model, name) != getattr(default, name):
+  for name in TRAINING_CHOICES:  # the run's own unless -1 (the hf recipe's "the directory's")
+    if name in fields and getattr(cfg.model, name) != -1:
       fields.pop(name)
+    elif getattr(cfg.model, name) == -1:
+      given[name] = fields.pop(name, 0.0)  # a dense family: no experts to route
   for name, value in fields.items():
     mine = getattr(cfg.model, name)
     if name == 'rope_scaling':

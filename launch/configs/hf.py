@@ -19,6 +19,11 @@ def get_config():
   cfg = config_lib.defaults()
   cfg.model.name = 'hf'
   cfg.model.dropout = 0.0
+  # Mixture-of-experts directories train as transformers does: dropless, router losses only
+  # where config.json has output_router_logits; a value set here or on the command line wins.
+  cfg.model.expert_capacity = -1.0
+  cfg.model.router_aux_weight = -1.0
+  cfg.model.router_z_weight = -1.0
   cfg.data.name = 'sft'
   cfg.data.seq_len = 2048
   cfg.global_batch_size = 16
