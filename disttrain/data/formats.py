@@ -179,6 +179,25 @@ class ArrayRecordFiles(grain.sources.ArrayRecordDataSource):
       raise
 
 
+def token_count(path: str, dtype: np.dtype) -> int:
+  """Tokens in a flat token file of `dtype`, checked to be one: its size and, for uint16, that it
+  is not a uint32 file (whose ids would read as halves that all pass the vocabulary check)."""
+  size = os.path.getsize(path)
+  if size % dtype.itemsize:
+    raise DataError(f'{path} has {size} bytes, not a multiple of the {dtype.itemsize}-byte '
+                    f'{dtype.name} token size; it is truncated or not a {dtype.name} token file '
+                    '(check data.tokens.dtype)')
+  count = size // dtype.itemsize
+  if dtype == np.uint16 and count >= 256 and not size % 4:
+    head = np.fromfile(path, np.uint16, count=min(count, 1 << 16))
+    # A uint32 id below 2^18 has a high half of 0-3: real uint16 text never has that at every
+    # odd position.
+    if head[1::2].max() <= 3 < head[0::2].max():
+      raise DataError(f'{path} reads as a uint32 token file (every second uint16 is 0-3, the '
+                      'high half of a 32-bit id); set --config.data.tokens.dtype=uint32')
+  return count
+
+
 class TokenWindows:
   """Windows of flat token files: example k = {'tokens': ids[kL:kL+L], 'targets': the next ids}.
 
@@ -194,13 +213,7 @@ class TokenWindows:
     self.seq_len, self.dtype, self.vocab_size = seq_len, np.dtype(dtype), vocab_size
     counts = []
     for path in self.paths:
-      size = os.path.getsize(path)
-      if size % self.dtype.itemsize:
-        raise DataError(f'{path} has {size} bytes, not a multiple of the '
-                        f'{self.dtype.itemsize}-byte {self.dtype.name} token size; it is '
-                        f'truncated or not a {self.dtype.name} token file (check '
-                        'data.tokens.dtype)')
-      counts.append(max(size // self.dtype.itemsize - 1, 0) // seq_len)
+      counts.append(max(token_count(path, self.dtype) - 1, 0) // seq_len)
     self._ends = np.cumsum(counts)
     self._maps: list[np.ndarray] | None = None
 

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from disttrain.data import formats
 from disttrain.errors import DataError
 
 _ENCODE_BATCH = 512  # documents per tokenizer call (tokenizers encodes a batch on every core)
@@ -96,29 +97,37 @@ class TokenFileDocuments:
 
   def __init__(self, paths: list[str], dtype: str, vocab_size: int):
     self.paths, self.dtype, self.vocab_size = paths, np.dtype(dtype), vocab_size
-    self._index = []  # (file, start, end) per document
-    lengths, masks = [], []
+    files, starts, ends, masks = [], [], [], []  # per document: arrays, shared cheaply by workers
     for f, path in enumerate(paths):
       try:
-        starts = np.load(path + '.docs.npy')
-      except OSError as e:
-        raise DataError(f'{path} has no document index {path}.docs.npy, which '
+        first = np.load(path + '.docs.npy').astype(np.int64)
+      except (OSError, ValueError) as e:
+        raise DataError(f'{path} has no readable document index {path}.docs.npy ({e}), which '
                         "data.packing='documents' needs; write the files with disttrain "
                         "convert --source=documents, or use data.packing='concat'") from e
-      size = os.path.getsize(path) // self.dtype.itemsize
-      ends = np.append(starts[1:], size)
-      self._index += [(f, int(a), int(b)) for a, b in zip(starts, ends)]
-      lengths.append(ends - starts)
-      masks.append(os.path.isfile(path + '.mask.bin'))
+      size = formats.token_count(path, self.dtype)
+      if first.ndim != 1 or (len(first) and (first[0] != 0 or first[-1] > size or
+                                             np.any(np.diff(first) < 0))):
+        raise DataError(f'{path}.docs.npy is not the index of {path} (offsets from 0, rising, '
+                        f'within its {size:,} tokens); write the pair again with disttrain convert')
+      mask = path + '.mask.bin'
+      if os.path.isfile(mask) and os.path.getsize(mask) != size:
+        raise DataError(f'{mask} has {os.path.getsize(mask):,} bytes for the {size:,} tokens of '
+                        f'{path}; write the pair again with disttrain convert')
+      files.append(np.full(len(first), f, np.int32))
+      starts.append(first)
+      ends.append(np.append(first[1:], size))
+      masks.append(os.path.isfile(mask))
     if len(set(masks)) > 1:
       raise DataError(f'{paths}: some files have loss masks (.mask.bin) and some do not; use one '
                       'kind')
-    self.lengths = np.concatenate(lengths).astype(np.int64)
+    self._files, self._starts = np.concatenate(files), np.concatenate(starts)
+    self.lengths = np.concatenate(ends) - self._starts
     self.sft = masks[0]
     self._maps = None
 
   def __len__(self) -> int:
-    return len(self._index)
+    return len(self.lengths)
 
   def __getstate__(self) -> dict:
     return {**self.__dict__, '_maps': None}  # workers map the files themselves
@@ -129,7 +138,8 @@ class TokenFileDocuments:
       self._maps = [(np.memmap(p, self.dtype, mode='r'),
                      np.memmap(p + '.mask.bin', np.uint8, mode='r') if self.sft else None)
                     for p in self.paths]
-    f, start, end = self._index[i]
+    f, start = int(self._files[i]), int(self._starts[i])
+    end = start + int(self.lengths[i])
     ids_map, mask_map = self._maps[f]
     ids = np.asarray(ids_map[start:end], np.int32)
     if ids.max(initial=0) >= self.vocab_size:
