@@ -5,12 +5,15 @@ Sources come from tests/configs/bad_data.py's get_data (picked by $BAD_DATA) or 
 """
 
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from disttrain.data import formats
+from disttrain.errors import DataError
 from tests.conftest import ROOT, subprocess_env
 
 CONFIG = 'tests/configs/bad_data.py'
@@ -113,6 +116,59 @@ def test_bad_files_are_one_line_and_exit_2(token_files, tmp_path, case, flags, n
                                  launcher=None if case == 'token_id' else launcher))  # it trains
   for needle in needles + [fix]:
     assert needle.replace('{dir}', str(token_files)) in line, (needle, line)
+
+
+def test_fields_that_are_not_numbers_or_overflow_32_bits_are_one_line():
+  """JAX computes in 32 bits: int64 ids of 2^40 wrapped to 0 and 1e300 became inf, silently;
+  text or None fields failed at the first batch with a TypeError naming no field."""
+  from disttrain.data.records import Records  # pylint: disable=g-import-not-at-top
+  ids = np.asarray([2, 2**40, 1, 3])
+  cases = [({'x': ids}, "in-memory train data: field 'x' holds 1099511627776, which int32"),
+           ([{'x': ids[i]} for i in range(4)],
+            "examples 1, 0 of the train data: field 'x' holds 1099511627776"),
+           ({'x': np.asarray([2.0, 1e300])}, "field 'x' holds 1e+300, which float32"),
+           ([{'x': 'abc'}], "example 0 of the train data: field 'x' is <U3 (str_ values), not "
+                            'numbers'),
+           ([{'x': None}], "field 'x' is object (NoneType values)"),
+           ([{'x': [[1, 2], [3]]}], "example 0 of the train data: field 'x' is not one array")]
+  for source, message in cases:
+    with pytest.raises(DataError, match=re.escape(message)):
+      Records(source, 'train', 0).read(np.asarray([1, 0]))
+  np.testing.assert_array_equal(Records([{'x': np.int64(5)}, {'x': np.int64(-7)}], 'train', 0)
+                                .read(np.asarray([1, 0]))['x'], [-7, 5])  # within int32: read
+
+
+def test_token_files_that_would_read_as_other_ids_are_refused(tmp_path):
+  """A uint32 file read as uint16 (the default): its halves pass any vocabulary over 2^16, so
+  windows and documents would be silent garbage; a stale document index or a loss mask of
+  another length would drop documents or fail mid-run."""
+  from disttrain.data import packing  # pylint: disable=g-import-not-at-top
+  ids = np.random.default_rng(0).integers(0, 151_000, 1000)
+  wide = tmp_path / 'wide.bin'
+  ids.astype(np.uint32).tofile(wide)
+  np.save(str(wide) + '.docs.npy', np.asarray([0, 400, 700]))
+  for read in (lambda: formats.TokenWindows(str(wide), 16, vocab_size=152_000),
+               lambda: packing.TokenFileDocuments([str(wide)], 'uint16', 152_000)):
+    with pytest.raises(DataError, match='reads as a uint32 token file .* set '
+                                        r'--config\.data\.tokens\.dtype=uint32'):
+      read()
+  assert len(formats.TokenWindows(str(wide), 16, 'uint32')) == 62  # the right dtype reads
+  ids = ids % 50_000
+  ids.astype(np.uint16).tofile(tmp_path / 'ids.bin')  # a uint16 file of the same ids passes
+  assert len(formats.TokenWindows(str(tmp_path / 'ids.bin'), 16)) == 62
+  path = str(tmp_path / 'ids.bin')
+  for starts in ([0, 400, 1700], [0, 700, 400], [5, 400]):
+    np.save(path + '.docs.npy', np.asarray(starts))
+    with pytest.raises(DataError, match=r'ids.bin.docs.npy is not the index of .*convert'):
+      packing.TokenFileDocuments([path], 'uint16', 1 << 16)
+  np.save(path + '.docs.npy', np.asarray([0, 400, 700]))
+  np.zeros(999, np.uint8).tofile(path + '.mask.bin')
+  with pytest.raises(DataError, match=r'ids.bin.mask.bin has 999 bytes for the 1,000 tokens'):
+    packing.TokenFileDocuments([path], 'uint16', 1 << 16)
+  np.zeros(1000, np.uint8).tofile(path + '.mask.bin')
+  docs = packing.TokenFileDocuments([path], 'uint16', 1 << 16)
+  assert list(docs.lengths) == [400, 300, 300]
+  np.testing.assert_array_equal(docs.tokens(1)[0], ids[400:700])
 
 
 # A transform failing in a worker (FailsOn17) is one line: test_bad_source[transform]; a

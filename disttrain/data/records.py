@@ -111,9 +111,9 @@ class Records:
     if clash:
       raise DataError(f'the {name} data has a field {clash[0]!r}, a name disttrain reserves for '
                       f'its own fields {RESERVED}; rename it in the source or a transform')
-    first = {k: np.asarray(v) for k, v in first.items()}
+    first = {k: _array(v, k, f'example 0 of the {name} data') for k, v in first.items()}
     self._raw_dtypes = {k: v.dtype for k, v in first.items()}
-    self.spec = {k: jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype))
+    self.spec = {k: jax.ShapeDtypeStruct(v.shape, _narrow(v, k, f'example 0 of the {name} data'))
                  for k, v in first.items()}
     # The in-memory fast path gathers without transforms or per-example checks.
     self._fast = self._arrays is not None and not self.transforms
@@ -150,9 +150,9 @@ class Records:
     except DataError:
       raise
     except Exception as e:  # pylint: disable=broad-except  (a damaged file, a failing reader)
-      shown = ', '.join(str(int(i)) for i in indices[:4]) + (', ...' if len(indices) > 4 else '')
       raise DataError(f'the {self.name} data ({type(self.source).__name__}) raised '
-                      f'{type(e).__name__} reading examples {shown}: {first_line(e, 200)}; '
+                      f'{type(e).__name__} reading examples {_shown(indices)}: '
+                      f'{first_line(e, 200)}; '
                       'fix the source or its files') from e
 
   def _transformed(self, example, index: int, epoch: int):
@@ -188,9 +188,51 @@ class Records:
               f'example {index} of the {self.name} data: field {key!r} is {dtype}{list(shape)} '
               f'but in example 0 it is {self._raw_dtypes[key]}{list(self.spec[key].shape)}; '
               'make every example the same shape and dtype (pad, crop or cast in a transform)')
-    return {k: np.stack([np.asarray(ex[k]) for ex in examples]).astype(self.spec[k].dtype,
-                                                                        copy=False)
-            for k in self.spec}
+    out = {}
+    for k, spec in self.spec.items():
+      stacked = np.stack([np.asarray(ex[k]) for ex in examples])
+      if stacked.dtype != spec.dtype:
+        _narrow(stacked, k, f'examples {_shown(indices)} of the {self.name} data')
+      out[k] = stacked.astype(spec.dtype, copy=False)
+    return out
+
+
+def _shown(indices) -> str:
+  return ', '.join(str(int(i)) for i in indices[:4]) + (', ...' if len(indices) > 4 else '')
+
+
+def _array(value, key: str, where: str) -> np.ndarray:
+  """A field as a numeric numpy array, or one line naming what it is instead."""
+  try:
+    value = np.asarray(value)
+  except ValueError as e:  # ragged nested lists
+    raise DataError(f'{where}: field {key!r} is not one array ({first_line(e, 120)}); pad or '
+                    'crop it to one shape in the source or a transform') from None
+  if value.dtype.kind not in 'biuf':
+    kind = type(value.flat[0]).__name__ if value.size else value.dtype
+    raise DataError(f'{where}: field {key!r} is {value.dtype} ({kind} values), not numbers; '
+                    'turn it into a numeric array in the source or a transform (e.g. tokenize '
+                    'text)')
+  return value
+
+
+def _narrow(value: np.ndarray, key: str, where: str) -> np.dtype:
+  """The JAX dtype of a field (64-bit becomes 32-bit), checked to hold its values: int64 ids of
+  2^40 would wrap to 0 and 1e300 become inf."""
+  target = np.dtype(jax.dtypes.canonicalize_dtype(value.dtype))
+  if target == value.dtype or not value.size:
+    return target
+  if value.dtype.kind in 'iu':
+    info, low, high = np.iinfo(target), value.min(), value.max()
+    bad = low if low < info.min else high if high > info.max else None
+  else:
+    finite = value[np.isfinite(value)]
+    high = np.abs(finite).max() if finite.size else 0
+    bad = high if high > np.finfo(target).max else None
+  if bad is not None:
+    raise DataError(f'{where}: field {key!r} holds {bad}, which {target} (what JAX computes '
+                    f'in without x64) cannot hold; scale or remap it in the source or a transform')
+  return target
 
 
 def _in_memory(arrays: dict, name: str) -> dict[str, np.ndarray]:
@@ -204,7 +246,8 @@ def _in_memory(arrays: dict, name: str) -> dict[str, np.ndarray]:
     if value.ndim == 0:
       raise DataError(f'in-memory {name} data: field {key!r} is a scalar; every field needs a '
                       'leading example dimension')
-    out[key] = value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
+    value = _array(value, key, f'in-memory {name} data')
+    out[key] = value.astype(_narrow(value, key, f'in-memory {name} data'), copy=False)
   sizes = {k: len(v) for k, v in out.items()}
   if len(set(sizes.values())) > 1:
     first = next(iter(sizes))
