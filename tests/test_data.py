@@ -155,3 +155,26 @@ def test_errors_are_one_line():
   assert '\n' not in str(e.value)
   with pytest.raises(DataError, match='multiple of 8'):
     data.TrainIterator(_split(), 12, 0, mesh_lib.batch_sharding(_mesh(8)))
+
+
+def test_a_held_out_slice_reads_a_batch_in_one_call_of_its_source():
+  """array_record's held-out tail (records.Slice) keeps grain's batched read (__getitems__)."""
+  from disttrain.data.records import Slice  # pylint: disable=g-import-not-at-top
+
+  class Batched:
+    calls = []
+
+    def __len__(self):
+      return 10
+
+    def __getitem__(self, i):
+      return {'x': np.int32(i)}
+
+    def __getitems__(self, indices):
+      self.calls.append(list(indices))
+      return [{'x': np.int32(i)} for i in indices]
+
+  tail = Records(Slice(Batched(), 6, 10), 'eval', 0)
+  Batched.calls.clear()
+  np.testing.assert_array_equal(tail.read(np.asarray([3, 0, 2]))['x'], [9, 6, 8])
+  assert Batched.calls == [[9, 6, 8]]

@@ -271,6 +271,12 @@ class Slice:
       raise IndexError(index)
     return self.source[self.start + int(index)]
 
+  def __getitems__(self, indices) -> list:
+    """A batch in one read where the source can (ArrayRecord files: grain's batched read)."""
+    shifted = [self.start + int(i) for i in indices]
+    getitems = getattr(self.source, '__getitems__', None)
+    return list(getitems(shifted)) if getitems else [self.source[i] for i in shifted]
+
 
 def num_examples(source: Any) -> int | None:
   """len() of a source (rows of a dict of arrays); None for an iterable without one."""
