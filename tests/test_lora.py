@@ -166,3 +166,19 @@ def test_model_flops_count_a_frozen_base_and_a_sliding_window():
   windowed = disttrain.setup(_config(**ONE, **{'model.sliding_window': 8}), devices=devices(1))
   assert t > 8 and setup_lib.throughput(windowed).flops_per_example == pytest.approx(
       6 * t * (n - lookups) + attention * 8 / t, rel=1e-12)
+
+
+def test_lora_on_a_mixture_of_experts_model_says_its_experts_stay_frozen(capsys):
+  """The default targets name MLP projections a MoE layer has none of: one line says so."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from disttrain import models  # pylint: disable=g-import-not-at-top
+  from disttrain.config import LoraConfig, ModelConfig  # pylint: disable=g-import-not-at-top
+  from disttrain.models import lora  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig(name='mixtral', hidden=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                    mlp_dim=48, vocab_size=64, num_experts=4, experts_per_token=2)
+  model = lora.adapt(models.build(cfg, 'float32', 8), LoraConfig(rank=2))
+  assert 'the 4 experts and the router of each mixture-of-experts layer take no adapters' in (
+      capsys.readouterr().err)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                             {'tokens': jnp.zeros((1, 8), jnp.int32)}))
+  assert {p.split('/')[1] for p in lora.pairs(shapes['params'])} == {'attention'}

@@ -15,6 +15,7 @@ model's parameters, W + (alpha / r) A B, for export, HF saves and sampling.
 import dataclasses
 import math
 import re
+import sys
 from typing import Any
 
 import jax
@@ -213,6 +214,11 @@ def adapt(model, cfg: LoraConfig):
     raise ConfigError(f'lora.rank={cfg.rank} adapts a language model\'s projections; '
                       f'{type(model).__name__} is not one (use a gpt, llama, qwen, mistral, '
                       'mixtral or gemma model, or lora.rank=0)')
+  experts = getattr(model.module.cfg, 'num_experts', 0)
+  if experts and jax.process_index() == 0:  # the default targets name MLPs it has none of
+    print(f'lora: the {experts} experts and the router of each mixture-of-experts layer take no '
+          'adapters and stay frozen; lora.targets adapts the attention projections',
+          file=sys.stderr, flush=True)
   spec = LoraSpec(cfg.rank, cfg.alpha, cfg.dropout, cfg.targets)
   module = model.module.clone(cfg=dataclasses.replace(model.module.cfg, lora=spec))
   return LoraModel(dataclasses.replace(model, module=module), spec, jnp.dtype(cfg.base_dtype))
