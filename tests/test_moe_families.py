@@ -145,3 +145,27 @@ def test_the_balancing_loss_is_imported_where_transformers_adds_it(tmp_path):
     decoder = models.build(cfg.model).cfg
     exported = exported_config.for_export('mixtral', cfg.model, decoder, 'float32', {})
     assert hf_config.model_fields(exported, 'mixtral')['router_aux_weight'] == want
+
+
+@pytest.mark.slow  # two transformers models and two imports
+def test_the_balancing_loss_of_an_import_is_transformers_aux_loss(tmp_path):
+  """model.router_balance='transformers' (an import's): the model loss equals transformers'
+  router_aux_loss_coef x aux_loss (load_balancing_loss_func: pooled over 3 layers, every choice
+  counted) to float32 rounding, Mixtral and Qwen3-MoE."""
+  for family in ('mixtral', 'qwen3_moe'):
+    torch.manual_seed(7)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+                  output_router_logits=True, router_aux_loss_coef=0.02)
+    config = (transformers.MixtralConfig(num_local_experts=4, **common) if family == 'mixtral'
+              else transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=48, **common))
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / family)
+    lm = hf_round_trip.load(str(tmp_path / family))
+    assert (lm.cfg.model.router_balance, lm.cfg.model.router_aux_weight) == ('transformers', 0.02)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+    with torch.no_grad():
+      aux = model(torch.tensor(tokens), output_router_logits=True).aux_loss.item()
+    _, _, ours = lm.model.apply({'params': lm.params}, {'tokens': jnp.asarray(tokens)},
+                                train=False, rng=None)
+    np.testing.assert_allclose(float(ours), 0.02 * aux, rtol=1e-5)

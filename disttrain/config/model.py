@@ -8,6 +8,7 @@ from disttrain.errors import ConfigError
 REMAT = ('auto', 'none', 'full', 'minimal', 'save_attention_out', 'dots_saveable',
          'dots_with_no_batch_dims_saveable', 'everything_saveable')
 ATTENTION = ('auto', 'xla', 'cudnn', 'blockwise')
+ROUTER_BALANCE = ('switch', 'transformers')  # model.router_balance: the balancing loss's form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,10 @@ class ModelConfig:
   expert_capacity: float = 1.25
   router_aux_weight: float = 0.01  # MoE: weight of the load-balancing loss (Switch)
   router_z_weight: float = 0.001  # MoE: weight of the router z-loss (ST-MoE)
+  # MoE: the balancing loss's form: 'switch' (per layer, summed over layers: MaxText's, about 1 a
+  # layer at balance) or 'transformers' (pooled over layers, each of the k choices counted:
+  # about k at balance; what an imported model's router_aux_loss_coef weighs).
+  router_balance: str = 'switch'
   # MoE: the k chosen experts' router probabilities renormalised to sum to 1 (Mixtral, Qwen3-MoE's
   # norm_topk_prob=true); False keeps their shares of the softmax over all experts.
   moe_norm_topk: bool = True
@@ -131,6 +136,8 @@ class ModelConfig:
     for name in ('expert_capacity', 'router_aux_weight', 'router_z_weight'):
       if not (self.name == 'hf' and getattr(self, name) == -1):  # -1: the directory's
         positive(f'model.{name}', getattr(self, name), allow_zero=True)
+    if not (self.name == 'hf' and self.router_balance == ''):  # '': the directory's
+      one_of('model.router_balance', self.router_balance, ROUTER_BALANCE)
     if self.num_experts and self.experts_per_token > self.num_experts:
       raise ConfigError(f'model.experts_per_token={self.experts_per_token} > model.num_experts='
                         f'{self.num_experts}: a token picks distinct experts; use at most '

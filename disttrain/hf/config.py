@@ -210,7 +210,8 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
 
 # Model fields that shape training, not the model: a run's value wins over config.json's (the
 # hf recipe sets them to -1: config.json's, as transformers trains the model).
-TRAINING_CHOICES = ('router_aux_weight', 'router_z_weight', 'expert_capacity')
+TRAINING_CHOICES = ('router_aux_weight', 'router_z_weight', 'expert_capacity', 'router_balance')
+_UNSET = (-1, '')  # launch/configs/hf.py's "the directory's"
 
 
 def model_fields(config: dict, family: str) -> dict:
@@ -235,7 +236,7 @@ def model_fields(config: dict, family: str) -> dict:
                   # transformers adds the balancing loss only with output_router_logits
                   router_aux_weight=float(config.get('router_aux_loss_coef', 0.0))
                   if config.get('output_router_logits') else 0.0,
-                  router_z_weight=0.0)
+                  router_z_weight=0.0, router_balance='transformers')
   scaling = rope(config, family)[1]
   if scaling.get('rope_type', scaling.get('type')) == 'linear':
     fields['rope_scaling'] = {'kind': 'linear', 'factor': float(scaling['factor'])}
@@ -305,11 +306,11 @@ def from_directory(cfg: Config) -> Config:
   fields = model_fields(config, family)
   fields.pop('dropout')
   default, given = ModelConfig(), {}
-  for name in TRAINING_CHOICES:  # the run's own unless -1 (the hf recipe's "the directory's")
-    if name in fields and getattr(cfg.model, name) != -1:
-      fields.pop(name)
-    elif getattr(cfg.model, name) == -1:
-      given[name] = fields.pop(name, 0.0)  # a dense family: no experts to route
+  for name in TRAINING_CHOICES:  # the run's own, or config.json's where unset (a dense one: off)
+    off = getattr(default, name) if name == 'router_balance' else 0.0
+    value = fields.pop(name, off)
+    if getattr(cfg.model, name) in _UNSET:
+      given[name] = value
   for name, value in fields.items():
     mine = getattr(cfg.model, name)
     if name == 'rope_scaling':

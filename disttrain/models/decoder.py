@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from flax import traverse_util
 
 from disttrain.errors import ConfigError
 from disttrain.models import chunked_loss, float8, layers, moe, pipeline
@@ -61,6 +62,7 @@ class DecoderConfig:
   expert_capacity: float = 1.25
   router_aux_weight: float = 0.01
   router_z_weight: float = 0.001
+  router_balance: str = 'switch'  # or 'transformers' (moe.py)
   moe_norm_topk: bool = True
   head_size: int = 0  # features per head; 0 = width / num_heads
   qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen2)
@@ -115,7 +117,7 @@ class Block(nn.Module):
     if cfg.num_experts:
       h = moe.MoeMlp(cfg.num_experts, cfg.experts_per_token, cfg.expert_capacity, cfg.mlp,
                      cfg.mlp_dim, cfg.dtype, cfg.router_aux_weight, cfg.router_z_weight,
-                     cfg.moe_norm_topk, name='moe')(h)
+                     cfg.moe_norm_topk, cfg.router_balance, name='moe')(h)
     else:
       h = layers.Mlp(cfg.mlp, cfg.mlp_dim, cfg.use_bias, cfg.dtype, lora=cfg.lora,
                      dot_general=dot_general, name='mlp')(h)
@@ -277,9 +279,12 @@ class LanguageModel(LinenModel):
       return super().apply(variables, batch, train=train, rng=rng)
     outputs, new_mutable, model_loss = super().apply(variables, batch, train=train, rng=rng,
                                                      sown=(moe.MOE,))
-    dropped = jax.tree.leaves(new_mutable.pop(moe.MOE, {}))
-    return ({'logits': outputs, 'moe_dropped': sum(d.mean(0) for d in dropped)},
-            new_mutable, model_loss)
+    sown = {k[-1]: v[0] for k, v in traverse_util.flatten_dict(new_mutable.pop(moe.MOE)).items()}
+    if self.cfg.router_balance == 'transformers':  # pooled over the layers: [L, k, E], [L, E]
+      model_loss += self.cfg.router_aux_weight * moe.pooled_balance(sown['choices'],
+                                                                    sown['probs'])
+    return ({'logits': outputs, 'moe_dropped': sown['dropped'].mean(0)}, new_mutable,
+            model_loss)
 
   def inputs(self, batch: dict) -> tuple[tuple, dict]:
     packed = {k: batch[k] for k in PACKED_FIELDS if k in batch}

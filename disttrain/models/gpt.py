@@ -21,7 +21,8 @@ def decoder_moe(cfg: ModelConfig) -> dict:
   """The mixture-of-experts fields of a decoder, and its loss chunk (both families read them)."""
   return dict(num_experts=cfg.num_experts, experts_per_token=cfg.experts_per_token,
               expert_capacity=cfg.expert_capacity, router_aux_weight=cfg.router_aux_weight,
-              router_z_weight=cfg.router_z_weight, moe_norm_topk=cfg.moe_norm_topk,
+              router_z_weight=cfg.router_z_weight, router_balance=cfg.router_balance,
+              moe_norm_topk=cfg.moe_norm_topk,
               loss_chunk=cfg.loss_chunk)
 
 

@@ -18,8 +18,10 @@ over the batch axes (data, fsdp, expert) outside the layer and over (data, fsdp)
 it, so XLA turns the dispatch and combine into all-to-alls over `expert`.
 
 Model losses (the task adds them; `losses` collection): the load-balancing loss E sum_e f_e p_e
-(Switch; f_e the fraction of token choices routed to e, p_e the mean router probability of e),
-times model.router_aux_weight, and the router z-loss mean(logsumexp(logits)^2) (ST-MoE), times
+(Switch; f_e the fraction of token choices routed to e, p_e the mean router probability of e;
+per layer, summed over layers) times model.router_aux_weight, or with model.router_balance=
+'transformers' transformers' form (`pooled_balance`: f and p over every layer's tokens, each of
+the k choices counted, so about k at balance, not 1 a layer), and the router z-loss mean(logsumexp(logits)^2) (ST-MoE), times
 model.router_z_weight; each over the whole batch of the call: the same on any jit layout, but
 products of batch means, so a call on part of the batch (a micro-batch of grad_accum_steps, a
 device's rows under shard_map or pmap) averages them per part, a slightly different objective
@@ -81,6 +83,12 @@ def router_losses(logits_BxTxE: jax.Array, experts_BxTxK: jax.Array) -> tuple[ja
   return balance, z
 
 
+def pooled_balance(choices_LxKxE: jax.Array, probs_LxE: jax.Array) -> jax.Array:
+  """transformers' load_balancing_loss_func: E sum_{k,e} f_ke p_e with f (the fraction of
+  tokens whose k-th choice is e) and p (e's mean router probability) over every layer's tokens."""
+  return choices_LxKxE.shape[-1] * jnp.sum(choices_LxKxE.mean(0) * probs_LxE.mean(0)[None])
+
+
 class MoeMlp(nn.Module):
   """Top-k routed experts in place of the dense MLP; see the module docstring."""
   num_experts: int
@@ -92,6 +100,7 @@ class MoeMlp(nn.Module):
   aux_weight: float
   z_weight: float
   norm_topk: bool = True  # gates of the k chosen sum to 1 (Mixtral); False: their softmax shares
+  balance: str = 'switch'  # or 'transformers': the statistics sown, the loss taken over layers
 
   def _experts(self, name: str, shape: tuple, axes: tuple) -> jax.Array:
     return self.param(name, weights(('experts',) + axes, INIT), (self.num_experts,) + shape)
@@ -111,7 +120,11 @@ class MoeMlp(nn.Module):
     if self.norm_topk:
       gates_BxTxK = gates_BxTxK / gates_BxTxK.sum(-1, keepdims=True)
     balance, z = router_losses(logits_BxTxE, experts_BxTxK)
-    self.sow('losses', 'router_balance', self.aux_weight * balance)
+    if self.balance == 'transformers':  # LanguageModel pools them over the layers
+      self.sow(MOE, 'choices', jax.nn.one_hot(experts_BxTxK, e).mean((0, 1)))
+      self.sow(MOE, 'probs', jax.nn.softmax(logits_BxTxE, axis=-1).mean((0, 1)))
+    else:
+      self.sow('losses', 'router_balance', self.aux_weight * balance)
     self.sow('losses', 'router_z', self.z_weight * z)
     slots = capacity(t, e, k, self.capacity_factor)
     dispatch, combine, kept_B = route(experts_BxTxK, gates_BxTxK, e, slots)

@@ -24,6 +24,7 @@ def get_config():
   cfg.model.expert_capacity = -1.0
   cfg.model.router_aux_weight = -1.0
   cfg.model.router_z_weight = -1.0
+  cfg.model.router_balance = ''  # transformers' form of the balancing loss
   cfg.data.name = 'sft'
   cfg.data.seq_len = 2048
   cfg.global_batch_size = 16
