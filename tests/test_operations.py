@@ -54,6 +54,11 @@ def test_early_stopping_stops_a_plateau_after_patience_evals(tmp_path):
   assert early.state() == {'best': early.best, 'best_step': 5, 'since_best': 2}
   assert sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit())[-1] == 15
   assert all(isinstance(v, (int, float, str)) for r in result.records for v in r.values())
+  # Relaunched (a restarted job), it trains no step more: it went on to 20 and saved there.
+  again = disttrain.train(_mlp(learning_rate=0.0), str(tmp_path), devices=devices(8),
+                          callbacks=[disttrain.EarlyStopping('eval/accuracy', patience=2)])
+  assert again.step == 15 and 'EarlyStopping' in again.stopped_by and not again.records
+  assert sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit())[-1] == 15
 
 
 @pytest.mark.slow

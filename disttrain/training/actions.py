@@ -141,8 +141,8 @@ class TrainRecords:
     record.update(examples_per_sec=examples_per_sec,
                   data_wait_fraction=round(min(data_seconds / seconds, 1.0), 4),
                   **self.throughput.fields(examples_per_sec))
-    if self.shares is not None:  # a mixture: each source's share of the rows since `first`
-      record.update(self.shares(first, at))
+    if self.shares is not None:  # a mixture: each source's share of the record's rows (a
+      record.update(self.shares(window[0][0] - 1, at))  # resume restores them; `first` is later)
     self.out.emit(record, 'on_train_record')
     eta = (self.cfg.num_train_steps - at) * seconds / max(at - first, 1)
     self.out.writer.print(f'train step {at}/{self.cfg.num_train_steps}: loss {record["loss"]:.4f} '
@@ -258,6 +258,7 @@ class Saver:
                meta: Callable[[int], dict], sync: Callable[[], None] = lambda: None):
     self.cfg, self.ckpt, self.steps, self.batches = cfg, ckpt, steps, batches
     self.hooks, self.phases, self.meta, self.sync = hooks, phases, meta, sync
+    self.stopped_by = None  # [who, why] of a callback's stop, saved in the checkpoint's meta
 
   def last_saved(self) -> str:
     """'the last checkpoint is step N in DIR' or 'there is no checkpoint yet in DIR'."""

@@ -202,7 +202,8 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
     mixed = getattr(run.train_data, 'scheduled', False)
     if mixed:
       info['data']['train']['mixture'] = run.train_data.totals(first_step)
-    result = _loop(run, first_step, device_state, batches, acts, phases)
+    result = _loop(run, first_step, device_state, batches, acts, phases,
+                   restored_meta.get('stopped_by'))
     if mixed:  # rows, tokens and epochs per source, through the last step trained
       info['data']['train']['mixture'] = run.train_data.totals(result.step)
     info['time'] = result.time
@@ -285,7 +286,8 @@ class _Actions:
                                    getattr(run.train_data, 'shares', None))
     saver = actions.Saver(cfg, ckpt, run.steps, batches, hooks, phases,
                           lambda at: {**_meta(cfg, run.mesh, at, hooks),
-                                      'train_window': records.state()}, sync=writer.sync)
+                                      'train_window': records.state(),
+                                      'stopped_by': saver.stopped_by}, sync=writer.sync)
     return cls(out=out, records=records,
                evaluator=actions.Evaluator(cfg, run.steps, run.eval_data, run.batch_sharding, out,
                                            phases, run.downstream),
@@ -294,8 +296,9 @@ class _Actions:
 
 
 def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
-          phases: timing.Phases) -> Result:
-  """Train steps with their records, evals, checkpoints, stops and profile; the final Result."""
+          phases: timing.Phases, stopped_by: list | None = None) -> Result:
+  """Train steps with their records, evals, checkpoints, stops and profile; the final Result.
+  `stopped_by`: the [who, why] of a callback that stopped the run at its checkpoint."""
   cfg, steps, writer = run.cfg, run.steps, acts.out.writer
   bound_in_flight = _must_bound_in_flight(run.mesh)
   if bound_in_flight:  # the program that made (or restored) the state has finished everywhere
@@ -310,6 +313,13 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
                                   "(data.mixture_exhausted='stop')")
   if data_end is not None and first_step >= data_end:  # relaunched there: not one step more
     stop = data_stop
+  if stopped_by and first_step < cfg.num_train_steps and set(stopped_by[0].split(', ')) & {
+      callbacks_lib.Callbacks.name(c) for c in acts.stopper.hooks.callbacks}:
+    stop = actions.StopRequest('callback', *stopped_by)  # the callback stopped it: relaunched
+  if first_step and acts.hf_saves.missing(first_step, first_step >= cfg.num_train_steps or (
+      stop is not None and stop.kind == 'callback')):  # killed while writing it
+    with phases('checkpoint'):
+      acts.hf_saves.save(first_step, adapters.plain_params(run.model, steps.export(device_state)))
   for step_no in range(first_step + k, cfg.num_train_steps + 1 if stop is None else 0, k):
     last = step_no == cfg.num_train_steps
     acts.profiler.maybe_start(step_no)
@@ -342,6 +352,8 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
       acts.records.flush()
       if stop.kind == 'callback':  # a callback ends training here: a final eval as at the end
         evals = acts.evaluator.maybe_eval(step_no, device_state, force=True) or evals
+    if stop is not None and stop.kind == 'callback' and stop is not data_stop:
+      acts.saver.stopped_by = [stop.who, stop.why]  # a relaunch stops there again
     # Metrics only where an eval ran at this step: a preemption save carries none (keep-best
     # would otherwise rank it by an older state's eval and drop the state evaluated).
     exported = acts.saver.maybe_save(step_no, device_state, force=last or stop is not None,
@@ -372,7 +384,8 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
   if stop is not None:
     stopped_by = f'{stop.who}: {stop.why}' if stop.why else stop.who
     go_on = ("relaunch with data.mixture_exhausted='repeat' to go on into its second epoch"
-             if stop is data_stop else 'raise num_train_steps and relaunch to continue')
+             if stop is data_stop else 'a relaunch stops here again; drop the callback (early '
+             "stopping: early_stop.metric='') and relaunch to train on")
     writer.print(f'stopped at step {step_no} of {cfg.num_train_steps}: {stopped_by} (a checkpoint '
                  f'was saved: {go_on})')
   time = phases.breakdown()
