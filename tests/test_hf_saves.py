@@ -127,7 +127,8 @@ def test_a_diverged_run_writes_no_hugging_face_save(tmp_path):
 
 def test_a_run_a_callback_ends_exports_its_last_step(tmp_path):
   """A callback's stop ends the run normally, so its last step is exported as num_train_steps
-  would be (it was not: DIR/hf held nothing when early stopping ended a run between saves)."""
+  would be (it was not: DIR/hf held nothing when early stopping ended a run between saves); a
+  relaunch stops there again (it trained on) and writes a save a kill cut short (it skipped it)."""
 
   class StopAt2(disttrain.Callback):  # the run stops at the next step, 3 (records lag one)
     def on_train_record(self, record):
@@ -141,3 +142,11 @@ def test_a_run_a_callback_ends_exports_its_last_step(tmp_path):
   disttrain.train(cfg, str(tmp_path), devices=devices(1), callbacks=[StopAt2()])
   assert sorted(os.listdir(tmp_path / 'hf')) == ['3']
   assert (tmp_path / 'hf' / '3' / 'config.json').exists()
+  # Killed while writing it, after checkpoint 3 committed (config.json comes last): the relaunch
+  # trains no step more (the callback stopped the run there) and writes the save whole.
+  saved = (tmp_path / 'hf' / '3' / 'model.safetensors').read_bytes()
+  (tmp_path / 'hf' / '3' / 'config.json').unlink()
+  again = disttrain.train(cfg, str(tmp_path), devices=devices(1), callbacks=[StopAt2()])
+  assert again.step == 3 and again.stopped_by == 'StopAt2' and not again.records
+  assert (tmp_path / 'hf' / '3' / 'config.json').exists()
+  assert (tmp_path / 'hf' / '3' / 'model.safetensors').read_bytes() == saved

@@ -8,7 +8,8 @@ stream there, with no local copy. Parameters split over several processes are ga
 tensor at a time by every process (a collective); process 0 alone writes.
 
 `hf_save_every_steps=N` in a run writes DIR/hf/<step>/ every N steps and at the last step
-(`RunSaves`, called by the loop after the checkpoint of that step), so a run can be evaluated or
+(`RunSaves`, called by the loop after the checkpoint of that step; config.json last, and a
+resume writes a save its checkpoint's step missed), so a run can be evaluated or
 served by Hugging Face tools while it trains; `disttrain export` stays for any checkpoint later.
 """
 
@@ -21,6 +22,7 @@ import numpy as np
 
 from disttrain.config import Config
 from disttrain.hf import exported_config, tensorfiles, weights as hf
+from disttrain.parallel import distributed
 from disttrain.storage import urls
 
 
@@ -50,8 +52,9 @@ def write(out: str, family: str, model_cfg, decoder, params, tokenizer, context:
   if family != 'gpt':  # rotary families: the longest sequence the run knows the model takes
     config['max_position_embeddings'] = context
   files = tensorfiles.write(out, tensors, max_shard_bytes, metadata={'format': 'pt'})
-  urls.write_text(urls.join(out, 'config.json'), json.dumps(config, indent=2))
   copied = _copy_tokenizer(tokenizer, out)
+  # Last: a directory without it (a process killed while writing) is not a model anyone loads.
+  urls.write_text(urls.join(out, 'config.json'), json.dumps(config, indent=2))
   size = sum(urls.path(urls.join(out, name)).stat().length if urls.is_bucket(out)
              else os.path.getsize(os.path.join(out, name)) for name in files)
   return files, size, copied
@@ -98,6 +101,13 @@ class RunSaves:
   def due(self, step_no: int, last: bool) -> bool:
     every = self.cfg.hf_save_every_steps
     return bool(every) and (last or step_no % every == 0)
+
+  def missing(self, step_no: int, last: bool) -> bool:
+    """Due at step_no but not written whole (killed while writing, after its checkpoint
+    committed: the resume starts after it). Process 0's disk decides; call on every process."""
+    out = urls.join(self.workdir, 'hf', str(step_no), 'config.json')
+    return self.due(step_no, last) and distributed.any_process(
+        jax.process_index() == 0 and not urls.path(out).exists())
 
   def save(self, step_no: int, params) -> str:
     """Writes DIR/hf/<step_no> (every process calls it); its URL."""
