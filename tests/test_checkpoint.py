@@ -234,6 +234,11 @@ def test_checkpoint_of_another_model_names_first_mismatch(saved_on_eight, tmp_pa
     disttrain.train(cfg, str(workdir), devices=devices(8))
   assert '\n' not in str(err.value)
   assert (workdir / 'checkpoints' / '10').is_dir()
+  # The same model with a clipped gradient: the optimizer state differs, named as such.
+  cfg = make_config(mesh__data=8, num_train_steps=12, **{**common, 'grad_clip_norm': 1.0})
+  with pytest.raises(CheckpointError, match=r'has no opt_state/.* it was saved for another '
+                                            r'optimizer \(optimizer, grad_clip_norm'):
+    disttrain.train(cfg, str(workdir), devices=devices(8))
 
 
 def test_nan_stops_with_step_and_keeps_last_finite_checkpoint(tmp_path):

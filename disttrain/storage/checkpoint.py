@@ -269,9 +269,11 @@ def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
   # Parameters first: a model mismatch is named by its parameter, not by the optimizer's copy.
   for path, shape in sorted(expected.items(), key=lambda item: not item[0].startswith('params')):
     if path not in found:
+      other = ('another optimizer (optimizer, grad_clip_norm, ema_decay, ... differ)'
+               if path.startswith('opt_state') else 'another model')
       raise CheckpointError(f'checkpoint {where}/{step} has no {path} (config expects shape '
-                            f'{shape}); it was saved for another model: use a matching config '
-                            'or another workdir')
+                            f'{shape}); it was saved for {other}: use a matching config or '
+                            'another workdir')
     if found[path] != shape:
       raise CheckpointError(f'checkpoint {where}/{step}: {path} has shape {found[path]} but the '
                             f'config expects {shape}; use the config it was saved with or '
