@@ -94,6 +94,12 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeSca
   return inv_freq.astype(np.float32)
 
 
+def scaled(x: jax.Array, factor: float) -> jax.Array:
+  """x * factor in float32, rounded once to x's dtype: a factor rounded to bfloat16 first would
+  scale every element by the same wrong number (Gemma 2 27B's 0.9428 became 0.9414)."""
+  return (x.astype(jnp.float32) * np.float32(factor)).astype(x.dtype)
+
+
 def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
   """Rotary embedding in the rotate-half layout (Hugging Face's), computed in float32."""
   angles_BxTxK2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq
@@ -179,7 +185,7 @@ class Attention(nn.Module):
         inv_freq = jnp.where(layer_window > 0, np.asarray(self.local_rope, np.float32), inv_freq)
       q, key = apply_rope(q, positions_BxT, inv_freq), apply_rope(key, positions_BxT, inv_freq)
     if self.query_scale:  # attention() divides by sqrt(K)
-      q = q * jnp.asarray(self.query_scale * np.sqrt(k), q.dtype)
+      q = scaled(q, self.query_scale * np.sqrt(k))
     options = dict(implementation=self.implementation, block_size=self.block_size,
                    window=self.window if layer_window is None else layer_window,
                    softcap=self.softcap)
