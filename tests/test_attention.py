@@ -155,3 +155,11 @@ def test_a_query_scale_in_bfloat16_is_rounded_per_element_not_once():
   assert abs(ratio.mean() - 1) < 1e-4, ratio.mean()
   np.testing.assert_array_equal(layers.scaled(q.astype(jnp.float32), factor),
                                 q.astype(jnp.float32) * np.float32(factor))
+
+
+def test_cudnn_off_a_gpu_is_one_line_naming_the_field():
+  from disttrain.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+  with pytest.raises(ConfigError, match=r"model.attention='cudnn' runs cuDNN's kernel on NVIDIA "
+                                        r'GPUs, not cpu; set model.attention=auto'):
+    attention_lib.attention(q, q, q, implementation='cudnn')

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from disttrain.errors import ConfigError
 from disttrain.parallel import sharding
 
 IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'blockwise')
@@ -53,6 +54,10 @@ def attention(q_BxTxNxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, 
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f'attention implementation {implementation!r} is not one of '
                      f'{IMPLEMENTATIONS}')
+  if implementation == 'cudnn' and jax.devices()[0].platform != 'gpu':  # JAX: a bare RuntimeError
+    raise ConfigError(f"model.attention='cudnn' runs cuDNN's kernel on NVIDIA GPUs, not "
+                      f"{jax.devices()[0].platform}; set model.attention=auto (it picks cuDNN "
+                      'where it applies) or xla')
   if softcap and implementation in ('cudnn', 'blockwise'):
     raise ValueError(f'attention softcapping runs on the xla implementation only, not '
                      f'{implementation!r}; set model.attention=xla (or auto)')
