@@ -348,7 +348,10 @@ def test_bad_hugging_face_directories_are_one_line_errors(tmp_path):
        'config.json num_key_value_heads=2 but model.num_kv_heads=4'),
       ('', _model_config('gpt'), "is a LlamaForCausalLM but model.name='gpt'"),
       ('', _model_config('llama', 2, False),
-       'config.json tie_word_embeddings=True but model.tied_embeddings=False')]
+       'config.json tie_word_embeddings=True but model.tied_embeddings=False'),
+      ('', _model_config('llama', 2, True, num_experts=4),
+       'config.json describes a dense llama (no experts) but model.num_experts=4; set '
+       '--config.model.num_experts=0')]
   for i, (case, config, message) in enumerate(cases):
     out = tmp_path / f'case{i}'
     _damaged(path, out, case)

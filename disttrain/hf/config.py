@@ -136,6 +136,10 @@ def check(directory: str, family: str, cfg: ModelConfig, decoder: DecoderConfig)
     if not (np.isclose(value, hf_value, rtol=1e-6, atol=0) if isinstance(value, float)
             else value == hf_value):
       raise _mismatch(directory, hf_field, hf_value, _FIELD[field], value)
+  if family not in MOE and decoder.num_experts:
+    raise CheckpointError(f'{directory}: config.json describes a dense {family} (no experts) but '
+                          f'model.num_experts={decoder.num_experts}; set '
+                          '--config.model.num_experts=0 (or restore a mixture-of-experts model)')
   if family != 'gpt':
     _check_rotary(directory, family, config, cfg)
   elif config.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
