@@ -90,14 +90,16 @@ class ModelConfig:
   num_experts: int = 0  # language models: experts per mixture-of-experts layer; 0 = dense MLP
   experts_per_token: int = 2  # MoE: experts each token is routed to (top k)
   # MoE: slots per expert per row = this x T k / E (at most T; 0 = T, dropless); choices beyond
-  # are dropped and reported as moe_dropped. These three, -1 with model.name='hf': as a Hugging
-  # Face directory's config.json trains (dropless; router losses as transformers adds them).
+  # are dropped and reported as moe_dropped. -1 here and in router_aux_weight / router_z_weight
+  # with model.name='hf': as the directory's config.json trains (dropless; router losses as
+  # transformers adds them).
   expert_capacity: float = 1.25
   router_aux_weight: float = 0.01  # MoE: weight of the load-balancing loss (Switch)
   router_z_weight: float = 0.001  # MoE: weight of the router z-loss (ST-MoE)
   # MoE: the balancing loss's form: 'switch' (per layer, summed over layers: MaxText's, about 1 a
   # layer at balance) or 'transformers' (pooled over layers, each of the k choices counted:
-  # about k at balance; what an imported model's router_aux_loss_coef weighs).
+  # about k at balance; what an imported model's router_aux_loss_coef weighs); '' with
+  # model.name='hf': the directory's (transformers).
   router_balance: str = 'switch'
   # MoE: the k chosen experts' router probabilities renormalised to sum to 1 (Mixtral, Qwen3-MoE's
   # norm_topk_prob=true); False keeps their shares of the softmax over all experts.
