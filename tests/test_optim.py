@@ -69,9 +69,10 @@ FEATURES = {
                                               optax.adamw(LR, weight_decay=0.1, mask=_kernels(p)))),
     'lion': (dict(optimizer='lion', weight_decay=0.3),
              lambda p: optax.lion(LR, b1=0.9, b2=0.99, weight_decay=0.3, mask=_kernels(p))),
+    # The decay scaled by the learning rate, as AdamW's (optax's adafactor adds it unscaled).
     'adafactor': (dict(optimizer='adafactor', weight_decay=0.01),
-                  lambda p: optax.adafactor(LR, weight_decay_rate=0.01,
-                                            weight_decay_mask=_kernels(p))),
+                  lambda p: optax.chain(optax.adafactor(LR), optax.add_decayed_weights(
+                      -LR * 0.01, mask=_kernels(p)))),
     'adam_bf16_mu_b2': (dict(optimizer='adam', mu_dtype='bfloat16', b2=0.95),
                         lambda p: optax.adam(LR, b2=0.95, mu_dtype=jnp.bfloat16)),
     'sgd_momentum': (dict(optimizer='sgd', momentum=0.9), lambda p: optax.sgd(LR, 0.9)),
@@ -321,3 +322,14 @@ def test_optimizer_fields_refuse_what_would_be_ignored():
     with pytest.raises(ConfigError,
                        match=f"weight_decay=0.1 does nothing with optimizer='{optimizer}'"):
       _config(optimizer=optimizer, weight_decay=0.1)
+
+
+def test_keras_embeddings_and_classifier_heads_are_named_by_their_paths():
+  """Keras keeps an Embedding's table in 'embeddings' (it was decayed unless the layer was named
+  'embedding'); classifier heads (NNX 'head', Keras 'predictions', transformers' 'lm_head',
+  'classifier') were orthogonalised by Muon, which keeps to the hidden layers."""
+  for path in ('embedding_1/embeddings', 'tok_emb/embeddings'):
+    assert not optim.decays(path, 2, embeddings=False) and optim.decays(path, 2, embeddings=True)
+  for path in ('head/kernel', 'predictions/kernel', 'lm_head/kernel', 'classifier/kernel'):
+    assert optim.muon_axes(path, 2) is None, path
+  assert optim.muon_axes('dense_1/kernel', 2) is not None

@@ -25,8 +25,10 @@ from disttrain.config import Config
 from disttrain.parallel import sharding as sharding_lib
 
 _NO_DECAY = ('bias', 'scale', 'gamma', 'beta')  # biases and norm parameters (Flax, Keras names)
-_EMBEDDINGS = ('embed', 'embedding', 'positions', 'wte', 'wpe')
-_ADAM_MATRICES = ('unembed', 'router')  # the output head and MoE routers: AdamW under muon
+_EMBEDDINGS = ('embed', 'embedding', 'embeddings', 'positions', 'wte', 'wpe')  # Keras: embeddings
+# The output heads (ours, Flax/NNX/Keras classifiers, transformers') and MoE routers: AdamW
+# under muon, as modded-nanogpt keeps Muon to the hidden layers.
+_ADAM_MATRICES = ('unembed', 'router', 'head', 'lm_head', 'predictions', 'classifier')
 # DenseGeneral kernels with several input or output axes (disttrain's and Flax's attention), as
 # (dimension numbers, least rank); axes before them (the scan's layers, fused qkv's 3) are a
 # batch of separate matrices.
@@ -138,6 +140,22 @@ def ema_params(opt_state) -> Any:
   return found[0].ema if found else None
 
 
+def decoupled_decay(lr: optax.Schedule, rate: float, mask) -> optax.GradientTransformation:
+  """Adds -lr(step) x rate x p to the (signed) updates where mask(params) says: AdamW's decay,
+  for adafactor, whose optax decay is not scaled by the learning rate (weight_decay=0.1 took
+  10 % of every matrix each step, at learning_rate=0 too)."""
+  def init(params):
+    del params
+    return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+  def update(updates, state, params):
+    step_lr = lr(state.count)
+    updates = jax.tree.map(lambda u, p, on: (u - step_lr * rate * p).astype(u.dtype) if on else u,
+                           updates, params, mask(params))
+    return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+  return optax.GradientTransformation(init, update)
+
+
 def _base(cfg: Config, lr) -> optax.GradientTransformation:
   mu_dtype = jnp.dtype(cfg.mu_dtype) if cfg.mu_dtype else None
   b1 = lambda default: default if cfg.b1 < 0 else cfg.b1
@@ -157,9 +175,10 @@ def _base(cfg: Config, lr) -> optax.GradientTransformation:
                         adam_b2=b2(0.999), adam_learning_rate=adam_lr,
                         muon_weight_dimension_numbers=muon_dimension_numbers)
   if cfg.optimizer == 'adafactor':
-    return optax.adafactor(lr, momentum=None if cfg.b1 < 0 else cfg.b1, dtype_momentum=mu_dtype
-                           or jnp.float32, weight_decay_rate=cfg.weight_decay or None,
-                           weight_decay_mask=mask)
+    base = optax.adafactor(lr, momentum=None if cfg.b1 < 0 else cfg.b1,
+                           dtype_momentum=mu_dtype or jnp.float32)
+    return optax.chain(base, decoupled_decay(lr, cfg.weight_decay, mask)) if cfg.weight_decay \
+        else base
   return optax.sgd(lr, momentum=cfg.momentum or None, accumulator_dtype=mu_dtype)
 
 
