@@ -76,6 +76,25 @@ def test_tokenizers_round_trip_and_know_their_end_of_sequence(corpus, tmp_path):
     tokenizer_lib.load(str(typo))
 
 
+def test_a_tokenizer_that_appends_eos_itself_gets_one_eos_per_document(corpus, tmp_path):
+  """A post-processor '$A </s>' (T5; Llama with add_eos_token): documents and SFT pairs ended
+  in two EOS, the tokenizer's untrained. Now the ids are the tokenizer's own encoding."""
+  from tokenizers import Tokenizer, processors  # pylint: disable=g-import-not-at-top
+  from disttrain.data import packing  # pylint: disable=g-import-not-at-top
+  raw = Tokenizer.from_file(str(corpus / 'tokenizer.json'))
+  raw.post_processor = processors.TemplateProcessing(single='$A <|endoftext|>',
+                                                     special_tokens=[('<|endoftext|>', 0)])
+  (tmp_path / 'eos').mkdir()
+  raw.save(str(tmp_path / 'eos' / 'tokenizer.json'))
+  tok = tokenizer_lib.load(str(tmp_path / 'eos'))
+  assert tok.eos_id == 0
+  docs = ['def f(x):\n    return x', '']
+  for (ids, _), doc in zip(packing._encode(docs, 0, 2, tok, sft=False), docs):  # pylint: disable=protected-access
+    assert ids == raw.encode(doc).ids and ids[-1] == 0 and ids.count(0) == 1
+  ids, mask = tok.encode_pieces([('Q: 2+2?', False), (' A: 4', True)])
+  assert ids == raw.encode('Q: 2+2? A: 4').ids and mask[-1] == 1 and len(mask) == len(ids)
+
+
 def test_documents_from_txt_jsonl_and_parquet(tmp_path):
   import pyarrow as pa  # pylint: disable=g-import-not-at-top  (the text extra)
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top

@@ -72,7 +72,7 @@ def _encode(docs, lo: int, hi: int, tokenizer, sft: bool):
   """(ids with EOS, loss mask or ()) of documents lo..hi-1."""
   eos = tokenizer.eos_id
   if not sft:
-    return [(ids + [eos], ()) for ids in
+    return [(ids if tokenizer.ends_with_eos(ids) else ids + [eos], ()) for ids in
             tokenizer.encode_batch([docs[i] for i in range(lo, hi)])]
   return [tokenizer.encode_pieces(docs[i]) for i in range(lo, hi)]
 

@@ -138,7 +138,14 @@ class Tokenizer:
     if isinstance(pieces, chat.Rendered):
       return self.encode_whole(pieces)
     ids, mask = self._joined(pieces, special=True)
+    if self.ends_with_eos(ids):  # the tokenizer's post-processor added it ('$A </s>'): trained
+      return ids, mask[:-1] + [1]
     return ids + [self.eos_id], mask + [1]
+
+  def ends_with_eos(self, ids: list[int]) -> bool:
+    """Whether encoding with specials already ended a document with EOS (a post-processor
+    '$A </s>': T5, Llama with add_eos_token), so nothing is appended a second time."""
+    return self.kind == 'hf' and bool(ids) and ids[-1] == self.eos_id
 
   def encode_whole(self, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of a chat template's rendered text, encoded with no added specials."""
