@@ -172,8 +172,13 @@ def test_real_text_packs_under_5_percent_and_concat_is_the_joined_stream(corpus)
 
 @pytest.mark.slow
 def test_converted_token_files_give_the_on_the_fly_rows(corpus, tmp_path):
+  # An earlier conversion's files in --out (an eval split, an SFT mask) were left beside the new
+  # ones and read with them.
+  for stale in ('eval.bin', 'eval.bin.docs.npy', 'train.bin.mask.bin'):
+    (tmp_path / stale).write_bytes(b'\0\0')
   _cli('-m', 'disttrain', 'convert', '--source=documents', f'--input={corpus}/train.jsonl',
        f'--tokenizer={corpus}/tokenizer.json', '--format=tokens', f'--out={tmp_path}')
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['train.bin', 'train.bin.docs.npy']
   on_the_fly = sources.build(_config(corpus, **{'data.packing': 'documents',
                                                 'data.eval_files': ''}))['train_data']
   from_files = sources.build(_config(corpus, **{

@@ -82,6 +82,17 @@ def _npz() -> dict:
           'eval_data': {k: v[cut:] for k, v in arrays.items()} if held_out else None}
 
 
+def _clear_token_files(out: str) -> None:
+  """Removes an earlier conversion's token files in `out`: a split or side file not written
+  again (an eval split, a loss mask) would be read beside the new ones."""
+  stale = [p for split in ('train', 'eval') for suffix in ('', '.docs.npy', '.mask.bin')
+           if os.path.exists(p := os.path.join(out, f'{split}.bin{suffix}'))]
+  for path in stale:
+    os.remove(path)
+  if stale:
+    print(f'removed {len(stale)} token file(s) of an earlier conversion in {out}')
+
+
 def _documents(out: str) -> str:
   """--source=documents --format=tokens: every document tokenized once into token files."""
   # pylint: disable-next=g-import-not-at-top
@@ -93,6 +104,7 @@ def _documents(out: str) -> str:
     raise DataError(f'--eval_documents={held_out} must be in 0..{len(docs) - 1} (the input has '
                     f'{len(docs)} documents)')
   os.makedirs(out, exist_ok=True)
+  _clear_token_files(out)
   written = []
   from disttrain.data.records import Slice  # pylint: disable=g-import-not-at-top
   for split, part in (('train', Slice(docs, 0, len(docs) - held_out)),
@@ -176,6 +188,8 @@ def convert() -> str:
     if len(ids) <= 2 * _EVAL_TOKENS.value:
       raise DataError(f'the text has {len(ids)} bytes, not more than twice --eval_tokens='
                       f'{_EVAL_TOKENS.value}; read more (--text_bytes) or hold out fewer')
+    if os.path.isdir(out):
+      _clear_token_files(out)
     train = formats.write_tokens(os.path.join(out, 'train.bin'), ids[:-_EVAL_TOKENS.value],
                                  _TOKEN_DTYPE.value)
     held_out = formats.write_tokens(os.path.join(out, 'eval.bin'), ids[-_EVAL_TOKENS.value:],
