@@ -106,6 +106,13 @@ def test_documents_from_txt_jsonl_and_parquet(tmp_path):
   assert [docs[i] for i in range(len(docs))] == ['first file\nstill the first', 'one', 'two']
   parquet = text.Documents([str(tmp_path / 'c.parquet')], text_field='body')
   assert [parquet[i] for i in (2, 0, 1)] == ['p2', 'p0', 'p1']
+  # Not Parquet, a folder named like a text file: one line each (a pyarrow or OS traceback).
+  (tmp_path / 'd.parquet').write_bytes(b'not parquet at all')
+  with pytest.raises(DataError, match=r'd.parquet is not a readable Parquet file \(.*magic'):
+    text.Documents([str(tmp_path / 'd.parquet')])
+  (tmp_path / 'e.txt').mkdir()
+  with pytest.raises(DataError, match=r'--input: .*e.txt is a directory; pass files'):
+    text.resolve(str(tmp_path / '*.txt'), '--input')
 
 
 def test_bad_json_lines_name_the_file_and_line(tmp_path):

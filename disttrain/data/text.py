@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from disttrain.data.formats import resolve_files
-from disttrain.errors import DataError
+from disttrain.errors import DataError, first_line
 
 SUFFIXES = ('.txt', '.jsonl', '.json', '.parquet')
 
@@ -28,6 +28,10 @@ SUFFIXES = ('.txt', '.jsonl', '.json', '.parquet')
 def resolve(patterns: str, field: str) -> list[str]:
   """Sorted text files of comma-separated globs, each of a suffix this module reads."""
   paths = resolve_files(patterns, field)
+  folders = [p for p in paths if os.path.isdir(p)]
+  if folders:
+    raise DataError(f'{field}: {folders[0]} is a directory; pass files (a glob such as '
+                    f'{os.path.join(folders[0], "*.jsonl")})')
   bad = [p for p in paths if not p.endswith(SUFFIXES)]
   if bad:
     raise DataError(f'{field}: {bad[0]} is not one of {SUFFIXES}; pass text (.txt), JSON lines '
@@ -78,15 +82,24 @@ class _Lines:
     return record
 
 
+def _parquet(path: str):
+  """pyarrow's ParquetFile, or one line naming a file that is not Parquet."""
+  try:
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise DataError(f"{path}: Parquet needs pyarrow ({e}); pip install '.[text]'") from e
+  try:
+    return pq.ParquetFile(path)
+  except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid and ArrowIOError are these
+    raise DataError(f'{path} is not a readable Parquet file ({first_line(e, 200)}); fix or '
+                    'remove it') from None
+
+
 class _Parquet:
   """Rows of a Parquet file's text column, read one row group at a time."""
 
   def __init__(self, path: str, column: str):
-    try:
-      import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      raise DataError(f"{path}: Parquet needs pyarrow ({e}); pip install '.[text]'") from e
-    meta = pq.ParquetFile(path).metadata
+    meta = _parquet(path).metadata
     names = meta.schema.names
     if column not in names:
       raise DataError(f'{path} has no column {column!r} (it has {names}); set data.text_field')
@@ -101,10 +114,13 @@ class _Parquet:
     return {**self.__dict__, '_group': (-1, None)}
 
   def text(self, i: int) -> str:
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
     group = int(np.searchsorted(self.ends, i, side='right'))
     if self._group[0] != group:
-      table = pq.ParquetFile(self.path).read_row_group(group, columns=[self.column])
+      try:
+        table = _parquet(self.path).read_row_group(group, columns=[self.column])
+      except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid and ArrowIOError are these
+        raise DataError(f'{self.path} row group {group} cannot be read ({first_line(e, 200)}); '
+                        'fix or remove the file') from None
       self._group = (group, table.column(0).to_pylist())
     value = self._group[1][i - (int(self.ends[group - 1]) if group else 0)]
     if not isinstance(value, str):
