@@ -12,7 +12,7 @@ from fractions import Fraction
 
 import numpy as np
 
-_MAX_PERIOD = 100_000  # rows per period: weights are exact to 1e-5 at worst
+_MAX_PERIOD = 100_000  # rows per period: weights are exact to 1e-5 at worst (largest remainder)
 
 
 def _counts(weights: np.ndarray) -> np.ndarray:
@@ -22,7 +22,10 @@ def _counts(weights: np.ndarray) -> np.ndarray:
   total = sum(fractions)
   fractions = [f / total for f in fractions]
   period = math.lcm(*(f.denominator for f in fractions))
-  if period <= _MAX_PERIOD and all(f > 0 for f, w in zip(fractions, shares) if w > 0):
+  # The small period only where it is the weights (0.7/0.3, 1/3): 0.9994/0.0006 would round
+  # to 999/1 (the small source 67 % over its weight).
+  if period <= _MAX_PERIOD and all(abs(float(f) - w) < 1e-9 and (f > 0 or w == 0)
+                                   for f, w in zip(fractions, shares)):
     return np.array([int(f * period) for f in fractions], np.int64)
   exact = shares * _MAX_PERIOD  # largest remainder
   counts = np.floor(exact).astype(np.int64)
