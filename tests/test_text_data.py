@@ -323,6 +323,9 @@ def test_bad_text_inputs_are_one_line_and_exit_2(corpus, tmp_path, case, flags, 
 @pytest.mark.parametrize('flags,message', [
     (['--source=text', '--format=tokens', '--eval_tokens=0'],
      '--eval_tokens=0 must be >= 1'),  # it wrote an empty train.bin and said it wrote the text
+    pytest.param(['--source=text', '--format=tokens', '--tokenizer=tok.json'],  # bytes, exit 0
+                 '--tokenizer applies to --source=documents, not this conversion; drop it',
+                 marks=pytest.mark.slow),
     (['--source=docstrings'],  # it said docstrings is not a data.name, give get_data
      '--source=docstrings --format=array_record is not a conversion; use documents -> tokens, '
      'text -> jsonl or docstrings -> jsonl'),

@@ -167,10 +167,35 @@ def _docstring_pairs(path: str) -> list[dict]:
   return pairs
 
 
+# Flags only some conversions read, and the conversions that read them.
+_ONLY = {'tokenizer': '--source=documents', 'text_field': '--source=documents',
+         'eval_documents': '--source=documents and --format=jsonl',
+         'eval_tokens': '--source=text --format=tokens',
+         'token_dtype': '--source=text --format=tokens',
+         'eval_examples': '--format=array_record (documents: --eval_documents)'}
+
+
+def _unused_flag() -> str | None:
+  """The first flag given that this conversion does not read (it was ignored, exit 0)."""
+  source, form = _SOURCE.value, _FORMAT.value
+  reads = {'tokenizer': source == 'documents', 'text_field': source == 'documents',
+           'eval_documents': source == 'documents' or form == 'jsonl',
+           'eval_tokens': (source, form) == ('text', 'tokens'),
+           'token_dtype': (source, form) == ('text', 'tokens'),
+           'eval_examples': form == 'array_record' and source != 'documents'}
+  for name, where in _ONLY.items():
+    if flags.FLAGS[name].present and not reads[name]:
+      return f'--{name} applies to {where}, not this conversion; drop it'
+  return None
+
+
 def convert() -> str:
   """Writes the files; returns the flags that train on them."""
   from disttrain.data import formats, in_memory  # pylint: disable=g-import-not-at-top
   out = _OUT.value
+  unused = _unused_flag()
+  if unused:
+    raise DataError(unused)
   if _SOURCE.value in ('documents', 'docstrings') or _FORMAT.value == 'jsonl':
     if (_SOURCE.value, _FORMAT.value) not in (('documents', 'tokens'), ('text', 'jsonl'),
                                               ('docstrings', 'jsonl')):
