@@ -8,6 +8,7 @@ not the token embedding.
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -318,6 +319,12 @@ def test_optimizer_fields_refuse_what_would_be_ignored():
     _config(optimizer='adamw', adam_learning_rate=1e-3)
   with pytest.raises(ConfigError, match='weight_decay_embeddings=True'):
     _config(optimizer='muon', weight_decay_embeddings=True)
+  for fields, message in ((dict(optimizer='sgd', b1=0.5), "b1=0.5 does nothing with optimizer="),
+                          (dict(optimizer='adafactor', b2=0.5), "b2=0.5 does nothing"),
+                          (dict(optimizer='sgd', mu_dtype='bfloat16'), "mu_dtype='bfloat16'")):
+    with pytest.raises(ConfigError, match=re.escape(message)):  # it was ignored
+      _config(**fields)
+  _config(optimizer='adafactor', b1=0.9, mu_dtype='bfloat16')  # its momentum: read
   for optimizer in ('adam', 'sgd'):  # optax's adam and sgd take no decay: it was dropped
     with pytest.raises(ConfigError,
                        match=f"weight_decay=0.1 does nothing with optimizer='{optimizer}'"):

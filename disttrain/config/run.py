@@ -189,6 +189,17 @@ class Config:
       value = getattr(self, name)
       if value != -1.0 and not 0.0 <= value < 1.0:
         raise ConfigError(f'{name}={value} must be in [0, 1), or -1 for the optimizer default')
+    # Read by no part of the chosen optimizer: refused rather than silently dropped.
+    unread = [f'b1={self.b1}'] if self.b1 != -1.0 and self.optimizer == 'sgd' else []
+    if self.b2 != -1.0 and self.optimizer in ('sgd', 'adafactor'):
+      unread.append(f'b2={self.b2}')
+    if self.mu_dtype and ((self.optimizer == 'sgd' and not self.momentum)
+                          or (self.optimizer == 'adafactor' and self.b1 == -1.0)):
+      unread.append(f'mu_dtype={self.mu_dtype!r}')
+    if unread:
+      raise ConfigError(f"{unread[0]} does nothing with optimizer={self.optimizer!r} (no such "
+                        'moment: sgd takes momentum, adafactor b1 as its momentum); drop it or '
+                        'pick an optimizer that reads it')
     for name in ('min_lr_ratio', 'ema_decay'):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ConfigError(f'{name}={getattr(self, name)} must be in [0, 1); pass a fraction')
