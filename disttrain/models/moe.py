@@ -21,11 +21,12 @@ Model losses (the task adds them; `losses` collection): the load-balancing loss 
 (Switch; f_e the fraction of token choices routed to e, p_e the mean router probability of e;
 per layer, summed over layers) times model.router_aux_weight, or with model.router_balance=
 'transformers' transformers' form (`pooled_balance`: f and p over every layer's tokens, each of
-the k choices counted, so about k at balance, not 1 a layer), and the router z-loss mean(logsumexp(logits)^2) (ST-MoE), times
-model.router_z_weight; each over the whole batch of the call: the same on any jit layout, but
-products of batch means, so a call on part of the batch (a micro-batch of grad_accum_steps, a
-device's rows under shard_map or pmap) averages them per part, a slightly different objective
-(docs/scaling.md); they also count padding rows of a partly filled eval batch.
+the k choices counted, so about k at balance, not 1 a layer), and the router z-loss
+mean(logsumexp(logits)^2) (ST-MoE), times model.router_z_weight; each over the whole batch of
+the call: the same on any jit layout, but products of batch means, so a call on part of the
+batch (a micro-batch of grad_accum_steps, a device's rows under shard_map or pmap) averages them
+per part, a slightly different objective (docs/scaling.md); they also count padding rows of a
+partly filled eval batch.
 """
 
 import dataclasses

@@ -296,9 +296,9 @@ class _Actions:
 
 
 def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
-          phases: timing.Phases, stopped_by: list | None = None) -> Result:
+          phases: timing.Phases, resumed_stop: list | None = None) -> Result:
   """Train steps with their records, evals, checkpoints, stops and profile; the final Result.
-  `stopped_by`: the [who, why] of a callback that stopped the run at its checkpoint."""
+  `resumed_stop`: the [who, why] of a callback that stopped the run at its checkpoint."""
   cfg, steps, writer = run.cfg, run.steps, acts.out.writer
   bound_in_flight = _must_bound_in_flight(run.mesh)
   if bound_in_flight:  # the program that made (or restored) the state has finished everywhere
@@ -313,9 +313,9 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
                                   "(data.mixture_exhausted='stop')")
   if data_end is not None and first_step >= data_end:  # relaunched there: not one step more
     stop = data_stop
-  if stopped_by and first_step < cfg.num_train_steps and set(stopped_by[0].split(', ')) & {
+  if resumed_stop and first_step < cfg.num_train_steps and set(resumed_stop[0].split(', ')) & {
       callbacks_lib.Callbacks.name(c) for c in acts.stopper.hooks.callbacks}:
-    stop = actions.StopRequest('callback', *stopped_by)  # the callback stopped it: relaunched
+    stop = actions.StopRequest('callback', *resumed_stop)  # the callback stopped it: relaunched
   if first_step and acts.hf_saves.missing(first_step, first_step >= cfg.num_train_steps or (
       stop is not None and stop.kind == 'callback')):  # killed while writing it
     with phases('checkpoint'):
