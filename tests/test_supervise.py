@@ -85,6 +85,10 @@ def test_progress_resets_the_failure_count(tmp_path):
   proc, attempts, _ = _supervise(tmp_path / 'b', [[1, None], [1, None], [0, 10]],
                                  '--max_restarts=1')
   assert proc.returncode == 1 and attempts == [1, 2]
+  # A preempted attempt that advanced the checkpoint resets the count too (it did not).
+  proc, attempts, _ = _supervise(tmp_path / 'c', [[1, None], [Exit.PREEMPTED, 10], [1, 10],
+                                                  [0, 20]], '--max_restarts=1')
+  assert proc.returncode == 0 and attempts == [1, 2, 3, 4], proc.stderr
 
 
 def test_backoff_doubles_with_jitter_up_to_the_cap():

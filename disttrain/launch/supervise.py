@@ -116,6 +116,8 @@ class Supervisor:
       step = progress.committed_step(self.workdir)
       fast = progress.local_step(self.workdir)  # the fast tier counts as progress too
       progressed, best = max(step, fast) > best, max(best, step, fast)
+      if progressed:  # any attempt that advanced the checkpoint, a preempted one too
+        failures = 0
       kind = verdict(code)
       reason = describe(code)
       record = dict(exit_code=code, verdict=kind.value, reason=reason, committed_step=step,
@@ -133,7 +135,7 @@ class Supervisor:
                            f'the last committed checkpoint is step {step}')
         wait = min(self.backoff, 1.0) * random.uniform(0.5, 1.5)
       else:
-        failures = 1 if progressed else failures + 1
+        failures += 1
         if failures > self.max_restarts:
           return self._end(record, code, f'giving up: attempt {attempt} {reason}, {failures} '
                            'failures in a row without a newer checkpoint (--max_restarts='
