@@ -108,6 +108,13 @@ BAD_INPUTS = [
      ["data.name='digits' reads no data.train_files"], r'drop them'),
     ('momentum_without_sgd', ['--config.optimizer=adam', '--config.momentum=0.9'],
      ["momentum=0.9", "optimizer='sgd' only"], r'set b1'),
+    # A job that could never start: a traceback the supervisor restarted, or the init timeout.
+    ('coordinator_without_port', ['--coordinator_address=localhost', '--num_processes=2',
+                                  '--process_id=0'],
+     ["--coordinator_address='localhost' is not host:port"], r'10\.0\.0\.1:8476'),
+    ('process_id_out_of_range', ['--coordinator_address=127.0.0.1:1234', '--num_processes=2',
+                                 '--process_id=5'],
+     ['--process_id=5 must be in 0..1'], r'--num_processes=2'),
     ('early_stop_without_evals', ['--config.early_stop.metric=eval/accuracy',
                                   '--config.eval_every_steps=0'],
      ['early_stop.metric', 'eval_every_steps=0'], r'set eval_every_steps > 0'),

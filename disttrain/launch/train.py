@@ -188,6 +188,19 @@ def _config_module() -> dict:
   return runpy.run_path(_config_path(sys.argv).split(':', 1)[0])
 
 
+def _check_process_flags() -> None:
+  """One line for a job that could never start (it waited out the init timeout, or raised a
+  ValueError traceback the supervisor restarted)."""
+  address, n, i = _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
+  if address and not re.fullmatch(r'.+:\d{1,5}', address):
+    _fail(f'--coordinator_address={address!r} is not host:port; pass e.g. '
+          '--coordinator_address=10.0.0.1:8476 (process 0\'s host)')
+  if n is not None and n < 1:
+    _fail(f'--num_processes={n} must be >= 1')
+  if i is not None and (i < 0 or (n is not None and i >= n)):
+    _fail(f'--process_id={i} must be in 0..{(n or 1) - 1} (--num_processes={n})')
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with every bad flag or config override reported as one `error:` line.
 
@@ -222,6 +235,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(f'--fake_devices={_FAKE_DEVICES.value} must be >= 1; pass a device count such as '
           '--fake_devices=8, or leave it out to use the real devices')
   _check_batch_flags()
+  _check_process_flags()
   workdir = _WORKDIR.value
   if workdir is not None and not workdir.strip():  # --workdir=$UNSET: not the current directory
     _fail(f'--workdir={workdir!r} is empty; pass --workdir=DIR')
