@@ -39,18 +39,19 @@ def test_the_installed_script_lists_the_subcommands_and_refuses_an_unknown_one()
 
 
 _HELP = textwrap.dedent("""
-    # `disttrain <sub> --help` for every subcommand, each in a forked child (one import of jax).
+    # `disttrain <sub> --help` and `--bogus_flag=1` for every subcommand, each in a forked child
+    # (one import of jax).
     import json, os, sys
     import jax, flax, orbax.checkpoint  # what most subcommands load
     from disttrain import cli
     out = {}
-    for name in cli.COMMANDS:
+    for name, flag in [(name, flag) for name in cli.COMMANDS for flag in ('--help', '--bogus_flag=1')]:
       read, write = os.pipe()
       pid = os.fork()
       if pid == 0:
         os.close(read); os.dup2(write, 1); os.dup2(write, 2)
         try:
-          cli.main(['disttrain', name, '--help'])
+          cli.main(['disttrain', name, flag])
           code = 0
         except SystemExit as e:
           code = e.code if isinstance(e.code, int) else 0
@@ -58,7 +59,7 @@ _HELP = textwrap.dedent("""
       os.close(write)
       with os.fdopen(read) as pipe:
         text = pipe.read()
-      out[name] = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text]
+      out[f'{name} {flag}'] = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text]
     print(json.dumps(out))
 """)
 # A flag only this subcommand's program has: its --help names it and no other program's.
@@ -70,19 +71,28 @@ OWN_FLAG = {'train': '--coordinator_address', 'check': '--check', 'batch-size': 
             'goodput': '--json: Also write the report'}  # generate has a --json of its own
 
 
-def test_every_subcommand_answers_help_with_its_own_flags():
+def test_every_subcommand_answers_help_with_its_own_flags_and_a_bad_flag_in_one_line():
   proc = _run(sys.executable, '-c', _HELP)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  helps = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert set(helps) == set(cli.COMMANDS) == set(OWN_FLAG)
-  for name, (code, text) in helps.items():
+  runs = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert set(cli.COMMANDS) == set(OWN_FLAG)
+  assert set(runs) == {f'{name} {flag}' for name in cli.COMMANDS
+                       for flag in ('--help', '--bogus_flag=1')}
+  for name in cli.COMMANDS:
+    code, text = runs[f'{name} --help']
     module = cli.COMMANDS[name][0]
-    assert code == 1 and 'Try --helpfull' in text, (name, text[-2000:])  # absl's --help exit
+    assert code == 0 and 'Try --helpfull' in text, (name, text[-2000:])  # absl's would exit 1
     assert f'{module.replace(".", "/")}.py:' in text, (name, text[:2000])  # its flags, by file
     assert OWN_FLAG[name] in text, (name, text[:2000])
     others = {flag for other, flag in OWN_FLAG.items() if cli.COMMANDS[other][0] != module}
     assert not [flag for flag in others if f'  {flag}' + ':' * (':' not in flag) in text], (
         name, text[:2000])
+    code, text = runs[f'{name} --bogus_flag=1']  # absl alone: a FATAL block, exit 1
+    assert code == 2 and text.splitlines()[0].startswith(
+        "error: Unknown command line flag 'bogus_flag'; run with --helpfull"), (name, text)
+    assert len([line for line in text.splitlines() if line.strip()]) == 1, (name, text)
+  # The usage lines keep their `\` continuations (a plain docstring joined them into one line).
+  assert '-- \\\n      disttrain cluster --num_processes=2' in runs['supervise --help'][1]
 
 
 def test_old_module_paths_are_the_same_modules_with_a_warning_at_the_callers_line():

@@ -331,6 +331,15 @@ def test_run_json_fsdp_specs(tmp_path):
   assert 'params split over fsdp (2 of 10 arrays)' in result.stdout
 
 
+def test_a_flagfile_gives_the_config_and_its_overrides(tmp_path, launcher):
+  flagfile = tmp_path / 'flags.txt'  # absl expands it; the config file's hooks are found from it
+  flagfile.write_text(f'--config={CONFIG}\n--config.num_train_steps=3\n')
+  result = launcher.run(f'--flagfile={flagfile}', f'--workdir={tmp_path}', '--check')
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.startswith(f'ok: --config={CONFIG} builds a valid config'), result.stdout
+  assert '3 steps' in result.stdout, result.stdout
+
+
 @pytest.mark.parametrize('flag', ['config', 'workdir'])
 def test_missing_required_flag_is_one_line_error(flag, tmp_path, launcher):
   given = {'config': f'--config={CONFIG}', 'workdir': f'--workdir={tmp_path}'}

@@ -101,6 +101,10 @@ def test_backoff_doubles_with_jitter_up_to_the_cap():
 @pytest.mark.parametrize('args,message', [
     (['--max_restarts=-1', '--', 'true', '--workdir=x'], '--max_restarts=-1 is negative'),
     ([], 'no command to run'),
+    (['--max_restarts=abc', '--', 'true', '--workdir=x'], "--max_restarts='abc' is not an int"),
+    (['disttrain', 'train', '--config=c.py', '--workdir=x'],  # no --: train's flags reach absl
+     "Unknown command line flag 'config'; run with --helpfull to list the flags; the job's "
+     'command and its flags go after --, e.g. disttrain supervise'),
     (['--', 'true'], 'the command has no --workdir=DIR'),
     (['--', '/nonexistent/train', '--workdir=x'], "cannot run '/nonexistent/train'"),
 ])

@@ -1,4 +1,4 @@
-"""Write a data set to disttrain's on-disk formats: ArrayRecord shards, token files, JSON lines.
+r"""Write a data set to disttrain's on-disk formats: ArrayRecord shards, token files, JSON lines.
 
   disttrain convert --source=mnist --data_dir=../shared/data/mnist --out=data/mnist
   disttrain convert --source=npz --input=my.npz --eval_examples=1000 --out=data/mine
@@ -24,9 +24,10 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 import numpy as np
 
+from disttrain import commandline
 from disttrain.errors import DataError
 
 _SOURCE = flags.DEFINE_enum('source', None, ['digits', 'mnist', 'synthetic', 'text', 'npz',
@@ -257,13 +258,5 @@ def _fail(message: str) -> None:
   sys.exit(2)
 
 
-def _parse(argv: list[str]) -> list[str]:
-  """absl's parsing with one-line errors (exit 2)."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    _fail(f'{e}; run with --helpfull to list the flags')
-
-
 if __name__ == '__main__':
-  app.run(main, flags_parser=_parse)
+  commandline.run(main)

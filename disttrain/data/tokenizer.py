@@ -1,4 +1,4 @@
-"""Tokenizers for raw text: a Hugging Face tokenizer.json, a SentencePiece .model, or bytes.
+r"""Tokenizers for raw text: a Hugging Face tokenizer.json, a SentencePiece .model, or bytes.
 
   load('')                      bytes: ids 0..255, end of sequence 256 (vocabulary 257)
   load('DIR/tokenizer.json')    the `tokenizers` library (a directory holding one works too)
@@ -11,7 +11,7 @@ Generation stops at it and at every `eos_token_id` of a generation_config.json b
 (an instruct model's end of turn: Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`).
 Objects pickle as their path, so worker processes load their own copy.
 
-  disttrain tokenizer --input='data/docs/train.jsonl' --vocab_size=4096 \\
+  disttrain tokenizer --input='data/docs/train.jsonl' --vocab_size=4096 \
       --out=data/docs/tokenizer.json    # trains a byte-level BPE tokenizer (tokenizers' trainer)
 """
 
@@ -244,10 +244,11 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == '__main__':
-  from absl import app, flags  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from disttrain import commandline  # pylint: disable=g-import-not-at-top
   flags.DEFINE_string('input', None, 'Text files: .txt, .jsonl or .parquet globs, comma-separated.')
   flags.DEFINE_string('text_field', 'text', 'JSONL field / Parquet column with the text.')
   flags.DEFINE_integer('vocab_size', 4096, 'Tokens in the vocabulary (special token included).')
   flags.DEFINE_string('out', None, 'Where to write tokenizer.json.')
   flags.mark_flags_as_required(['input', 'out'])
-  app.run(one_line_errors(main))
+  commandline.run(one_line_errors(main))

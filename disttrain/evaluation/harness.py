@@ -257,7 +257,8 @@ class _Progress:
 
 
 if __name__ == '__main__':
-  from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
+  from absl import flags, logging  # pylint: disable=g-import-not-at-top
+  from disttrain import commandline  # pylint: disable=g-import-not-at-top
   from disttrain.errors import one_line_errors  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.ERROR)
   flags.DEFINE_string('workdir', '', 'A run directory with a checkpoint.')
@@ -276,4 +277,4 @@ if __name__ == '__main__':
   flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
   flags.DEFINE_string('output', '', "Write lm-eval's results (metrics, versions, configs) as "
                       'JSON here.')
-  app.run(one_line_errors(main))
+  commandline.run(one_line_errors(main))

@@ -109,7 +109,8 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
+  from absl import flags, logging  # pylint: disable=g-import-not-at-top
+  from disttrain import commandline  # pylint: disable=g-import-not-at-top
   from disttrain.errors import one_line_errors  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.ERROR)  # orbax's info and read-only notes
   flags.DEFINE_string('hf_dir', '', 'A Hugging Face model directory.')
@@ -121,4 +122,4 @@ if __name__ == '__main__':
   flags.DEFINE_float('max_logit_diff', 0.0, 'Fail when the largest logit difference passes '
                      'this; 0 = not checked.')
   flags.DEFINE_string('json', '', 'Also write the figures as JSON to this file.')
-  app.run(one_line_errors(main))
+  commandline.run(one_line_errors(main))

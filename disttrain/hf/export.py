@@ -13,7 +13,9 @@ the base, or with --adapter as a PEFT adapter directory (disttrain/hf/adapters.p
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from disttrain import commandline
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'A run directory with a checkpoint.')
 _OUT = flags.DEFINE_string('out', None, 'The Hugging Face directory to write (created).')
@@ -74,4 +76,4 @@ def _fail(message: str) -> None:
 if __name__ == '__main__':
   from absl import logging  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.ERROR)  # orbax's info and read-only notes
-  app.run(main)
+  commandline.run(main)

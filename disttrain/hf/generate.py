@@ -193,7 +193,8 @@ def _as_json(lm, f, prompts: list[list[int]], result: Generation, stops) -> dict
 
 
 if __name__ == '__main__':
-  from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
+  from absl import flags, logging  # pylint: disable=g-import-not-at-top
+  from disttrain import commandline  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.ERROR)  # orbax's info and read-only notes
   flags.DEFINE_string('workdir', '', 'A run directory with a checkpoint.')
   flags.DEFINE_string('hf_dir', '', 'Or a Hugging Face model directory.')
@@ -214,4 +215,4 @@ if __name__ == '__main__':
   flags.DEFINE_string('json', '', 'Also write the samples as JSON (token ids, text, '
                       'log-probabilities, stop reason) to this file; - = stdout, instead of text.')
   flags.mark_flag_as_required('prompt')
-  app.run(one_line_errors(main))
+  commandline.run(one_line_errors(main))

@@ -1,4 +1,4 @@
-"""Run `disttrain train` as a multi-process jax.distributed job on this machine (CPU, gloo).
+r"""Run `disttrain train` as a multi-process jax.distributed job on this machine (CPU, gloo).
 
   disttrain cluster --num_processes=2 --devices_per_process=4 -- \
       --config=launch/configs/mnist_mlp.py --workdir=runs/mp
@@ -21,8 +21,9 @@ import sys
 import threading
 import time
 
-from absl import app, flags
+from absl import flags
 
+from disttrain import commandline
 from disttrain.exitcodes import Exit, describe, shell_status
 from disttrain.parallel.distributed import free_port_pair, ignored
 
@@ -175,4 +176,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  commandline.run(main, commandline.command_hint(
+      'disttrain cluster --num_processes=2 -- --config=... --workdir=DIR'))

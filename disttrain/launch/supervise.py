@@ -1,4 +1,4 @@
-"""Restart a training job from its last committed checkpoint until it finishes or gives up.
+r"""Restart a training job from its last committed checkpoint until it finishes or gives up.
 
   disttrain supervise [--max_restarts=3 --max_preemptions=100 --backoff_seconds=10] -- \
       disttrain cluster --num_processes=2 -- --config=... --workdir=DIR
@@ -28,8 +28,9 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
+from disttrain import commandline
 from disttrain.exitcodes import Exit, Verdict, describe, shell_status, verdict
 from disttrain.operating import events
 from disttrain.storage import progress
@@ -182,4 +183,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  commandline.run(main, commandline.command_hint(
+      'disttrain supervise --max_restarts=3 -- disttrain train --config=... --workdir=DIR'))

@@ -18,11 +18,11 @@ import runpy
 import sys
 from typing import NoReturn
 
-from absl import app, flags, logging
+from absl import flags, logging
 import ml_collections
 from ml_collections import config_flags
 
-from disttrain import errors
+from disttrain import commandline, errors
 from disttrain.exitcodes import Exit
 
 
@@ -271,33 +271,20 @@ def _check_batch_flags() -> None:
 
 
 def _flag_error(error: flags.Error) -> str:
-  """One line for absl's flag errors (bad value, missing required flag, unknown flag)."""
+  """commandline.flag_error, with what only the train flags need: --config's order and groups."""
   message = str(error)
-  if '\n' in message:  # e.g. a config file that raised: keep its trace, it points at the bug
-    return message
   if type(error).__name__ == 'FlagOrderError':  # ml_collections' (not exported)
     return f'{message}; put --config=FILE first, then its --config.<field>=<value> overrides'
   match = _FLAG_VALUE_ERROR.match(message)
-  if match is None:
-    if isinstance(error, flags.UnrecognizedFlagError):
-      return f'{message}; run with --helpfull to list the flags'
-    return message
-  name, value, reason = match.groups()
-  if 'must have a value other than None' in reason:
-    example = _EXAMPLE_CONFIG if name == 'config' else 'DIR'
-    return f'--{name} is required; pass --{name}={example}'
-  if name.startswith('config.') and isinstance(_schema_value(name[len('config.'):]),
-                                               ml_collections.ConfigDict):
-    return (f'--{name}={value!r}: {name[len("config."):]} is a group of fields, not a value; '
-            f'set its fields instead, e.g. --{name}.<field>=<value>')
-  flag = flags.FLAGS[name] if name in flags.FLAGS else None
-  kind = flag.flag_type() if flag is not None else 'valid'
-  article = 'an' if kind[:1] in 'aeiou' else 'a'
-  example = ''
-  if flag is not None and flag.default is not None:
-    example = f', e.g. --{name}={flag.default}'
-  return (f'--{name}={value!r} is not {article} {kind} value ({reason}); pass {article} {kind}'
-          f'{example}')
+  if match is not None:
+    name, value, reason = match.groups()
+    if name == 'config' and 'must have a value other than None' in reason:
+      return f'--config is required; pass --config={_EXAMPLE_CONFIG}'
+    if name.startswith('config.') and isinstance(_schema_value(name[len('config.'):]),
+                                                 ml_collections.ConfigDict):
+      return (f'--{name}={value!r}: {name[len("config."):]} is a group of fields, not a value; '
+              f'set its fields instead, e.g. --{name}.<field>=<value>')
+  return commandline.flag_error(error)
 
 
 def _schema_value(path: str):
@@ -334,7 +321,11 @@ def _unknown_field(argv: list[str]) -> str | None:
 
 
 def _config_path(argv: list[str]) -> str:
-  """The --config value as absl sees it (the last one given)."""
+  """The --config value as absl sees it: the last one given, a --flagfile's too."""
+  try:
+    return config_flags.get_config_filename(flags.FLAGS['config'])
+  except flags.Error:  # unparsed (a parse error): the command line is what there is
+    pass
   path = ''
   for i, arg in enumerate(argv):
     match = re.match(r'^-{1,2}config(=|$)', arg)
@@ -359,4 +350,4 @@ def _fail(message: str) -> NoReturn:
 
 if __name__ == '__main__':
   logging.set_verbosity(logging.WARNING)
-  app.run(main, flags_parser=_parse_flags)
+  commandline.run(main, _parse_flags)

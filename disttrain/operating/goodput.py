@@ -14,10 +14,10 @@ its steps are costed at the run's mean step time and the rest of its time is `ki
 
 import dataclasses
 import json
-import sys
 
-from absl import app, flags
+from absl import flags
 
+from disttrain import commandline
 from disttrain.errors import DataError, one_line_errors
 from disttrain.operating import events as events_lib
 
@@ -155,4 +155,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  sys.exit(app.run(main))
+  commandline.run(main)

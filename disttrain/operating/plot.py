@@ -12,8 +12,9 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
+from disttrain import commandline
 from disttrain.storage import urls
 
 _OUT = flags.DEFINE_string('out', 'curves.png', 'Where the PNG goes.')
@@ -106,4 +107,4 @@ def _fail(message: str) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  commandline.run(main)

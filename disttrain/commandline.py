@@ -1,0 +1,79 @@
+"""What every `disttrain` subcommand does around absl: a bad flag is one `error:` line and exit 2,
+and --help exits 0 (absl alone prints a FATAL block and exits 1 for both).
+
+  if __name__ == '__main__':
+    commandline.run(one_line_errors(main))
+"""
+
+import re
+import sys
+from typing import Callable, NoReturn
+
+from absl import app, flags
+
+from disttrain.exitcodes import Exit
+
+_VALUE_ERROR = re.compile(r'^flag --(\S+?)=(.*?): (.*)$')
+_HELP = {'-h', '--help', '-?', '--helpshort', '--helpfull', '--helpxml'}
+
+
+def fail(message: str) -> NoReturn:
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  sys.exit(Exit.BAD_INPUT)
+
+
+def flag_error(error: flags.Error) -> str:
+  """One line for absl's flag errors: a bad value, a missing required flag, an unknown flag."""
+  message = str(error)
+  if '\n' in message:  # e.g. a config file that raised: keep its trace, it points at the bug
+    return message
+  match = _VALUE_ERROR.match(message)
+  if match is None:
+    if isinstance(error, flags.UnrecognizedFlagError):
+      return f'{message}; run with --helpfull to list the flags'
+    return message
+  name, value, reason = match.groups()
+  flag = flags.FLAGS[name] if name in flags.FLAGS else None
+  if 'must have a value other than None' in reason:
+    about = f' ({flag.help.split(". ")[0].rstrip(".")})' if flag is not None and flag.help else ''
+    return f'--{name} is required{about}; pass --{name}=<value>'
+  kind = flag.flag_type() if flag is not None else 'valid'
+  article = 'an' if kind[:1] in 'aeiou' else 'a'
+  example = ''
+  if flag is not None and flag.default is not None:
+    example = f', e.g. --{name}={flag.default}'
+  return (f'--{name}={value!r} is not {article} {kind} value ({reason}); pass {article} {kind}'
+          f'{example}')
+
+
+def parse(argv: list[str], hint: str = '') -> list[str]:
+  """absl's parsing; an error is one line, with `hint` appended to an unknown flag's."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.UnrecognizedFlagError as e:
+    fail(flag_error(e) + hint)
+  except flags.Error as e:
+    fail(flag_error(e))
+
+
+def command_hint(example: str) -> Callable[[list[str]], list[str]]:
+  """A parser for a launcher that runs a command after `--`: an unknown flag when there is no
+  `--` is most likely the command's own, so the line says where it goes."""
+  def parse_launcher(argv: list[str]) -> list[str]:
+    hint = '' if '--' in argv else f'; the job\'s command and its flags go after --, e.g. {example}'
+    return parse(argv, hint)
+  return parse_launcher
+
+
+def run(main: Callable[[list[str]], object],
+        parser: Callable[[list[str]], list[str]] = parse) -> NoReturn:
+  """app.run(main) with one-line flag errors (exit 2) and --help exiting 0."""
+  def parse_with_help(argv: list[str]) -> list[str]:
+    own = argv[1:argv.index('--')] if '--' in argv else argv[1:]
+    try:
+      return parser(argv)
+    except SystemExit as e:  # absl's help flags exit 1 after printing the usage
+      if e.code == 1 and any(arg.split('=', 1)[0] in _HELP for arg in own):
+        sys.exit(Exit.OK)
+      raise
+  app.run(main, flags_parser=parse_with_help)
