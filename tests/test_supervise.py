@@ -9,6 +9,7 @@ tests/test_multiprocess.py.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -93,9 +94,26 @@ def test_progress_resets_the_failure_count(tmp_path):
 
 def test_backoff_doubles_with_jitter_up_to_the_cap():
   sup = supervise.Supervisor(['true'], '/nonexistent', 3, 3, backoff=2.0, max_backoff=10.0)
-  for failures, base in [(1, 2.0), (2, 4.0), (3, 8.0), (4, 10.0), (9, 10.0)]:
-    delays = [sup.delay(failures) for _ in range(200)]
-    assert base * 0.5 <= min(delays) < max(delays) <= base * 1.5
+  for failures, base in [(1, 2.0), (2, 4.0), (3, 8.0), (4, 10.0), (9, 10.0), (5000, 10.0)]:
+    delays = [sup.delay(failures) for _ in range(200)]  # 5000: 2.0 ** 4999 overflowed a float
+    assert base * 0.5 <= min(delays) < max(delays) <= min(base * 1.5, 10.0), (failures, delays)
+
+
+def test_a_signal_during_the_backoff_stops_the_supervisor_with_its_status(tmp_path):
+  workdir = tmp_path / 'run'
+  proc = subprocess.Popen(
+      [sys.executable, 'launch/supervise.py', '--backoff_seconds=60', '--',
+       sys.executable, JOB, f'--workdir={workdir}'],
+      cwd=ROOT, env=dict(os.environ, PLAN='[[1, null], [0, 5]]'), stderr=subprocess.PIPE,
+      text=True)
+  first = proc.stderr.readline()
+  assert 'restarting in' in first, first
+  proc.send_signal(signal.SIGTERM)
+  rest = proc.communicate(timeout=30)[1]
+  assert proc.returncode == 128 + signal.SIGTERM, (first, rest)  # it was the failed attempt's 1
+  assert rest.strip().splitlines() == [
+      'supervise: SIGTERM while waiting to restart; attempt 2 not started']
+  assert (workdir / 'attempts.txt').read_text().split() == ['1']
 
 
 @pytest.mark.parametrize('args,message', [

@@ -15,8 +15,9 @@ any other status restart after an exponential backoff with jitter and count as f
 count goes back to 0 whenever an attempt advanced the committed checkpoint (either tier:
 DIR/local_tier.json names the fast tier's newest step); --max_restarts
 failures in a row without progress end it with one line and the last status. SIGTERM and SIGINT
-are passed to the job, which saves and stops; the supervisor then stops too (a supervisor started
-with SIGINT ignored, in the background, leaves it ignored, and so does its job). Each attempt's end
+are passed to the job, which saves and stops; the supervisor then stops too (during a backoff,
+with nothing to save, at once: exit 128 + the signal). A supervisor started with SIGINT ignored,
+in the background, leaves it ignored, and so does its job. Each attempt's end
 is appended to DIR/events.jsonl (`exit` events).
 """
 
@@ -67,11 +68,11 @@ class Supervisor:
     self.backoff, self.max_backoff = backoff, max_backoff
     self.say = say
     self._proc: subprocess.Popen | None = None
-    self._stopping = False
+    self._stopping = 0  # the signal that stops the supervisor, once one came
     self.log = events.EventLog(workdir, enabled=True)
 
   def _forward(self, signum, _) -> None:
-    self._stopping = True  # the job saves and stops; it is not restarted after that
+    self._stopping = signum  # the job saves and stops; it is not restarted after that
     if self._proc is not None and self._proc.poll() is None:
       os.killpg(self._proc.pid, signum)
 
@@ -86,8 +87,10 @@ class Supervisor:
     return code
 
   def delay(self, failures: int) -> float:
-    return min(self.max_backoff, self.backoff * 2 ** max(failures - 1, 0)) * \
-        random.uniform(0.5, 1.5)
+    """Doubling per failure, x0.5-1.5 jitter, never above max_backoff (the exponent is capped:
+    a float overflows past 2**1023)."""
+    base = min(self.max_backoff, self.backoff * 2.0 ** min(max(failures - 1, 0), 60))
+    return min(self.max_backoff, base * random.uniform(0.5, 1.5))
 
   def run(self) -> int:
     previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGINT)
@@ -151,8 +154,10 @@ class Supervisor:
       deadline = time.monotonic() + wait
       while time.monotonic() < deadline and not self._stopping:
         time.sleep(min(0.1, wait))
-      if self._stopping:
-        return code
+      if self._stopping:  # a signal while waiting: no attempt runs to save, so stop now
+        name = signal.Signals(self._stopping).name
+        self.say(f'supervise: {name} while waiting to restart; attempt {attempt + 1} not started')
+        return 128 + self._stopping
 
 
 def _fail(message: str) -> None:
