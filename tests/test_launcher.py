@@ -340,6 +340,15 @@ def test_a_flagfile_gives_the_config_and_its_overrides(tmp_path, launcher):
   assert '3 steps' in result.stdout, result.stdout
 
 
+def test_a_malformed_process_count_in_the_environment_is_one_line(tmp_path, launcher):
+  result = launcher.run(f'--config={CONFIG}', f'--workdir={tmp_path}', '--check',
+                        env={'JAX_NUM_PROCESSES': 'two'})  # it was ignored: a 1-process run
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.splitlines() == [
+      "error: JAX_NUM_PROCESSES='two' is not a number; set it to a count such as 2, or unset it "
+      '(--num_processes=N overrides it)']
+
+
 @pytest.mark.parametrize('flag', ['config', 'workdir'])
 def test_missing_required_flag_is_one_line_error(flag, tmp_path, launcher):
   given = {'config': f'--config={CONFIG}', 'workdir': f'--workdir={tmp_path}'}

@@ -499,15 +499,24 @@ def test_sigterm_to_one_worker_stops_all_with_several_steps_per_dispatch(tmp_pat
 # ----------------------------------------------------------------------------------------------
 # 5. The roll call names who is missing.
 
-@pytest.mark.parametrize('process_id,missing', [(0, 'process(es) [1] of 2 did not join'),
-                                                (1, 'the coordinator (process 0 at')])
-def test_process_started_alone_names_the_missing_one(tmp_path, process_id, missing):
+@pytest.mark.parametrize('process_id,slurm,missing', [
+    (0, False, 'process(es) [1] of 2 did not join'),
+    (1, False, 'the coordinator (process 0 at'),
+    (0, True, 'process(es) [1] of 2 did not join'),  # auto-detected: it was a C++ CHECK abort
+])
+def test_process_started_alone_names_the_missing_one(tmp_path, process_id, slurm, missing):
   port = distributed.free_port_pair()
+  if slurm:  # what srun gives task 0 of a 2-task step whose task 1 never started
+    how, env = ['--distributed'], {'SLURM_JOB_ID': '4242', 'SLURM_STEP_NODELIST': '127.0.0.1',
+                                   'SLURM_NTASKS': '2', 'SLURM_PROCID': '0', 'SLURM_LOCALID': '0',
+                                   'JAX_COORDINATOR_PORT': str(port)}
+  else:
+    how, env = [f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+                f'--process_id={process_id}'], {}
   proc = subprocess.run(
       [sys.executable, 'launch/train.py', f'--config={CONFIG}', f'--workdir={tmp_path}',
-       '--fake_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-       f'--process_id={process_id}', '--distributed_init_timeout=1'],
-      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=False)
+       '--fake_devices=4', *how, '--distributed_init_timeout=1'],
+      cwd=ROOT, env={**_env(), **env}, capture_output=True, text=True, timeout=120, check=False)
   assert proc.returncode == 2, proc.stderr
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
   assert len(errors) == 1 and 'DistributedError' in errors[0] and missing in errors[0], \
@@ -515,6 +524,19 @@ def test_process_started_alone_names_the_missing_one(tmp_path, process_id, missi
   assert 'Traceback' not in proc.stderr
   with socket.socket() as s:  # the roll call's listener was closed
     s.bind(('127.0.0.1', port + 1))
+
+
+@pytest.mark.parametrize('flag,message', [
+    ('--timeout=-5', 'error: --timeout=-5 must be > 0 and --grace=20 >= 0'),  # it ran, stopped
+    ('--num_processes=0', 'error: --num_processes=0 and --devices_per_process=4 must both be'),
+    ('--grace=abc', "error: --grace='abc' is not a float value"),
+])
+def test_bad_cluster_flags_are_one_line(flag, message):
+  proc = subprocess.run([sys.executable, 'launch/local_cluster.py', flag, '--', '--config=x'],
+                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+                        check=False)
+  assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+  assert proc.stderr.startswith(message), proc.stderr
 
 
 def test_distributed_without_a_cluster_says_so(tmp_path):

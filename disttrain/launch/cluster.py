@@ -169,8 +169,11 @@ def _finish(pumps) -> None:
 
 def main(argv):
   if _NUM_PROCESSES.value < 1 or _DEVICES.value < 1:
-    print('error: --num_processes and --devices_per_process must be >= 1', file=sys.stderr)
-    sys.exit(Exit.BAD_INPUT)
+    commandline.fail(f'--num_processes={_NUM_PROCESSES.value} and --devices_per_process='
+                     f'{_DEVICES.value} must both be >= 1')
+  if not _TIMEOUT.value > 0 or not _GRACE.value >= 0:  # a negative timeout stopped it at once
+    commandline.fail(f'--timeout={_TIMEOUT.value:g} must be > 0 and --grace={_GRACE.value:g} >= 0;'
+                     ' pass seconds, e.g. --timeout=1800 --grace=20')
   sys.exit(run(_NUM_PROCESSES.value, _DEVICES.value, argv[1:], _TIMEOUT.value, _GRACE.value,
                _PROGRAM.value))
 

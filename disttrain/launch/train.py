@@ -28,7 +28,7 @@ from disttrain.exitcodes import Exit
 
 def _env_int(name: str) -> int | None:
   value = os.environ.get(name)
-  return int(value) if value and value.isdigit() else None
+  return int(value) if value and value.strip().isdigit() else None  # else _check_process_flags
 
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (launch/configs/*.py).',
@@ -191,6 +191,11 @@ def _config_module() -> dict:
 def _check_process_flags() -> None:
   """One line for a job that could never start (it waited out the init timeout, or raised a
   ValueError traceback the supervisor restarted)."""
+  for name, flag in (('JAX_NUM_PROCESSES', _NUM_PROCESSES), ('JAX_PROCESS_ID', _PROCESS_ID)):
+    value = os.environ.get(name, '')
+    if value.strip() and not value.strip().isdigit() and not flag.present:  # was ignored
+      _fail(f'{name}={value!r} is not a number; set it to a count such as 2, or unset it '
+            f'(--{flag.name}=N overrides it)')
   address, n, i = _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
   if address and not re.fullmatch(r'.+:\d{1,5}', address):
     _fail(f'--coordinator_address={address!r} is not host:port; pass e.g. '
