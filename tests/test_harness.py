@@ -1,8 +1,9 @@
 """lm-evaluation-harness with the disttrain backend equals the harness's own `hf` backend.
 
-One Hugging Face directory (a small random Llama and a byte-level BPE tokenizer), three local
-YAML tasks over JSON-lines files (multiple choice, rolling log-likelihood, greedy generation with
-a stop string), evaluated by `lm_eval.simple_evaluate` twice: model='hf' (transformers on torch)
+One Hugging Face directory (a small random Llama and a byte-level BPE tokenizer that adds a BOS,
+as Llama's, Mistral's and Gemma's do), three local YAML tasks over JSON-lines files (multiple
+choice, rolling log-likelihood, greedy generation with a stop string and lm-eval's aliases:
+max_new_tokens, a temperature that do_sample=False overrides), evaluated by `lm_eval.simple_evaluate` twice: model='hf' (transformers on torch)
 and the disttrain backend on 8 devices. acc / acc_norm and each sample's log-likelihoods,
 word perplexity, and the generated texts must agree.
 """
@@ -14,6 +15,7 @@ import sys
 import lm_eval
 import numpy as np
 import pytest
+import tokenizers
 import torch
 import transformers
 
@@ -57,7 +59,7 @@ test_split: test
 output_type: generate_until
 doc_to_text: "{{prompt}}"
 doc_to_target: "{{answer}}"
-generation_kwargs: {until: [" "], max_gen_toks: 10, do_sample: false}
+generation_kwargs: {until: [" "], max_new_tokens: 10, do_sample: false, temperature: 0.7}
 metric_list: [{metric: exact_match}]
 """,
 }
@@ -76,14 +78,21 @@ def setup(tmp_path_factory):
   hf_dir, task_dir = root / 'hf', root / 'tasks'
   hf_dir.mkdir(), task_dir.mkdir()
   tok = tokenizer_lib.train_bpe([text(40) for _ in range(200)], 300, str(hf_dir / 'tokenizer.json'))
+  raw = tokenizers.Tokenizer.from_file(str(hf_dir / 'tokenizer.json'))  # a BOS, as Llama's adds
+  raw.add_special_tokens(['<s>'])
+  raw.post_processor = tokenizers.processors.TemplateProcessing(
+      single='<s> $A', special_tokens=[('<s>', raw.token_to_id('<s>'))])
+  raw.save(str(hf_dir / 'tokenizer.json'))
   (hf_dir / 'tokenizer_config.json').write_text(json.dumps({
       'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': '<|endoftext|>',
-      'model_max_length': MAX_LENGTH}))
+      'bos_token': '<s>', 'model_max_length': MAX_LENGTH}))
+  tok = tokenizer_lib.load(str(hf_dir / 'tokenizer.json'))
+  assert tok.encode('the cat')[0] == tok.bos_id != tok.eos_id
   torch.manual_seed(0)
   config = transformers.LlamaConfig(
       vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-      initializer_range=0.3, eos_token_id=tok.eos_id, bos_token_id=tok.eos_id)
+      initializer_range=0.3, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
   transformers.LlamaForCausalLM(config).save_pretrained(str(hf_dir))
   questions = []
   for i in range(12):
@@ -105,6 +114,16 @@ def setup(tmp_path_factory):
   ours = harness.evaluate(lm, names, batch_size=8, max_length=MAX_LENGTH, log_samples=True,
                           manager=manager)
   return dict(reference=reference, ours=ours, lm=lm, hf_dir=hf_dir, task_dir=task_dir)
+
+
+def test_generation_kwargs_read_as_lm_eval_normalizes_them():
+  from lm_eval.models.utils import normalize_gen_kwargs  # pylint: disable=g-import-not-at-top
+  for kwargs in [{'until': 'x', 'max_new_tokens': 5, 'do_sample': False, 'temperature': 0.7},
+                 {'max_tokens': 7, 'max_completion_tokens': 9}, {'temperature': 0.5},
+                 {'do_sample': True, 'max_gen_toks': 3, 'max_new_tokens': 4}, {}]:
+    ref = normalize_gen_kwargs(kwargs, 11)
+    assert harness.generation(kwargs, 11) == (ref['max_gen_toks'], ref['until'],
+                                              ref['do_sample']), kwargs
 
 
 def _responses(results, task: str) -> list:

@@ -6,12 +6,14 @@
 
 `backend(...)` is a model backend of the `lm_eval` package (a TemplateLM subclass): its
 requests are answered by the in-loop evaluator's batched scorer (scoring.Scorer) on the model's
-mesh. loglikelihood: lm-eval's own tokenization of (context, continuation) pairs (TemplateLM:
-the context's trailing whitespace starts the continuation; an empty context is the end-of-text
-token); loglikelihood_rolling: the Hugging Face backend's disjoint windows of max_length tokens
-after the end-of-text token; generate_until: greedy KV-cache decoding of max_gen_toks tokens,
-the text cut at the first stop string (end of text included). Sampling (do_sample) is refused.
-Texts are encoded without added special tokens, as the harness's `hf` backend does by default.
+mesh, tokenized as the harness's `hf` backend does by default: texts get what the tokenizer adds
+itself (Llama's, Mistral's, Gemma's BOS; nothing for GPT-2's), and the prefix token (an empty
+context, the first rolling window) is the BOS, else the end-of-text token. loglikelihood:
+TemplateLM's (context, continuation) pairs (the context's trailing whitespace starts the
+continuation); loglikelihood_rolling: disjoint windows of max_length tokens after the prefix
+token; generate_until: greedy KV-cache decoding of max_gen_toks tokens (or an alias lm-eval
+accepts: max_new_tokens, ...), the text cut at the first stop string (end of text included).
+Sampling (do_sample=True, or a temperature > 0 without do_sample) is refused.
 `lm_eval` is not a dependency of disttrain: pip install lm_eval.
 """
 
@@ -61,9 +63,17 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
     def eot_token_id(self) -> int:
       return self.eos
 
+    @property
+    def prefix_token_id(self) -> int:
+      bos = self.tokenizer_.bos_id
+      return bos if bos is not None and bos < vocab_size else self.eos
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs):
       del kwargs
-      return self.tokenizer_.encode(string, special=bool(add_special_tokens))
+      if add_special_tokens is None:  # the tokenizer's default, but one BOS (TemplateLM's rule)
+        prefix = self.tokenizer_.id_to_token(self.prefix_token_id)  # '<s>': decode drops it
+        add_special_tokens = not (prefix and string.startswith(prefix))
+      return self.tokenizer_.encode(string, special=add_special_tokens)
 
     def tok_decode(self, tokens) -> str:
       return self.tokenizer_.decode(tokens)
@@ -80,7 +90,7 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
       windows, owners = [], []
       for i, (text,) in enumerate(req.args for req in requests):
         for window in utils.get_rolling_token_windows(
-            token_list=self.tok_encode(text), prefix_token=self.eos,
+            token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
             max_seq_len=self.max_length, context_len=1):
           windows.append(utils.make_disjoint_window(window))
           owners.append(i)
@@ -95,20 +105,18 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
       groups: dict[tuple, list[int]] = {}  # (max_gen_toks, stop strings) -> request indices
       for i, req in enumerate(requests):
-        kwargs = dict(req.args[1])
-        if kwargs.pop('do_sample', False) or kwargs.get('temperature', 0.0):
+        new, until, sample = generation(req.args[1], self.max_gen_toks)
+        if sample:
           raise ConfigError(f'task {req.task_name!r} samples (do_sample / temperature > 0); '
                             'the disttrain backend generates greedily only')
-        until = kwargs.get('until') or []
-        until = [until] if isinstance(until, str) else list(until)
-        new = int(kwargs.get('max_gen_toks', self.max_gen_toks))
         if new >= self.max_length:
           raise ConfigError(f'task {req.task_name!r} generates {new} tokens, which leaves no '
                             f'room for a prompt in {self.max_length}; {room}')
         groups.setdefault((new, tuple(until)), []).append(i)
       out = [''] * len(requests)
       for (new, until), indices in groups.items():
-        prompts = [self.tok_encode(requests[i].args[0]) or [self.eos] for i in indices]
+        prompts = [self.tok_encode(requests[i].args[0]) or [self.prefix_token_id]
+                   for i in indices]
         progress = None if disable_tqdm else _Progress('generate_until', len(prompts))
         texts = self.scorer.greedy(self.params, self.mutable, prompts, new,
                                    progress or (lambda n: None))
@@ -117,6 +125,22 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
       return out
 
   return DisttrainLM()
+
+
+def generation(kwargs: dict, default: int) -> tuple[int, list[str], bool]:
+  """(max_gen_toks, stop strings, samples?) of a task's generation_kwargs, read as lm-eval's
+  normalize_gen_kwargs reads them: the first of max_gen_toks, max_new_tokens, max_tokens,
+  max_completion_tokens; do_sample=False is greedy whatever the temperature, and without
+  do_sample a temperature > 0 samples."""
+  kwargs = kwargs or {}
+  until = kwargs.get('until') or []
+  until = [until] if isinstance(until, str) else list(until)
+  new = next((kwargs[k] for k in ('max_gen_toks', 'max_new_tokens', 'max_tokens',
+                                  'max_completion_tokens') if kwargs.get(k) is not None), default)
+  sample = kwargs.get('do_sample')
+  if sample is None:
+    sample = float(kwargs.get('temperature') or 0.0) > 0.0
+  return int(new), until, bool(sample)
 
 
 def _cut(text: str, until) -> str:
@@ -161,7 +185,7 @@ def generation_lengths(manager, tasks: list[str], default: int) -> dict[str, int
     if 'group' in cfg and isinstance(cfg.get('task'), list):
       todo += [t for t in cfg['task'] if isinstance(t, str)]
     elif cfg.get('output_type') == 'generate_until':
-      out[name] = int((cfg.get('generation_kwargs') or {}).get('max_gen_toks', default))
+      out[name] = generation(cfg.get('generation_kwargs') or {}, default)[0]
   return out
 
 
