@@ -90,9 +90,10 @@ def test_router_losses_equal_numpy():
   b, t, e, k = 2, 16, 4, 2
   logits = np.asarray(jax.random.normal(jax.random.key(1), (b, t, e)) * 3, np.float64)
   experts = np.argsort(-logits, axis=-1)[..., :k]
-  balance, z = moe.router_losses(jnp.asarray(logits, jnp.float32), jnp.asarray(experts))
   probs = np.exp(logits - logits.max(-1, keepdims=True))
   probs /= probs.sum(-1, keepdims=True)
+  balance = moe.switch_balance(jnp.asarray(probs, jnp.float32), jnp.asarray(experts))
+  z = moe.z_loss(jnp.asarray(logits, jnp.float32))
   fraction = np.array([(experts == i).sum() for i in range(e)]) / (b * t * k)
   np.testing.assert_allclose(balance, e * np.sum(fraction * probs.mean((0, 1))), rtol=1e-6)
   lse = np.log(np.exp(logits).sum(-1))

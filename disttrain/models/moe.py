@@ -74,14 +74,16 @@ def route(experts_BxTxK: jax.Array, gates_BxTxK: jax.Array, num_experts: int, sl
   return dispatch, combine, kept_BxTxKxE.sum((1, 2, 3))
 
 
-def router_losses(logits_BxTxE: jax.Array, experts_BxTxK: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(load-balancing loss E sum_e f_e p_e, z-loss mean logsumexp^2) over all tokens."""
-  e, k = logits_BxTxE.shape[-1], experts_BxTxK.shape[-1]
-  probs = jax.nn.softmax(logits_BxTxE, axis=-1)
+def switch_balance(probs_BxTxE: jax.Array, experts_BxTxK: jax.Array) -> jax.Array:
+  """The Switch load-balancing loss E sum_e f_e p_e over this layer's tokens."""
+  e, k = probs_BxTxE.shape[-1], experts_BxTxK.shape[-1]
   fraction = jax.nn.one_hot(experts_BxTxK, e).sum(2).mean((0, 1)) / k
-  balance = e * jnp.sum(fraction * probs.mean((0, 1)))
-  z = jnp.mean(jax.nn.logsumexp(logits_BxTxE, axis=-1) ** 2)
-  return balance, z
+  return e * jnp.sum(fraction * probs_BxTxE.mean((0, 1)))
+
+
+def z_loss(logits_BxTxE: jax.Array) -> jax.Array:
+  """The router z-loss: mean logsumexp^2 over the tokens."""
+  return jnp.mean(jax.nn.logsumexp(logits_BxTxE, axis=-1) ** 2)
 
 
 def pooled_balance(choices_LxKxE: jax.Array, probs_LxE: jax.Array) -> jax.Array:
@@ -116,17 +118,17 @@ class MoeMlp(nn.Module):
     experts_BxTxK = jnp.argsort(-logits_BxTxE, axis=-1)[..., :k]
     # As transformers: the softmax over all E, the k chosen taken (renormalised to sum to 1
     # with norm_topk, which is the softmax over the k chosen logits).
-    gates_BxTxK = jnp.take_along_axis(jax.nn.softmax(logits_BxTxE, axis=-1), experts_BxTxK,
-                                      axis=-1)
+    probs_BxTxE = jax.nn.softmax(logits_BxTxE, axis=-1)
+    gates_BxTxK = jnp.take_along_axis(probs_BxTxE, experts_BxTxK, axis=-1)
     if self.norm_topk:
       gates_BxTxK = gates_BxTxK / gates_BxTxK.sum(-1, keepdims=True)
-    balance, z = router_losses(logits_BxTxE, experts_BxTxK)
     if self.balance == 'transformers':  # LanguageModel pools them over the layers
       self.sow(MOE, 'choices', jax.nn.one_hot(experts_BxTxK, e).mean((0, 1)))
-      self.sow(MOE, 'probs', jax.nn.softmax(logits_BxTxE, axis=-1).mean((0, 1)))
+      self.sow(MOE, 'probs', probs_BxTxE.mean((0, 1)))
     else:
-      self.sow('losses', 'router_balance', self.aux_weight * balance)
-    self.sow('losses', 'router_z', self.z_weight * z)
+      self.sow('losses', 'router_balance', self.aux_weight * switch_balance(probs_BxTxE,
+                                                                             experts_BxTxK))
+    self.sow('losses', 'router_z', self.z_weight * z_loss(logits_BxTxE))
     slots = capacity(t, e, k, self.capacity_factor)
     dispatch, combine, kept_B = route(experts_BxTxK, gates_BxTxK, e, slots)
     self.sow(MOE, 'dropped', (t * k - kept_B) / k)  # tokens' worth of dropped choices per row
