@@ -213,8 +213,10 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
 
 
 # Model fields that shape training, not the model: a run's value wins over config.json's (the
-# hf recipe sets them to -1: config.json's, as transformers trains the model).
-TRAINING_CHOICES = ('router_aux_weight', 'router_z_weight', 'expert_capacity', 'router_balance')
+# hf recipe sets them to -1 or '': config.json's, as transformers trains the model). The values
+# are a dense model's, which has no router.
+TRAINING_CHOICES = {'router_aux_weight': 0.0, 'router_z_weight': 0.0, 'expert_capacity': 0.0,
+                    'router_balance': ModelConfig.router_balance}
 _UNSET = (-1, '')  # launch/configs/hf.py's "the directory's"
 
 
@@ -310,9 +312,8 @@ def from_directory(cfg: Config) -> Config:
   fields = model_fields(config, family)
   fields.pop('dropout')
   default, given = ModelConfig(), {}
-  for name in TRAINING_CHOICES:  # the run's own, or config.json's where unset (a dense one: off)
-    off = getattr(default, name) if name == 'router_balance' else 0.0
-    value = fields.pop(name, off)
+  for name, dense in TRAINING_CHOICES.items():  # the run's own, or config.json's where unset
+    value = fields.pop(name, dense)
     if getattr(cfg.model, name) in _UNSET:
       given[name] = value
   for name, value in fields.items():
