@@ -98,7 +98,7 @@ def test_a_tokenizer_that_appends_eos_itself_gets_one_eos_per_document(corpus, t
 def test_documents_from_txt_jsonl_and_parquet(tmp_path):
   import pyarrow as pa  # pylint: disable=g-import-not-at-top  (the text extra)
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-  (tmp_path / 'a.txt').write_text('first file\nstill the first')
+  (tmp_path / 'a.txt').write_bytes(b'\xef\xbb\xbffirst file\nstill the first')  # a BOM: no text
   # CRLF line ends, a blank line and one of spaces and a tab: not documents.
   (tmp_path / 'b.jsonl').write_bytes(b'{"text": "one"}\r\n\r\n \t\n{"text": "two", "id": 2}\r\n')
   pq.write_table(pa.table({'body': ['p0', 'p1', 'p2']}), tmp_path / 'c.parquet', row_group_size=2)
@@ -110,6 +110,9 @@ def test_documents_from_txt_jsonl_and_parquet(tmp_path):
   (tmp_path / 'd.parquet').write_bytes(b'not parquet at all')
   with pytest.raises(DataError, match=r'd.parquet is not a readable Parquet file \(.*magic'):
     text.Documents([str(tmp_path / 'd.parquet')])
+  (tmp_path / 'f.txt').write_bytes('café'.encode('latin-1'))  # was trained on as U+FFFD
+  with pytest.raises(DataError, match=r'f.txt is not UTF-8 text: byte 3 is 0xe9 .*; convert'):
+    text.Documents([str(tmp_path / 'f.txt')])[0]  # pylint: disable=expression-not-assigned
   (tmp_path / 'e.txt').mkdir()
   with pytest.raises(DataError, match=r'--input: .*e.txt is a directory; pass files'):
     text.resolve(str(tmp_path / '*.txt'), '--input')

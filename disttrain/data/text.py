@@ -140,8 +140,13 @@ class _TextFile:
 
   def text(self, i: int) -> str:
     del i
-    with open(self.path, encoding='utf-8', errors='replace') as f:
-      return f.read()
+    with open(self.path, 'rb') as f:
+      raw = f.read()
+    try:  # a BOM (Windows editors write one) is no text; a bad byte is no character to train on
+      return raw.decode('utf-8-sig')
+    except UnicodeDecodeError as e:
+      raise DataError(f'{self.path} is not UTF-8 text: byte {e.start} is {raw[e.start]:#04x} '
+                      f'({e.reason}); convert the file, e.g. iconv -f latin1 -t utf-8') from None
 
 
 class _Files:
