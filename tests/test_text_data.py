@@ -130,6 +130,11 @@ def test_bad_json_lines_name_the_file_and_line(tmp_path):
   with pytest.raises(DataError, match=r'p.jsonl line 2 is not UTF-8 \(invalid continuation '
                      r'byte at byte 15\); re-encode'):
     list(formats.json_lines([str(tmp_path / 'p.jsonl')], 'prompts'))
+  # A conversation with no assistant turn trained its EOS alone: 'stop after the user'.
+  (tmp_path / 's.jsonl').write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+  with pytest.raises(DataError, match=r"s.jsonl line 1: 'messages' has no assistant turn, so "
+                     r"nothing to train on \(roles \['user'\]\); add the reply"):
+    text.Conversations([str(tmp_path / 's.jsonl')])[0]  # pylint: disable=expression-not-assigned
 
 
 class _Docs:

@@ -219,6 +219,10 @@ class Conversations:
       if not (isinstance(turns, list) and turns and all(
           isinstance(t, dict) and isinstance(t.get('content'), str) for t in turns)):
         raise DataError(f'{where}: {messages!r} must be a list of {{"role", "content"}} turns')
+      if not any(t.get('role') == 'assistant' for t in turns):  # it trained the EOS alone
+        raise DataError(f'{where}: {messages!r} has no assistant turn, so nothing to train on '
+                        f'(roles {sorted({str(t.get("role")) for t in turns})}); add the reply '
+                        "with role 'assistant', or drop the line")
       if self.template is not None:
         return self.template.pieces(turns, where)
       pieces = []
