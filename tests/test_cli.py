@@ -45,7 +45,7 @@ _HELP = textwrap.dedent("""
     import jax, flax, orbax.checkpoint  # what most subcommands load
     from disttrain import cli
     out = {}
-    for name, flag in [(name, flag) for name in cli.COMMANDS for flag in ('--help', '--bogus_flag=1')]:
+    for name, flag in [(n, f) for n in cli.COMMANDS for f in ('--help', '--bogus_flag=1')]:
       read, write = os.pipe()
       pid = os.fork()
       if pid == 0:

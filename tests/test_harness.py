@@ -3,8 +3,9 @@
 One Hugging Face directory (a small random Llama and a byte-level BPE tokenizer that adds a BOS,
 as Llama's, Mistral's and Gemma's do), three local YAML tasks over JSON-lines files (multiple
 choice, rolling log-likelihood, greedy generation with a stop string and lm-eval's aliases:
-max_new_tokens, a temperature that do_sample=False overrides), evaluated by `lm_eval.simple_evaluate` twice: model='hf' (transformers on torch)
-and the disttrain backend on 8 devices. acc / acc_norm and each sample's log-likelihoods,
+max_new_tokens, a temperature that do_sample=False overrides), evaluated by
+`lm_eval.simple_evaluate` twice: model='hf' (transformers on torch) and the disttrain backend on
+8 devices. acc / acc_norm and each sample's log-likelihoods,
 word perplexity, and the generated texts must agree.
 """
 

@@ -22,7 +22,6 @@ document ended by EOS, with OUT/*.bin.docs.npy indexes for data.packing='documen
 import ast
 import json
 import os
-import sys
 
 from absl import flags
 import numpy as np
@@ -241,21 +240,18 @@ def convert() -> str:
 
 def main(argv):
   if len(argv) > 1:
-    _fail(f'unexpected arguments {argv[1:]}; pass settings as flags, e.g. --source=mnist')
+    commandline.fail(f'unexpected arguments {argv[1:]}; pass settings as flags, e.g. '
+                     '--source=mnist')
   if _SOURCE.value in ('npz', 'documents') and not _INPUT.value:
-    _fail(f'--source={_SOURCE.value} needs --input=FILE')
+    commandline.fail(f'--source={_SOURCE.value} needs --input=FILE')
   if _SHARDS.value < 1:
-    _fail(f'--shards={_SHARDS.value} must be >= 1')
+    commandline.fail(f'--shards={_SHARDS.value} must be >= 1')
   from disttrain.errors import DisttrainError  # pylint: disable=g-import-not-at-top
   try:
     print(f'train with: {convert()}')
   except DisttrainError as e:
-    _fail(f'{type(e).__name__}: {e}')
+    commandline.fail(f'{type(e).__name__}: {e}')
 
-
-def _fail(message: str) -> None:
-  print(f'error: {message}', file=sys.stderr, flush=True)
-  sys.exit(2)
 
 
 if __name__ == '__main__':

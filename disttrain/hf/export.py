@@ -10,7 +10,6 @@ from the checkpoint, onto this host's first device. A LoRA run exports its adapt
 the base, or with --adapter as a PEFT adapter directory (disttrain/hf/adapters.py).
 """
 
-import sys
 import time
 
 from absl import flags
@@ -59,18 +58,15 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
 
 def main(argv) -> None:
   if len(argv) > 1:
-    _fail(f'unexpected arguments {argv[1:]}; pass settings as flags, e.g. --workdir=RUN_DIR')
+    commandline.fail(f'unexpected arguments {argv[1:]}; pass settings as flags, e.g. '
+                     '--workdir=RUN_DIR')
   from disttrain.errors import DisttrainError  # pylint: disable=g-import-not-at-top
   try:
     print(export(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value, _EMA.value,
                  int(_MAX_SHARD_GB.value * 2**30), _ADAPTER.value), flush=True)
   except DisttrainError as e:
-    _fail(f'{type(e).__name__}: {e}')
+    commandline.fail(f'{type(e).__name__}: {e}')
 
-
-def _fail(message: str) -> None:
-  print(f'error: {message}', file=sys.stderr, flush=True)
-  sys.exit(2)
 
 
 if __name__ == '__main__':

@@ -160,27 +160,24 @@ class Supervisor:
         return 128 + self._stopping
 
 
-def _fail(message: str) -> None:
-  print(f'error: {message}', file=sys.stderr, flush=True)
-  sys.exit(Exit.BAD_INPUT)
-
 
 def main(argv):
   command = argv[1:]
   if not command:
-    _fail('supervise: no command to run; pass it after --, e.g. disttrain supervise -- '
-          'disttrain train --config=launch/configs/mnist_mlp.py --workdir=runs/digits')
+    commandline.fail('supervise: no command to run; pass it after --, e.g. disttrain supervise -- '
+                     'disttrain train --config=launch/configs/mnist_mlp.py --workdir=runs/digits')
   for name, flag in (('max_restarts', _MAX_RESTARTS), ('max_preemptions', _MAX_PREEMPTIONS),
                      ('backoff_seconds', _BACKOFF), ('max_backoff_seconds', _MAX_BACKOFF)):
     if flag.value < 0:
-      _fail(f'--{name}={flag.value} is negative; pass 0 or more')
+      commandline.fail(f'--{name}={flag.value} is negative; pass 0 or more')
   workdir = workdir_of(command)
   if not shutil.which(command[0]):
-    _fail(f'supervise: cannot run {command[0]!r} (not found, or not executable); pass the '
-          'launcher command after --, e.g. disttrain train ... or python launch/train.py ...')
+    commandline.fail(f'supervise: cannot run {command[0]!r} (not found, or not executable); '
+                     'pass the launcher command after --, e.g. disttrain train ... or python '
+                     'launch/train.py ...')
   if workdir is None or not workdir.strip():
-    _fail('supervise: the command has no --workdir=DIR; the supervisor reads the run\'s '
-          'committed checkpoints there to tell progress from failure')
+    commandline.fail('supervise: the command has no --workdir=DIR; the supervisor reads the run\'s '
+                     'committed checkpoints there to tell progress from failure')
   supervisor = Supervisor(command, workdir, _MAX_RESTARTS.value, _MAX_PREEMPTIONS.value,
                           _BACKOFF.value, _MAX_BACKOFF.value,
                           say=lambda line: print(line, file=sys.stderr, flush=True))
