@@ -35,7 +35,8 @@ def flag_error(error: flags.Error) -> str:
   name, value, reason = match.groups()
   flag = flags.FLAGS[name] if name in flags.FLAGS else None
   if 'must have a value other than None' in reason:
-    about = f' ({flag.help.split(". ")[0].rstrip(".")})' if flag is not None and flag.help else ''
+    text = ' '.join((flag.help or '').split()) if flag is not None else ''  # multi_ flags: 2 lines
+    about = f' ({text.split(". ")[0].split(";")[0].rstrip(".")})' if text else ''
     return f'--{name} is required{about}; pass --{name}=<value>'
   kind = flag.flag_type() if flag is not None else 'valid'
   article = 'an' if kind[:1] in 'aeiou' else 'a'

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import disttrain
+from disttrain.errors import ConfigError
 from disttrain.models import decoding
 from disttrain.models.decoder import Decoder
 from disttrain.hf import trained
@@ -90,6 +91,19 @@ def test_sampling_settings(run_dir):
   draws = [int(decoding.sample(logits, jax.random.key(i), 1.0, 3, 1.0)[0])
            for i in range(300)]
   assert set(draws) == {0, 1, 2}
+  assert int(decoding.sample(logits, jax.random.key(0), 1.0, 10**6, 1.0)[0]) in range(4)  # all
+  # transformers' limits, one line each (a traceback, token 0 forever, or a silent 1).
+  for setting, message in [({'temperature': -1.0}, 'temperature=-1.0 is out of range'),
+                           ({'top_p': 0.0}, 'top_p=0.0 is out of range'),
+                           ({'top_p': 2.0}, 'top_p=2.0 is out of range'),
+                           ({'top_k': -1}, 'top_k=-1 is out of range'),
+                           ({'max_new_tokens': 0}, 'max_new_tokens=0 is out of range')]:
+    with pytest.raises(ConfigError, match=message):
+      disttrain.generate(lm.model, lm.params, prompts, **{'max_new_tokens': 4, **setting})
+  with pytest.raises(ConfigError, match=r"prompt token id 300 is outside the model's 260 ids"):
+    disttrain.generate(lm.model, lm.params, [[1, 300]], max_new_tokens=4)
+  with pytest.raises(ConfigError, match=r'--step picks among a run\'s checkpoints; --hf_dir'):
+    trained.load(hf_dir=str(run_dir), step=3)
 
 
 def _env() -> dict:
@@ -128,6 +142,8 @@ def test_generate_command_from_the_run_and_from_its_hugging_face_export(run_dir,
      'a prompt of 80 tokens + max_new_tokens=8 is longer than the model context of 64 tokens'),
     ('generate', ['--prompt=a', '--workdir={empty}'], 'has no checkpoints directory'),
     ('generate', ['--prompt=a', '--chat'], "the tokenizer '(bytes)' has no chat template"),
+    ('generate', ['--prompt=a', '--json=/nonexistent/x.json'], '/nonexistent is not a directory'),
+    ('generate', [], '--prompt is required (Prompt text); pass --prompt=<value>'),  # two lines
     ('export', ['--out={empty}/hf', '--workdir={empty}'], 'has no checkpoints directory'),
 ])
 def test_bad_sampling_and_export_inputs_are_one_line_and_exit_2(run_dir, tmp_path, command, args,

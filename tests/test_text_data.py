@@ -65,6 +65,10 @@ def test_tokenizers_round_trip_and_know_their_end_of_sequence(corpus, tmp_path):
     assert max(ids) < vocab and tok.eos_id not in ids
     decoded = tok.decode(ids)
     assert decoded.replace(' ', '') == sample.replace(' ', '') or tok.kind == 'sentencepiece'
+    # The text new tokens add after a prompt (disttrain generate's): a SentencePiece word's
+    # leading space is there only when decoded with what comes before it.
+    prompt, new = tok.encode('def main():'), tok.encode(' return x', special=False)
+    assert tok.continuation(prompt, new) == ' return x', (path, tok.decode(new))
   assert tokenizer_lib.load(str(corpus / 'tokenizer.json')).eos_id == 0  # <|endoftext|>
   assert tokenizer_lib.load(str(corpus)).file.endswith('tokenizer.json')  # a directory works
   typo = tmp_path / 'typo'  # an eos_token the vocabulary lacks: it said none was named

@@ -181,6 +181,12 @@ class Tokenizer:
       return self._impl.decode(ids)
     return self._impl.DecodeIds(ids)
 
+  def continuation(self, prompt: list[int], new: list[int]) -> str:
+    """The text `new` adds after `prompt`: decoded together, as a word-initial '▁' (SentencePiece,
+    Metaspace) decodes to a space only inside a text, else `new` alone."""
+    before, whole = self.decode(prompt), self.decode(list(prompt) + list(new))
+    return whole[len(before):] if whole.startswith(before) else self.decode(new)
+
   def id_to_token(self, i: int) -> str:
     if self.kind == 'bytes':
       return '<eos>' if i == BYTE_EOS else chr(i)

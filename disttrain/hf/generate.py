@@ -18,6 +18,7 @@ models/decoding.py (the scorer and GRPO rollouts run it too).
 import dataclasses
 import functools
 import json
+import os
 import sys
 import time
 import types
@@ -56,6 +57,17 @@ def _compiled_loop(module, max_new: int, stops: tuple[int, ...], temperature: fl
   return jax.jit(lambda params, t, s, q, key: loop(params, t, s, q, jax.random.wrap_key_data(key)))
 
 
+def _check_settings(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+  """transformers' limits on the sampling settings, as one line each."""
+  for ok, name, value, want in (
+      (max_new_tokens >= 1, 'max_new_tokens', max_new_tokens, 'an int >= 1'),
+      (temperature >= 0, 'temperature', temperature, '0 (greedy) or more'),
+      (top_k >= 0, 'top_k', top_k, '0 (no limit) or more'),
+      (0 < top_p <= 1, 'top_p', top_p, 'in (0, 1]; 1 keeps every token')):
+    if not ok:
+      raise ConfigError(f'{name}={value} is out of range; pass {want}')
+
+
 def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              eos_id: int | Sequence[int] | None = None, mesh=None,
@@ -73,6 +85,12 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 6
   module = moe.dropless(getattr(model, 'module', model))
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ConfigError('every prompt needs at least one token')
+  _check_settings(max_new_tokens, temperature, top_k, top_p)
+  vocab = getattr(getattr(module, 'cfg', None), 'vocab_size', None)
+  beyond = [t for p in prompts for t in p if vocab is not None and not 0 <= t < vocab]
+  if beyond:  # the embedding's padded rows would read them silently
+    raise ConfigError(f'prompt token id {beyond[0]} is outside the model\'s {vocab} ids; use the '
+                      'tokenizer the model was trained with (--tokenizer)')
   longest = max(len(p) for p in prompts)
   p = -(-longest // _BUCKET) * _BUCKET
   if context is not None and longest + max_new_tokens > context:
@@ -115,13 +133,13 @@ class SampleAtEnd:
     self.context = self.model.cfg.learned_positions or cfg.model.max_seq_len or cfg.row_tokens
 
   def on_end(self, result) -> None:
-    out = generate(self.model, result.state.params,
-                   [self.tokenizer.encode(p) for p in self.prompts],
+    prompts = [self.tokenizer.encode(p) for p in self.prompts]
+    out = generate(self.model, result.state.params, prompts,
                    max_new_tokens=self.max_new_tokens,
                    eos_id=self.tokenizer.stop_ids(self.model.cfg.vocab_size), context=self.context)
     if jax.process_index() == 0:
-      for prompt, new in zip(self.prompts, out.tokens):
-        print(f'sample: {prompt + self.tokenizer.decode(new)!r}', flush=True)
+      for prompt, ids, new in zip(self.prompts, prompts, out.tokens):
+        print(f'sample: {prompt + self.tokenizer.continuation(ids, new)!r}', flush=True)
 
 
 class _CallableModule(types.ModuleType):
@@ -142,6 +160,10 @@ def main(argv) -> None:
   if f.fake_devices:
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', f.fake_devices)
+  folder = os.path.dirname(os.path.abspath(f.json)) if f.json and f.json != '-' else ''
+  if folder and not os.path.isdir(folder):  # before the model loads and samples
+    raise ConfigError(f'--json={f.json!r}: {folder} is not a directory; create it or pass '
+                      'another path (- for stdout)')
   lm = trained.load(workdir=f.workdir, hf_dir=f.hf_dir, step=f.step, mesh=f.mesh,
                     tokenizer=f.tokenizer, ema=f.ema)
   prompts = [lm.tokenizer.encode(text) for text in f.prompt]
@@ -170,8 +192,8 @@ def main(argv) -> None:
       return
     with open(f.json, 'w', encoding='utf-8') as file:
       json.dump(out, file, indent=1)
-  for text, new in zip(f.prompt, result.tokens):
-    print(f'{text}{lm.tokenizer.decode(new)}')
+  for text, ids, new in zip(f.prompt, prompts, result.tokens):
+    print(f'{text}{lm.tokenizer.continuation(ids, new)}')
     print('---')
   print(summary + (f'; JSON in {f.json}' if f.json else ''), flush=True)
 
@@ -180,7 +202,7 @@ def _as_json(lm, f, prompts: list[list[int]], result: Generation, stops) -> dict
   """--json: per prompt its tokens, the new tokens, text and log-probabilities, and why it
   stopped; the settings and the speed."""
   samples = [{'prompt': text, 'prompt_tokens': ids, 'tokens': new,
-              'text': lm.tokenizer.decode(new), 'logprobs': [float(x) for x in logprobs],
+              'text': lm.tokenizer.continuation(ids, new), 'logprobs': [float(x) for x in logprobs],
               'stop': 'length' if len(new) == f.max_new_tokens else 'eos'}
              for text, ids, new, logprobs in zip(f.prompt, prompts, result.tokens, result.logprobs)]
   return {'source': lm.source, 'mesh': dict(lm.mesh.shape),

@@ -84,6 +84,10 @@ def load(*, workdir: str = '', hf_dir: str = '', step: int | None = None, device
   mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
   if bool(workdir) == bool(hf_dir):
     raise ConfigError('pass --workdir=RUN_DIR (a run with a checkpoint) or --hf_dir=DIR, one')
+  if hf_dir and (step is not None or ema):  # a directory holds one set of weights
+    raise ConfigError(f'--{"step" if step is not None else "ema"} picks among a run\'s '
+                      'checkpoints; --hf_dir has one set of weights: leave it out, or pass '
+                      '--workdir=RUN_DIR')
   if hf_dir:
     config, family = hf_config.read(hf_dir)
     model_fields = hf_config.model_fields(config, family)

@@ -23,8 +23,8 @@ def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k: int
   if temperature == 0:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
   logits = logits_BxV.astype(jnp.float32) / temperature
-  if top_k:
-    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+  if top_k:  # more than the vocabulary keeps it all, as transformers' TopKLogitsWarper
+    kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   if top_p < 1.0:
     order = jnp.argsort(-logits, axis=-1)
