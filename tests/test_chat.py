@@ -216,6 +216,13 @@ def test_generate_chat_prompts_are_the_templates_generation_prompt(tokenizer_dir
       new = greedy(row)  # transformers' generate reads the saved generation_config.json
     assert sample['tokens'] == (new[:-1] if new[-1] in (end, second) else new), (sample, new)
   assert out['samples'][0]['stop'] == 'eos'  # at `second`, before max_new_tokens
+  # Without generation_config.json (older saves), transformers derives it from config.json.
+  (folder / 'generation_config.json').unlink()
+  model.config.eos_token_id = [end, second]
+  model.config.save_pretrained(folder)
+  derived = transformers.GenerationConfig.from_model_config(
+      transformers.AutoConfig.from_pretrained(folder)).eos_token_id
+  assert tokenizer_lib.load(str(folder)).stop_ids(400) == tuple(derived) == (end, second)
 
 
 PAIRS = [{'prompt': 'Q: x = f(', 'completion': 'y) means?\nA: a call'},

@@ -78,6 +78,13 @@ def test_tokenizers_round_trip_and_know_their_end_of_sequence(corpus, tmp_path):
   with pytest.raises(DataError, match=r"names eos_token '<\|endoftex\|>', which .* does not "
                                       r'have; fix the name'):
     tokenizer_lib.load(str(typo))
+  legacy = tmp_path / 'legacy'  # names kept only in special_tokens_map.json, as older saves do
+  legacy.mkdir()
+  shutil.copy(corpus / 'tokenizer.json', legacy)
+  assert tokenizer_lib.load(str(legacy)).bos_id is None
+  (legacy / 'special_tokens_map.json').write_text(
+      '{"bos_token": {"content": "<|endoftext|>", "lstrip": false}}')
+  assert tokenizer_lib.load(str(legacy)).bos_id == 0  # transformers' bos_token_id too
 
 
 def test_a_tokenizer_that_appends_eos_itself_gets_one_eos_per_document(corpus, tmp_path):

@@ -50,19 +50,21 @@ def find(tokenizer_file: str) -> tuple[str, str] | None:
 
 
 def special_tokens(tokenizer_file: str) -> dict:
-  """The special tokens' text by name (bos_token, eos_token, ...) from tokenizer_config.json."""
-  config = os.path.join(os.path.dirname(tokenizer_file), 'tokenizer_config.json')
-  if not os.path.isfile(config):
-    return {}
-  with open(config, encoding='utf-8') as f:
-    values = json.load(f)
+  """The special tokens' text by name (bos_token, eos_token, ...), as transformers reads them:
+  special_tokens_map.json (older saves keep them only there), then tokenizer_config.json's."""
   out = {}
-  for key in ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token',
-              'mask_token'):
-    value = values.get(key)
-    value = value.get('content') if isinstance(value, dict) else value
-    if isinstance(value, str):
-      out[key] = value
+  for name in ('special_tokens_map.json', 'tokenizer_config.json'):
+    path = os.path.join(os.path.dirname(tokenizer_file), name)
+    if not os.path.isfile(path):
+      continue
+    with open(path, encoding='utf-8') as f:
+      values = json.load(f)
+    for key in ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token',
+                'mask_token'):
+      value = values.get(key)
+      value = value.get('content') if isinstance(value, dict) else value
+      if isinstance(value, str):
+        out[key] = value
   return out
 
 

@@ -75,10 +75,13 @@ class Tokenizer:
 
   def stop_ids(self, vocab_size: int) -> tuple[int, ...]:
     """The ids generation stops at: eos_within first, then generation_config.json's
-    eos_token_id (an id or a list, as transformers' generate reads it) where the model has them."""
+    eos_token_id (an id or a list, as transformers' generate reads it; without that file,
+    config.json's, as transformers derives one) where the model has them."""
     ids = [i for i in [self.eos_within(vocab_size)] if i is not None]
-    config = os.path.join(os.path.dirname(self.file), 'generation_config.json')
-    if not self.file or not os.path.isfile(config):
+    folder = os.path.dirname(self.file)
+    config = next((os.path.join(folder, n) for n in ('generation_config.json', 'config.json')
+                   if self.file and os.path.isfile(os.path.join(folder, n))), None)
+    if config is None:
       return tuple(ids)
     try:
       with open(config, encoding='utf-8') as f:
@@ -91,18 +94,15 @@ class Tokenizer:
     return tuple(ids + [i for i in dict.fromkeys(listed) if 0 <= i < vocab_size and i not in ids])
 
   def _special(self, key: str) -> int | None:
-    """A special token's id from tokenizer_config.json beside the file (eos: else usual names)."""
-    config = os.path.join(os.path.dirname(self.file), 'tokenizer_config.json')
-    name = None
-    if os.path.isfile(config):
-      with open(config, encoding='utf-8') as f:
-        name = json.load(f).get(key)
-      name = name.get('content') if isinstance(name, dict) else name
+    """A special token's id as named beside the file (chat.special_tokens; eos: else the usual
+    names)."""
+    name = chat.special_tokens(self.file).get(key)
     if name is not None:
       found = self._impl.token_to_id(name)
       if found is None and key == 'eos_token':  # else 'no end-of-sequence token (none named)'
-        raise DataError(f'{config} names eos_token {name!r}, which {self.file} does not have; '
-                        'fix the name or use the tokenizer it belongs to')
+        raise DataError(f'{os.path.dirname(self.file)} names eos_token {name!r}, which '
+                        f'{self.file} does not have; fix the name (tokenizer_config.json, '
+                        'special_tokens_map.json) or use the tokenizer it belongs to')
       return found
     if key != 'eos_token':
       return None
