@@ -5,6 +5,7 @@ The 2-process jobs killed and resumed in a bucket are in tests/test_multiprocess
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,6 +176,19 @@ def test_bad_bucket_workdirs_are_one_line_and_exit_2(servers, monkeypatch):
   with pytest.raises(ConfigError, match=r"needs s3fs, which is not installed; pip install "
                                          r"'disttrain\[s3\]'"):
     urls.resolve('s3://bucket/run')
+
+
+def test_bucket_urls_that_would_not_store_where_they_read_are_refused():
+  """'#' and '?' (tensorstore: a fragment and a query; every step's arrays landed in one place
+  outside the run), '..', spaces, and a one-slash typo (a local directory 's3:' was trained in)."""
+  for url, said in [('gs://b/r#1', "a '#' or '?'"), ('s3://b/r?x=1', "a '#' or '?'"),
+                    ('s3://b/../escape', "a '..' segment"), ('s3://b/run /x', 'trailing space'),
+                    ('s3://b/run ', 'leading or trailing space; remove it'),
+                    ('s3:/b/run', 'one slash; pass s3://BUCKET/PATH, or ./s3:/b/run'),
+                    ('GS:/b/run', 'one slash; pass gs://BUCKET/PATH')]:
+    with pytest.raises(ConfigError, match=re.escape(said)):
+      urls.resolve(url)
+  assert urls.resolve('gs://b/ok/run.1/') == 'gs://b/ok/run.1'
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ spec builder so that s3:// URLs get tensorstore's `s3` driver with the endpoint 
 
 import functools
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -33,6 +34,12 @@ SCHEMES = {'gs': ('gcsfs', 'gcs'), 's3': ('s3fs', 's3')}  # scheme -> (module, e
 
 def scheme(path: str) -> str:
   """'gs', 's3' or '' (a local path); another URL scheme is refused in one line."""
+  typo = re.match(r'\s*([A-Za-z][A-Za-z0-9+.-]*):/(?!/)', str(path))
+  if typo and typo.group(1).lower() in SCHEMES:  # else a local dir 's3:', lost with the disk
+    raise ConfigError(f'{path!r} looks like a storage URL with one slash; pass '
+                      f'{typo.group(1).lower()}://BUCKET/PATH, or ./{path} for a local directory')
+  if '://' in str(path) and str(path) != str(path).strip():
+    raise ConfigError(f'{path!r} has a leading or trailing space; remove it')
   found = parse.urlparse(str(path)).scheme if '://' in str(path) else ''
   written = str(path).split('://', 1)[0]
   if found in SCHEMES and written != found:  # gcsfs and s3fs know the lowercase scheme only
@@ -62,6 +69,16 @@ def resolve(path: str) -> str:
   url = str(path).rstrip('/')
   if not parse.urlparse(url).netloc:
     raise ConfigError(f'{path!r} names no bucket; pass {kind}://BUCKET/PATH')
+  # tensorstore reads '#' and '?' as a URL's fragment and query, and '..' as a step up, where
+  # s3fs and gcsfs take them literally: the arrays would land apart from their checkpoint.
+  odd = next((why for bad, why in (
+      ('#' in url or '?' in url, "a '#' or '?'"),
+      ('..' in url.split('://', 1)[1].split('/'), "a '..' segment"),
+      (url != url.strip() or any(p != p.strip() for p in url.split('/')), 'a leading or '
+       'trailing space')) if bad), None)
+  if odd:
+    raise ConfigError(f'{path!r}: a bucket path with {odd} is not stored where it reads '
+                      '(the checkpoint arrays would land elsewhere); rename the path')
   return url
 
 
