@@ -74,6 +74,12 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path):
   # A killed attempt has no breakdown; one that ended reports its own, as --help says.
   assert written['attempts'][0]['time'] is None
   assert written['attempts'][1]['time']['step'] == {'seconds': 70.0}
-  bad = subprocess.run([sys.executable, '-m', 'disttrain', 'goodput', str(tmp_path / 'nothing')],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
-  assert bad.returncode == 2 and bad.stderr.count('\n') == 1 and 'has no start event' in bad.stderr
+  (tmp_path / 'odd').mkdir()  # an event without its time; a file given as the run directory
+  (tmp_path / 'odd' / 'events.jsonl').write_text('[1, 2]\n{"event": "start", "attempt": 1}\n')
+  for run_dir, said in [(tmp_path / 'nothing', 'has no start event'),
+                        (tmp_path / 'odd', "holds an event that is not disttrain's (KeyError: "
+                                           "'time')"),
+                        (tmp_path / 'goodput.json', 'NotADirectoryError')]:  # all tracebacks
+    bad = subprocess.run([sys.executable, '-m', 'disttrain', 'goodput', str(run_dir)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and bad.stderr.count('\n') == 1 and said in bad.stderr, bad.stderr

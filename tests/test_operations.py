@@ -17,6 +17,7 @@ import pytest
 
 import disttrain
 from disttrain.data import sources
+from disttrain.errors import ConfigError
 from disttrain.parallel import distributed
 from tests.conftest import ROOT, subprocess_env
 from tests.helpers import devices, make_config, to_numpy
@@ -225,6 +226,19 @@ def test_time_breakdown_adds_up_and_points_at_the_culprit(tmp_path, monkeypatch)
 
 # ------------------------------------------------------------------------------------------
 # Plots.
+
+def test_plot_skips_lines_that_are_not_records_and_names_the_file_it_wrote(tmp_path):
+  from disttrain.operating import plot  # pylint: disable=g-import-not-at-top
+  pytest.importorskip('matplotlib')
+  (tmp_path / 'metrics.jsonl').write_text('[1, 2]\n{"step": 1, "loss": 9}\n{"step": 1, "split": '
+                                          '"train", "loss": 0.5}\n{"step": 2, "split"')
+  assert plot.read(str(tmp_path)) == {'train': {'loss': [(1, 0.5)]}}  # a TypeError, a KeyError
+  assert plot.plot([str(tmp_path)], str(tmp_path / 'curves'), ['loss']) == str(
+      tmp_path / 'curves.png')  # savefig adds .png; it said it wrote 'curves'
+  assert (tmp_path / 'curves.png').is_file()
+  with pytest.raises(ConfigError, match=r'cannot read .*metrics.jsonl: NotADirectoryError'):
+    plot.read(str(tmp_path / 'curves.png'))
+
 
 @pytest.mark.slow
 def test_plot_draws_the_curves_of_two_runs(tmp_path):

@@ -24,9 +24,11 @@ def read(workdir: str) -> list[dict]:
   out = []
   for line in (urls.read_text(urls.join(workdir, FILE)) or '').splitlines():
     try:
-      out.append(json.loads(line))
+      record = json.loads(line)
     except json.JSONDecodeError:
       continue
+    if isinstance(record, dict):  # anything else is not an event of ours
+      out.append(record)
   return out
 
 

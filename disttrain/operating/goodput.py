@@ -18,8 +18,9 @@ import json
 from absl import flags
 
 from disttrain import commandline
-from disttrain.errors import DataError, one_line_errors
+from disttrain.errors import DataError, DisttrainError, one_line_errors
 from disttrain.operating import events as events_lib
+from disttrain.storage import urls
 
 _JSON = flags.DEFINE_string('json', '', 'Also write the report as JSON here.')
 
@@ -147,11 +148,24 @@ def table(result: dict) -> str:
 def main(argv):
   if len(argv) != 2:
     raise DataError('pass one run directory: disttrain goodput RUN_DIR')
-  result = report(argv[1])
+  path = urls.join(urls.resolve(argv[1]), events_lib.FILE)
+  try:
+    result = report(argv[1])
+  except (KeyError, TypeError) as e:  # an event without a field every event of ours has
+    raise DataError(f'{path} holds an event that is not disttrain\'s ({type(e).__name__}: {e}); '
+                    'pass the run directory the events are from') from None
+  except DisttrainError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (a directory, not UTF-8, credentials)
+    raise urls.unreadable(path, e) from None
   print(table(result))
   if _JSON.value:
-    with open(_JSON.value, 'w', encoding='utf-8') as f:
-      json.dump(result, f, indent=2)
+    try:
+      with open(_JSON.value, 'w', encoding='utf-8') as f:
+        json.dump(result, f, indent=2)
+    except OSError as e:
+      raise DataError(f'--json={_JSON.value!r} cannot be written ({e.strerror}); pass a path in '
+                      'an existing directory') from None
 
 
 if __name__ == '__main__':

@@ -10,11 +10,11 @@ steps keep the last record of each step, as the run itself continued from it.
 
 import json
 import os
-import sys
 
 from absl import flags
 
 from disttrain import commandline
+from disttrain.errors import DisttrainError
 from disttrain.storage import urls
 
 _OUT = flags.DEFINE_string('out', 'curves.png', 'Where the PNG goes.')
@@ -28,8 +28,11 @@ _STYLES = ('-', '--', ':', '-.')  # one per mixture source
 
 def read(run_dir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
   """{split: {metric: [(step, value), ...]}} from RUN_DIR/metrics.jsonl, last record per step."""
-  path = urls.join(run_dir, 'metrics.jsonl')  # a local directory or a bucket
-  text = urls.read_text(path)
+  path = urls.join(urls.resolve(run_dir), 'metrics.jsonl')  # a local directory or a bucket
+  try:
+    text = urls.read_text(path)
+  except Exception as e:  # pylint: disable=broad-except  (a directory, not UTF-8, credentials)
+    raise urls.unreadable(path, e) from None
   if text is None:
     raise FileNotFoundError(f'{path} does not exist; pass run directories (--workdir of a run)')
   latest: dict[tuple[str, int], dict] = {}
@@ -38,7 +41,8 @@ def read(run_dir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
       record = json.loads(line)
     except json.JSONDecodeError:  # a line being written by a live run
       continue
-    latest[(record['split'], record['step'])] = record
+    if isinstance(record, dict) and isinstance(record.get('step'), int) and 'split' in record:
+      latest[(str(record['split']), record['step'])] = record
   curves: dict[str, dict[str, list]] = {}
   for (split, step), record in sorted(latest.items(), key=lambda item: item[0][1]):
     for name, value in record.items():
@@ -83,6 +87,9 @@ def plot(run_dirs: list[str], out: str, metrics: list[str]) -> str:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
   fig.tight_layout()
+  if os.path.isdir(out):
+    raise ValueError(f'--out={out!r} is a directory; pass a file path, e.g. {out}/curves.png')
+  out = out if os.path.splitext(out)[1] else f'{out}.png'  # what savefig writes: say that name
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   fig.savefig(out, dpi=100)
   plt.close(fig)
@@ -92,18 +99,13 @@ def plot(run_dirs: list[str], out: str, metrics: list[str]) -> str:
 def main(argv):
   run_dirs = argv[1:]
   if not run_dirs:
-    _fail('pass one or more run directories: disttrain plot RUN_DIR [RUN_DIR ...]')
+    commandline.fail('pass one or more run directories: disttrain plot RUN_DIR [RUN_DIR ...]')
   try:
     print(f'wrote {plot(run_dirs, _OUT.value, _METRICS.value)}')
   except ImportError as e:
-    _fail(f'disttrain plot needs matplotlib ({e}); pip install \'.[plot]\'')
-  except (FileNotFoundError, ValueError) as e:
-    _fail(str(e))
-
-
-def _fail(message: str) -> None:
-  print(f'error: {message}', file=sys.stderr, flush=True)
-  sys.exit(2)
+    commandline.fail(f'disttrain plot needs matplotlib ({e}); pip install \'.[plot]\'')
+  except (FileNotFoundError, ValueError, DisttrainError) as e:
+    commandline.fail(str(e))
 
 
 if __name__ == '__main__':

@@ -187,6 +187,14 @@ def _credentials(url: str) -> str:
           'application-default login; emulator STORAGE_EMULATOR_HOST)')
 
 
+def unreadable(url: str, error: Exception) -> ConfigError:
+  """One line for a report tool (plot, goodput) that cannot read `url`: a directory, bytes that
+  are not text, or a bucket client's own error (credentials, a malformed name)."""
+  check = (f'check that the bucket exists and that {_credentials(url)} allow reading'
+           if is_bucket(url) else 'pass a run directory (--workdir of a run)')
+  return ConfigError(f'cannot read {url}: {_why(error)}; {check}')
+
+
 def read_text(url: str) -> str | None:
   """The file's text, or None if there is none."""
   try:
