@@ -83,7 +83,10 @@ def test_early_stopping_state_is_checkpointed_so_a_resumed_run_stops_at_the_same
   assert first.step == 10 and not first.stopped_by
   resumed = disttrain.train(cfg(100), str(tmp_path), devices=devices(8), callbacks=csv_log())
   assert resumed.step == 15 and 'EarlyStopping' in resumed.stopped_by
-  # The CSV keeps the first run's rows (it was rewritten from the resumed run's alone).
+  # The CSV keeps the first run's rows (it was rewritten from the resumed run's alone), and a
+  # relaunch of the finished run, which evaluates step 15 again, keeps step 15's train row.
+  finished = disttrain.train(cfg(15), str(tmp_path), devices=devices(8), callbacks=csv_log())
+  assert finished.step == 15
   rows = (tmp_path / 'log.csv').read_text().splitlines()[1:]
   assert [r.split(',')[:2] for r in rows] == [
       [str(step), split] for step in (5, 10, 15) for split in ('train', 'eval')]

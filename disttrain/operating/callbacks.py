@@ -125,17 +125,21 @@ class CsvLogger(Callback):
     del state
     self._resumed = True
 
-  def _earlier(self, step: int) -> list[dict]:
+  def _earlier(self, record: dict) -> list[dict]:
+    """The file's rows before `record`, a step's train row before its eval (a finished run
+    relaunched evaluates its last step again, after that step's train row)."""
     if not (self._resumed and os.path.exists(self.path)):
       return []
+    order = lambda step, split: (int(step), split != 'train')
     with open(self.path, newline='', encoding='utf-8') as f:
-      return [row for row in csv.DictReader(f) if int(row['step']) < step]
+      return [row for row in csv.DictReader(f)
+              if order(row['step'], row['split']) < order(record['step'], record['split'])]
 
   def _add(self, record: dict) -> None:
     if jax.process_index() != 0:
       return
     if self._rows is None:
-      self._rows = self._earlier(record['step'])
+      self._rows = self._earlier(record)
     self._rows.append(record)
     fields = list(dict.fromkeys(k for row in self._rows for k in row))
     os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
