@@ -91,6 +91,38 @@ def test_a_reused_pid_is_not_mistaken_for_the_holder(tmp_path):
   mine.release()
 
 
+def test_a_holder_in_another_pid_namespace_of_this_host_name_is_watched_not_pid_checked(tmp_path):
+  """Containers sharing the host's name (hostNetwork) have their own pids: the holder's pid 1
+  here is this namespace's init, alive, which refused the lease for good."""
+  lease = _foreign(tmp_path, refreshed_ago=0.5, seconds=2.0)
+  (tmp_path / FILE).write_text(json.dumps({**lease, 'host': socket.gethostname(),
+                                           'namespace': 'pid:[1] another-boot'}))
+  start = time.monotonic()
+  mine = Lease(str(tmp_path), 2)
+  mine.acquire()  # not refreshed for 2 s: a dead holder's, taken over
+  assert 1.0 < time.monotonic() - start < 3.0
+  mine.release()
+
+
+def test_a_holder_whose_lease_was_taken_over_stops_at_once_writing_nothing(tmp_path):
+  """Paused past its lease (SIGSTOP, a frozen VM) and taken over: at its next refresh it
+  stops with one line, exit 2, and the new holder's lease stays."""
+  hold = HOLD.replace('60', '0.8')  # refreshed every 0.2 s
+  holder = subprocess.Popen([sys.executable, '-c', hold, str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'held'
+    lease = _foreign(tmp_path, refreshed_ago=0.0)
+    _, err = holder.communicate(timeout=10)  # it slept on for 120 s, refreshing over `lease`
+  finally:
+    holder.kill()
+  assert holder.returncode == 2 and err.splitlines() == [
+      f'error: ConfigError: {tmp_path} was taken over by another run (host another-host, pid 1, '
+      'attempt 3) while this one did not refresh its lease for 0.8s; stopping without writing '
+      'there again (it trains on)'], err
+  assert json.loads((tmp_path / FILE).read_text()) == lease
+
+
 def test_the_holder_refreshes_its_lease(tmp_path):
   mine = Lease(str(tmp_path), 0.4)
   mine.acquire()

@@ -10,16 +10,21 @@ rewritten every `seconds / 4` by a thread. A second launch finds it and decides:
 - held on another host (or by a restarted pod's predecessor): it watches the lease until
   `seconds` have passed since its last refresh; a refresh means the holder lives (refused, within
   about `seconds / 4`), none means a dead run, and the lease is taken over.
+"This host" is the host name and the pid namespace and boot (a container sharing the host's
+name has its own pids). A holder that finds the lease naming another run at a refresh (it was
+paused past `seconds` and was taken over) stops at once with one line, exit 2, writing nothing.
 A run releases its lease when it ends, however it ends (short of SIGKILL).
 """
 
 import json
 import os
 import socket
+import sys
 import threading
 import time
 
 from disttrain.errors import ConfigError
+from disttrain.exitcodes import Exit
 from disttrain.storage import urls
 
 FILE = 'lease.json'
@@ -33,6 +38,16 @@ def _started(pid: int) -> int | None:
       return int(f.read().rsplit(')', 1)[1].split()[19])
   except (OSError, ValueError, IndexError):
     return None
+
+
+def _namespace() -> str:
+  """This process's pid namespace and boot: pids compare only where both are the same."""
+  try:
+    pids = os.readlink('/proc/self/ns/pid')
+    with open('/proc/sys/kernel/random/boot_id', encoding='utf-8') as f:
+      return f'{pids} {f.read().strip()}'
+  except OSError:
+    return ''
 
 
 def _alive(holder: dict) -> bool:
@@ -56,7 +71,8 @@ class Lease:
     self.workdir, self.path = workdir, urls.join(workdir, FILE)
     self.seconds = seconds
     self.me = {'host': socket.gethostname(), 'pid': os.getpid(), 'attempt': attempt,
-               'started': round(time.time(), 3), 'pid_start': _started(os.getpid())}
+               'started': round(time.time(), 3), 'pid_start': _started(os.getpid()),
+               'namespace': _namespace()}
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
 
@@ -83,7 +99,8 @@ class Lease:
 
   def _outlive(self, holder: dict) -> None:
     """Returns once the holder is known dead; raises ConfigError while it lives."""
-    if holder.get('host') == self.me['host']:
+    if holder.get('host') == self.me['host'] and \
+        holder.get('namespace', self.me['namespace']) == self.me['namespace']:
       if holder.get('pid') == self.me['pid'] and \
           holder.get('pid_start') == self.me['pid_start']:
         return  # this process's own lease (an earlier train() call)
@@ -114,8 +131,21 @@ class Lease:
     self._thread = threading.Thread(target=self._refresh, name='disttrain-lease', daemon=True)
     self._thread.start()
 
+  def _mine(self, holder: dict) -> bool:
+    return all(holder.get(k) == self.me[k] for k in ('host', 'pid', 'pid_start', 'started'))
+
   def _refresh(self) -> None:
     while not self._stop.wait(self.seconds / 4):
+      try:
+        holder = self._read()
+      except Exception:  # pylint: disable=broad-except  (a bucket client's glitch: refresh on)
+        holder = {}
+      if holder and not self._mine(holder):  # taken over while this process was paused
+        print(f'error: ConfigError: {self.workdir} was taken over by another run (host '
+              f'{holder.get("host")}, pid {holder.get("pid")}, attempt {holder.get("attempt")}) '
+              f'while this one did not refresh its lease for {self.seconds:g}s; stopping '
+              'without writing there again (it trains on)', file=sys.stderr, flush=True)
+        os._exit(Exit.BAD_INPUT)  # pylint: disable=protected-access  (no save, no cleanup)
       try:
         self._write()
       except Exception:  # pylint: disable=broad-except
@@ -129,6 +159,5 @@ class Lease:
     self._thread.join()
     self._thread = None
     holder = self._read()
-    if holder and holder.get('pid') == self.me['pid'] \
-        and holder.get('host') == self.me['host']:
+    if holder and self._mine(holder):
       urls.path(self.path).unlink(missing_ok=True)
