@@ -87,7 +87,8 @@ def test_bucket_run_resumes_and_equals_a_local_run(servers, local_run, scheme):
                   jax.tree.leaves(helpers.to_numpy(expected.state.params)), strict=True):
     np.testing.assert_array_equal(a, b)
   events = events_lib.read(url)
-  assert [e['event'] for e in events] == ['start', 'end', 'start', 'restore', 'end']
+  assert [e['event'] for e in events] == ['start', 'training', 'end', 'start', 'restore',
+                                          'training', 'end']
 
 
 @pytest.mark.slow

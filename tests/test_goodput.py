@@ -62,6 +62,34 @@ def test_the_report_accounts_for_every_second(tmp_path):
   assert report['fractions']['productive'] == round(100 / 150, 4)
 
 
+def test_an_attempt_dead_in_set_up_and_a_preempted_one_are_costed_as_they_went(tmp_path):
+  """As _log, with `training` events, but a second attempt killed 5 s into set-up (an OOM at
+  compilation) before the one that resumes; then a preempted attempt with its own breakdown.
+  Attempt 1's 5 lost steps and 30 kept ones were charged to the dead one (categories summing to
+  187 s of a 157 s wall), and the preempted one's time all went to killed_other."""
+  log = [
+      {'time': 100.0, 'event': 'start', 'attempt': 1},
+      {'time': 110.0, 'event': 'training', 'attempt': 1, 'step': 0},
+      {'time': 150.0, 'event': 'exit', 'attempt': 1, 'reason': 'killed by SIGKILL'},
+      {'time': 152.0, 'event': 'start', 'attempt': 2},
+      {'time': 157.0, 'event': 'exit', 'attempt': 2, 'reason': 'killed by SIGKILL'},
+      {'time': 158.0, 'event': 'start', 'attempt': 3},
+      {'time': 160.0, 'event': 'restore', 'attempt': 3, 'step': 30, 'trained_through': 35},
+      {'time': 162.0, 'event': 'training', 'attempt': 3, 'step': 30},
+      {'time': 250.0, 'event': 'end', 'attempt': 3, 'step': 100, 'error': 'Preempted',
+       'breakdown': _breakdown(92.0, setup=8.0, compile=4.0, data=3.0, step=70.0, checkpoint=5.0,
+                               eval=1.0)},
+  ]
+  (tmp_path / 'events.jsonl').write_text(''.join(json.dumps(e) + '\n' for e in log))
+  report = goodput.report(str(tmp_path))
+  s, (first, dead, third) = report['seconds'], report['attempts']
+  assert (first['last_step'], first['lost_steps'], dead['lost_steps']) == (35, 5, 0)
+  assert (third['exit'], third['time']['step']) == ('Preempted', {'seconds': 70.0})
+  assert s['productive'] == 30.0 + 70.0 and s['lost_steps'] == 5.0
+  assert s['killed_other'] == (50.0 - 30.0 - 5.0) + 5.0  # attempt 1's rest, attempt 2 whole
+  assert abs(sum(s.values()) - report['wall_seconds']) < 1e-6
+
+
 def test_the_command_prints_the_table_and_writes_json(tmp_path):
   _log(tmp_path)
   proc = subprocess.run([sys.executable, '-m', 'disttrain', 'goodput', str(tmp_path),

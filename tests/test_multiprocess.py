@@ -335,6 +335,7 @@ def test_a_process_that_fails_stops_the_others_at_once(tmp_path, fail_at, failin
     assert end['event'] == 'end' and end['error'] == ('DataError' if failing == 0 else
                                                       'PeerFailed'), end  # process 0 writes
     assert failing == 0 or end['process'] == failing, end
+    assert end['breakdown']['wall_seconds'] > 0, end  # goodput costs its time as it went
 
 
 def _users_program(tmp_path, **env) -> tuple[list, list[str]]:

@@ -40,25 +40,33 @@ class Attempt:
   resumed_from: str = ''  # the tier its first step came from: 'persistent', 'local' (fast) or ''
   exit: str = ''  # how it ended
   time: dict | None = None  # its phase breakdown (end event), None if killed
+  trained: bool | None = None  # reached its first step (a `training` event; None: a log without)
 
 
 def attempts(workdir: str, log: list[dict] | None = None) -> list[Attempt]:
   """The run's attempts in order, from its event log (`log`: already read)."""
   out: list[Attempt] = []
-  for e in events_lib.read(workdir) if log is None else log:
+  log = events_lib.read(workdir) if log is None else log
+  marked = False  # from the first `training` event on; attempts before it: an older disttrain
+  for e in log:
     kind = e.get('event')
     if kind == 'start':
       if out and out[-1].ended is None:  # killed with no supervisor to say when: till now
         out[-1].ended, out[-1].exit = e['time'], 'killed (no end or exit event)'
-      out.append(Attempt(number=e['attempt'], started=e['time']))
+      out.append(Attempt(number=e['attempt'], started=e['time'], trained=False if marked else None))
     elif not out:
       continue
+    elif kind == 'training':
+      out[-1].trained, marked = True, True
     elif kind == 'restore':
       out[-1].first_step = e['step']
       out[-1].resumed_from = e.get('tier') or ''
-      if e.get('trained_through') is not None and len(out) > 1:
-        out[-2].lost_steps = max(e['trained_through'] - e['step'], 0)
-        out[-2].last_step = out[-2].last_step or e['trained_through']
+      # The steps past the checkpoint are the last attempt's that trained (one that died in
+      # set-up trained none).
+      before = [a for a in out[:-1] if a.trained is not False]
+      if e.get('trained_through') is not None and before:
+        before[-1].lost_steps = max(e['trained_through'] - e['step'], 0)
+        before[-1].last_step = before[-1].last_step or e['trained_through']
     elif kind == 'end':
       out[-1].ended, out[-1].time = e['time'], e.get('breakdown')
       out[-1].last_step = e.get('step', out[-1].last_step)
@@ -79,7 +87,7 @@ def report(workdir: str) -> dict:
   seconds = dict.fromkeys(CATEGORIES, 0.0)
   timed = [a for a in runs if a.time]
   step_seconds = sum(a.time['step']['seconds'] for a in timed)
-  steps_timed = sum((a.last_step or 0) - a.first_step for a in timed)
+  steps_timed = sum(max((a.last_step or a.first_step) - a.first_step, 0) for a in timed)
   per_step = step_seconds / steps_timed if steps_timed else 0.0
   for i, a in enumerate(runs):
     if i + 1 < len(runs) and a.ended is not None:
@@ -95,9 +103,11 @@ def report(workdir: str) -> dict:
         seconds[name] += t[name]
       seconds['other'] += t.get('other', 0.0) + t.get('profile', 0.0)
     elif a.ended is not None:
-      # None kept when the next resumed from before this one's start (a damaged checkpoint).
-      kept = max(runs[i + 1].first_step - a.first_step, 0) * per_step if i + 1 < len(runs) \
-          else 0.0
+      # None kept when the next resumed from before this one's start (a damaged checkpoint),
+      # nor by one that died in set-up; the next that trained says how far this one got.
+      after = [b for b in runs[i + 1:] if b.trained is not False]
+      kept = max(after[0].first_step - a.first_step, 0) * per_step \
+          if after and a.trained is not False else 0.0
       seconds['productive'] += kept
       seconds['killed_other'] += max(a.ended - a.started - kept - lost, 0.0)
   last = runs[-1]

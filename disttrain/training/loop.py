@@ -101,19 +101,23 @@ def _in_workdir(cfg, workdir, model, task, devices, tx, train_step, eval_step, t
                           log.attempt)
   lease.acquire()
 
+  phases = timing.Phases()  # here: an attempt that fails reports its time too (goodput)
+
   def peer_failed(process: int) -> None:  # its exit skips the handlers below: their work here
     if log.started:
-      log.emit('end', error='PeerFailed', process=process)
+      log.emit('end', error='PeerFailed', process=process, breakdown=phases.breakdown())
     lease.release()
   try:
     with failures.on_leave(peer_failed):
       result = _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step,
-                      train_data, eval_data, callbacks, rewards, eval_extract)
+                      train_data, eval_data, callbacks, rewards, eval_extract, phases)
   except BaseException as e:
     # Not for bad input found before the workdir was opened, nor for the echo of another
     # process's failure (a collective it broke): peer_failed says that one.
     if log.started and not failures.leaving():
-      log.emit('end', error=type(e).__name__, **({'step': e.step} if hasattr(e, 'step') else {}))
+      step = getattr(e, 'step', phases.last_step)
+      log.emit('end', error=type(e).__name__, breakdown=phases.breakdown(),
+               **({'step': step} if step is not None else {}))
     raise
   finally:
     lease.release()
@@ -122,8 +126,7 @@ def _in_workdir(cfg, workdir, model, task, devices, tx, train_step, eval_step, t
 
 
 def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, train_data,
-           eval_data, callbacks, rewards, eval_extract=None) -> Result:
-  phases = timing.Phases()
+           eval_data, callbacks, rewards, eval_extract, phases: timing.Phases) -> Result:
   with phases('setup'):
     run = setup(cfg, model, task, devices, tx, train_step, eval_step, train_data, eval_data,
                 rewards, eval_extract)
@@ -202,6 +205,7 @@ def _train(cfg, workdir, log, model, task, devices, tx, train_step, eval_step, t
     mixed = getattr(run.train_data, 'scheduled', False)
     if mixed:
       info['data']['train']['mixture'] = run.train_data.totals(first_step)
+    log.emit('training', step=first_step)  # set-up, restore and compilation are done
     result = _loop(run, first_step, device_state, batches, acts, phases,
                    restored_meta.get('stopped_by'))
     if mixed:  # rows, tokens and epochs per source, through the last step trained
