@@ -29,7 +29,8 @@ _GRACE = 15.0  # seconds a process waits for the others' reports before it exits
 _CLOCK_SKEW = 5.0  # seconds hosts' clocks may differ by (a new attempt starts far later)
 _WAITING = {'step': 'the step (a collective: waiting for another process)', 'data': 'data',
             'sample': 'sampling (GRPO: the decoder or the reward functions)',
-            'eval': 'eval', 'checkpoint': 'a checkpoint', 'records': 'metrics of a step',
+            'eval': 'eval', 'checkpoint': 'a checkpoint', 'records': 'a record: fetching a step\'s '
+            'metrics, or a callback or tracker given it (on_train_record)',
             'profile': 'the profiler', 'compile': 'compilation', 'setup': 'set-up',
             'loop': "the loop's own work between phases (callbacks, agreeing on a stop)"}
 
