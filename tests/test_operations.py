@@ -337,9 +337,13 @@ def test_a_hang_ignores_an_earlier_attempts_reports_and_names_the_loop_between_p
   (tmp_path / 'hang' / 'process_0.txt').write_text(json.dumps(mine) + '\n')
   reports = guard._reports(2)  # pylint: disable=protected-access
   assert [r['process'] for r in reports] == [0]
-  verdict = guard._verdict(reports, len(reports) < 2)  # pylint: disable=protected-access
+  verdict = guard._verdict(reports, 2)  # pylint: disable=protected-access
   assert verdict.startswith('watchdog: process 0 on') and "the loop's own work" in verdict
   assert 'some processes wrote no report' in verdict
+  # Process 0 waits in the step for process 1, hung in a C call holding the GIL (its watchdog
+  # thread could not write): process 1 is named, not the one that waits (it named process 0).
+  verdict = guard._verdict([{**mine, 'waiting_for': 'step'}], 2)  # pylint: disable=protected-access
+  assert verdict.startswith('watchdog: process(es) [1] wrote no report'), verdict
   # A workdir that cannot take the report: the process still says why and exits (the thread
   # died with the write's error, leaving the hang silent).
   class Exited(Exception):

@@ -91,7 +91,7 @@ class Watchdog:
       faulthandler.dump_traceback(sys.stderr, all_threads=True)
       reports = self._reports(jax.process_count())
       if status['process'] == 0:
-        print(self._verdict(reports, len(reports) < jax.process_count()), file=sys.stderr,
+        print(self._verdict(reports, jax.process_count()), file=sys.stderr,
               flush=True)
     finally:
       os._exit(HANG_EXIT_CODE)  # the main thread is stuck: nothing else can end the process
@@ -113,11 +113,18 @@ class Watchdog:
         return reports
       time.sleep(0.2)
 
-  def _verdict(self, reports: list[dict], incomplete: bool) -> str:
-    """One line naming the slowest process."""
+  def _verdict(self, reports: list[dict], count: int) -> str:
+    """One line naming the slowest process (of `count`): one that wrote no report while those
+    that did wait in the step's collective, else the one furthest behind."""
     if not reports:
       return (f'watchdog: no process report could be read from {self.folder}/; each process '
               'printed its stacks to its stderr')
+    silent = sorted(set(range(count)) - {r['process'] for r in reports})
+    if silent and all(r['waiting_for'] == 'step' for r in reports):
+      return (f'watchdog: process(es) {silent} wrote no report (died, or hung holding Python\'s '
+              'lock in a C call) while the others wait for them in the step\'s collective: '
+              f'look there first; stacks of the others in {self.folder}/')
+    incomplete = bool(silent)
     step = lambda r: -1 if r['last_step'] is None else r['last_step']
     slowest = min(reports, key=lambda r: (step(r), r['waiting_for'] == 'step', r['process']))
     missing = ' (some processes wrote no report: they may have died)' if incomplete else ''
