@@ -17,12 +17,6 @@ from disttrain import commandline
 from disttrain.errors import DisttrainError
 from disttrain.storage import urls
 
-_OUT = flags.DEFINE_string('out', 'curves.png', 'Where the PNG goes.')
-_METRICS = flags.DEFINE_list('metrics', ['loss', 'accuracy', 'accuracy_norm', 'exact_match',
-                                         'acc', 'acc_norm', 'mixture'],
-                             'Record fields to plot, one panel each (a field no run has is left '
-                             'out; acc, acc_norm: data.eval_harness tasks); mixture: the '
-                             'data.mixture shares of the train records.')
 _STYLES = ('-', '--', ':', '-.')  # one per mixture source
 
 
@@ -101,12 +95,18 @@ def main(argv):
   if not run_dirs:
     commandline.fail('pass one or more run directories: disttrain plot RUN_DIR [RUN_DIR ...]')
   try:
-    print(f'wrote {plot(run_dirs, _OUT.value, _METRICS.value)}')
+    print(f'wrote {plot(run_dirs, flags.FLAGS.out, flags.FLAGS.metrics)}')
   except ImportError as e:
     commandline.fail(f'disttrain plot needs matplotlib ({e}); pip install \'.[plot]\'')
   except (FileNotFoundError, ValueError, DisttrainError) as e:
     commandline.fail(str(e))
 
 
-if __name__ == '__main__':
+if __name__ == '__main__':  # the flags here: importing plot() defines none (tests, notebooks)
+  flags.DEFINE_string('out', 'curves.png', 'Where the PNG goes.')
+  flags.DEFINE_list('metrics', ['loss', 'accuracy', 'accuracy_norm', 'exact_match', 'acc',
+                               'acc_norm', 'mixture'],
+                    'Record fields to plot, one panel each (a field no run has is left out; acc, '
+                    'acc_norm: data.eval_harness tasks); mixture: the data.mixture shares of the '
+                    'train records.')
   commandline.run(main)
