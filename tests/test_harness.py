@@ -207,6 +207,7 @@ def test_in_the_loop_records_equal_the_hf_backend(setup, tmp_path):
       ref['local_rolling']['word_perplexity,none'], rel=1e-5)
 
 
+@pytest.mark.slow  # the module's setup runs both backends (18 s): 27 s of the quick tier
 def test_a_harness_task_generating_a_whole_row_is_refused_at_setup(setup):
   """local_gen generates 10 tokens; rows of 10 leave no prompt. The run stops before its first
   step, naming data.seq_len (it stopped at the first eval, saying 'raise --max_length')."""
