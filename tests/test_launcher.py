@@ -112,6 +112,9 @@ BAD_INPUTS = [
     ('coordinator_without_port', ['--coordinator_address=localhost', '--num_processes=2',
                                   '--process_id=0'],
      ["--coordinator_address='localhost' is not host:port"], r'10\.0\.0\.1:8476'),
+    ('coordinator_port_65535', ['--coordinator_address=10.0.0.1:65535', '--num_processes=2',
+                                '--process_id=0'],  # an OverflowError traceback at the roll call
+     ["--coordinator_address='10.0.0.1:65535': the port must be in 1..65534"], r'10\.0\.0\.1:8476'),
     ('process_id_out_of_range', ['--coordinator_address=127.0.0.1:1234', '--num_processes=2',
                                  '--process_id=5'],
      ['--process_id=5 must be in 0..1'], r'--num_processes=2'),

@@ -200,6 +200,9 @@ def _check_process_flags() -> None:
   if address and not re.fullmatch(r'.+:\d{1,5}', address):
     _fail(f'--coordinator_address={address!r} is not host:port; pass e.g. '
           '--coordinator_address=10.0.0.1:8476 (process 0\'s host)')
+  if address and not 0 < int(address.rsplit(':', 1)[1]) < 65535:  # the roll call takes port + 1
+    _fail(f'--coordinator_address={address!r}: the port must be in 1..65534 (the roll call '
+          'listens on port + 1); pass e.g. --coordinator_address=10.0.0.1:8476')
   if n is not None and n < 1:
     _fail(f'--num_processes={n} must be >= 1')
   if i is not None and (i < 0 or (n is not None and i >= n)):

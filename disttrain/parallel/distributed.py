@@ -29,9 +29,6 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
   """
   if jax.config.jax_platforms in (None, '', 'cpu') or 'cpu' in str(jax.config.jax_platforms):
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  if coordinator_address is None:  # SLURM, a TPU pod, ...: what jax would find, for the roll call
-    coordinator_address, num_processes, process_id = _detected(num_processes, process_id,
-                                                               init_timeout)
   if coordinator_address and num_processes and num_processes > 1 and process_id is not None:
     # jax.distributed aborts the process on a join timeout without saying who is missing.
     _roll_call(coordinator_address, num_processes, process_id, init_timeout)
@@ -58,19 +55,6 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
     ) from e
 
 
-def _detected(num_processes: int | None, process_id: int | None,
-              timeout: int) -> tuple[str | None, int | None, int | None]:
-  """The coordinator, process count and id that jax.distributed would auto-detect (private
-  jax API; without it, or without a cluster, jax detects them itself and no roll call runs)."""
-  try:
-    from jax._src import clusters  # pylint: disable=g-import-not-at-top
-    address, n, i, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
-        None, num_processes, process_id, None, None, timeout)
-  except Exception:  # pylint: disable=broad-except  (a jax that moved it: jax detects alone)
-    return None, num_processes, process_id
-  return address, n, i
-
-
 def _roll_call(address: str, num_processes: int, process_id: int, timeout: float) -> None:
   """Every process checks in with process 0 on the coordinator's port + 1 before JAX starts.
 
@@ -83,9 +67,10 @@ def _roll_call(address: str, num_processes: int, process_id: int, timeout: float
   if process_id == 0:
     try:
       server = socket.create_server(('', port))
-    except OSError as e:
+    except (OSError, OverflowError) as e:  # OverflowError: port 65536
       raise DistributedError(f'cannot listen on port {port} (coordinator port + 1) for the roll '
-                             f'call: {e.strerror}; pick another --coordinator_address port') from e
+                             f'call: {getattr(e, "strerror", None) or e}; pick another '
+                             '--coordinator_address port') from e
     joined: dict[int, socket.socket] = {}
     with server:
       while len(joined) < num_processes - 1 and time.monotonic() < deadline:
