@@ -104,8 +104,10 @@ def _in_workdir(cfg, workdir, model, task, devices, tx, train_step, eval_step, t
   phases = timing.Phases()  # here: an attempt that fails reports its time too (goodput)
 
   def peer_failed(process: int) -> None:  # its exit skips the handlers below: their work here
-    if log.started:
-      log.emit('end', error='PeerFailed', process=process, breakdown=phases.breakdown())
+    if log.started:  # the step reached: goodput divides the step seconds by the steps
+      reached = {'step': phases.last_step} if phases.last_step is not None else {}
+      log.emit('end', error='PeerFailed', process=process, breakdown=phases.breakdown(),
+               **reached)
     lease.release()
   try:
     with failures.on_leave(peer_failed):
