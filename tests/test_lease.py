@@ -79,6 +79,25 @@ def test_a_lease_from_another_host_is_refused_while_refreshed_and_taken_once_exp
   mine.release()
 
 
+def test_a_holder_whose_clock_is_behind_is_judged_by_its_refreshes(tmp_path):
+  """A live holder on a host whose clock is 100 s behind: its `refreshed` always looks stale
+  here. It was taken over at once (and then stopped itself at its next refresh)."""
+  lease = _foreign(tmp_path, refreshed_ago=100.0)
+  done = threading.Event()
+
+  def refresh():
+    while not done.wait(0.5):
+      urls.write_text(str(tmp_path / FILE), json.dumps({**lease, 'refreshed': time.time() - 100}))
+  refresher = threading.Thread(target=refresh)
+  refresher.start()
+  try:
+    with pytest.raises(ConfigError, match='host another-host, pid 1, attempt 3'):
+      Lease(str(tmp_path), 4).acquire()
+  finally:
+    done.set()
+    refresher.join()
+
+
 def test_a_reused_pid_is_not_mistaken_for_the_holder(tmp_path):
   """A restarted container can give a live process the dead holder's pid: its start time
   differs, so the lease is taken over at once."""

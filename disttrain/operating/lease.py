@@ -7,9 +7,9 @@ rewritten every `seconds / 4` by a thread. A second launch finds it and decides:
 - held by a process of this host: taken over if that process no longer exists (SIGKILL, the
   OOM killer; pid and start time, so a reused pid is not mistaken for it), else refused with one
   line naming it (exit 2);
-- held on another host (or by a restarted pod's predecessor): it watches the lease until
-  `seconds` have passed since its last refresh; a refresh means the holder lives (refused, within
-  about `seconds / 4`), none means a dead run, and the lease is taken over.
+- held on another host (or by a restarted pod's predecessor): it watches the lease for `seconds`
+  of its own clock; a refresh means the holder lives (refused, within about `seconds / 4`), none
+  means a dead run, and the lease is taken over.
 "This host" is the host name and the pid namespace and boot (a container sharing the host's
 name has its own pids). A holder that finds the lease naming another run at a refresh (it was
 paused past `seconds` and was taken over) stops at once with one line, exit 2, writing nothing.
@@ -107,9 +107,12 @@ class Lease:
       if _alive(holder):
         self._refuse(holder)
       return
-    # Another host's holder (or a restarted pod's predecessor): alive only if it refreshes.
+    # Another host's holder (or a restarted pod's predecessor): alive only if it refreshes. Timed
+    # by this host's clock alone: the holder's clock wrote `refreshed`, and clocks differ (a
+    # clock ahead by `seconds` took a live run's lease at once, which then stopped).
     seconds = holder.get('seconds', self.seconds)
-    while time.time() - holder.get('refreshed', 0) < seconds:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
       time.sleep(min(1.0, seconds / 8))
       now = self._read()
       if now is None:
