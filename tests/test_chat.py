@@ -223,6 +223,18 @@ def test_generate_chat_prompts_are_the_templates_generation_prompt(tokenizer_dir
   derived = transformers.GenerationConfig.from_model_config(
       transformers.AutoConfig.from_pretrained(folder)).eos_token_id
   assert tokenizer_lib.load(str(folder)).stop_ids(400) == tuple(derived) == (end, second)
+  # special_tokens_map.json's names win over tokenizer_config.json's in an older save, and are
+  # ignored beside an added_tokens_decoder: as transformers reads them.
+  (folder / 'special_tokens_map.json').write_text(json.dumps({'bos_token': '<|im_end|>'}))
+  config = json.loads((folder / 'tokenizer_config.json').read_text())
+  for modern in (False, True):
+    written = {**config, 'bos_token': '<|im_start|>'}
+    if modern:
+      written['added_tokens_decoder'] = {}
+    (folder / 'tokenizer_config.json').write_text(json.dumps(written))
+    theirs = transformers.AutoTokenizer.from_pretrained(folder).bos_token
+    assert chat.special_tokens(str(folder / 'tokenizer.json'))['bos_token'] == theirs == (
+        '<|im_start|>' if modern else '<|im_end|>')
 
 
 PAIRS = [{'prompt': 'Q: x = f(', 'completion': 'y) means?\nA: a call'},

@@ -51,20 +51,25 @@ def find(tokenizer_file: str) -> tuple[str, str] | None:
 
 def special_tokens(tokenizer_file: str) -> dict:
   """The special tokens' text by name (bos_token, eos_token, ...), as transformers reads them:
-  special_tokens_map.json (older saves keep them only there), then tokenizer_config.json's."""
-  out = {}
-  for name in ('special_tokens_map.json', 'tokenizer_config.json'):
+  tokenizer_config.json's, and where it has no added_tokens_decoder (an older save) those of
+  special_tokens_map.json over them."""
+  def read(name: str) -> tuple[dict, dict]:
     path = os.path.join(os.path.dirname(tokenizer_file), name)
     if not os.path.isfile(path):
-      continue
+      return {}, {}
     with open(path, encoding='utf-8') as f:
       values = json.load(f)
+    found = {}
     for key in ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token',
                 'mask_token'):
       value = values.get(key)
       value = value.get('content') if isinstance(value, dict) else value
       if isinstance(value, str):
-        out[key] = value
+        found[key] = value
+    return values, found
+  config, out = read('tokenizer_config.json')
+  if 'added_tokens_decoder' not in config:
+    out.update(read('special_tokens_map.json')[1])
   return out
 
 

@@ -89,6 +89,8 @@ class Tokenizer:
       listed = [] if listed is None else [int(i) for i in (
           listed if isinstance(listed, list) else [listed])]
     except (ValueError, TypeError, AttributeError) as e:
+      if os.path.basename(config) == 'config.json':
+        return tuple(ids)  # a model's config that says nothing usable: no stop ids from it
       raise DataError(f'{config}: eos_token_id is not an id or a list of ids ({e}); fix or remove '
                       'the file') from e
     return tuple(ids + [i for i in dict.fromkeys(listed) if 0 <= i < vocab_size and i not in ids])

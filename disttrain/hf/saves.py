@@ -75,7 +75,8 @@ def _copy_tokenizer(tokenizer, out: str) -> str:
   folder = os.path.dirname(tokenizer.file)
   copies = [(tokenizer.file, name)] + [
       (os.path.join(folder, n), n)
-      for n in ('tokenizer_config.json', 'chat_template.jinja', 'generation_config.json')
+      for n in ('tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja',
+                'generation_config.json')
       if os.path.isfile(os.path.join(folder, n))]
   for source, target in copies:
     with open(source, 'rb') as f:
