@@ -14,7 +14,8 @@ from absl import app, flags
 from disttrain.exitcodes import Exit
 
 _VALUE_ERROR = re.compile(r'^flag --(\S+?)=(.*?): (.*)$')
-_HELP = {'-h', '--help', '-?', '--helpshort', '--helpfull', '--helpxml'}
+_HELP = {'--help', '-help', '-?', '--helpshort', '-helpshort', '--helpfull', '-helpfull',
+         '--helpxml', '-helpxml'}  # absl's help flags (it has no -h)
 
 
 def fail(message: str) -> NoReturn:
