@@ -1,5 +1,6 @@
 """One run per workdir (operating/lease.py): a live holder keeps it, a dead one's is taken over."""
 
+import contextlib
 import json
 import os
 import signal
@@ -29,6 +30,23 @@ def _foreign(workdir, refreshed_ago: float, seconds: float = 4.0) -> dict:
   return lease
 
 
+@contextlib.contextmanager
+def _refreshing(workdir, lease: dict, behind: float):
+  """The other host's holder, alive: refreshes every 0.5 s by a clock `behind` seconds slow."""
+  done = threading.Event()
+
+  def refresh():
+    while not done.wait(0.5):
+      urls.write_text(str(workdir / FILE), json.dumps({**lease, 'refreshed': time.time() - behind}))
+  refresher = threading.Thread(target=refresh)
+  refresher.start()
+  try:
+    yield
+  finally:
+    done.set()
+    refresher.join()
+
+
 def test_a_live_holder_on_this_host_keeps_it_until_it_is_killed(tmp_path):
   holder = subprocess.Popen([sys.executable, '-c', HOLD, str(tmp_path)], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True)
@@ -55,20 +73,10 @@ def test_a_lease_from_another_host_is_refused_while_refreshed_and_taken_once_exp
   """4 s leases (refreshed every 1 s): a holder that keeps refreshing is refused within about a
   refresh; one that stopped (a crashed pod, just now) is taken over 4 s after its last refresh."""
   lease = _foreign(tmp_path, refreshed_ago=0.0)
-  done = threading.Event()
-
-  def refresh():
-    while not done.wait(0.5):
-      urls.write_text(str(tmp_path / FILE), json.dumps({**lease, 'refreshed': time.time()}))
-  refresher = threading.Thread(target=refresh)
-  refresher.start()
   start = time.monotonic()
-  try:
-    with pytest.raises(ConfigError, match='host another-host, pid 1, attempt 3'):
-      Lease(str(tmp_path), 4).acquire()
-  finally:
-    done.set()
-    refresher.join()
+  with _refreshing(tmp_path, lease, behind=0.0), \
+       pytest.raises(ConfigError, match='host another-host, pid 1, attempt 3'):
+    Lease(str(tmp_path), 4).acquire()
   assert time.monotonic() - start < 2.0
   _foreign(tmp_path, refreshed_ago=0.5)  # its last refresh, 0.5 s ago
   start = time.monotonic()
@@ -83,19 +91,9 @@ def test_a_holder_whose_clock_is_behind_is_judged_by_its_refreshes(tmp_path):
   """A live holder on a host whose clock is 100 s behind: its `refreshed` always looks stale
   here. It was taken over at once (and then stopped itself at its next refresh)."""
   lease = _foreign(tmp_path, refreshed_ago=100.0)
-  done = threading.Event()
-
-  def refresh():
-    while not done.wait(0.5):
-      urls.write_text(str(tmp_path / FILE), json.dumps({**lease, 'refreshed': time.time() - 100}))
-  refresher = threading.Thread(target=refresh)
-  refresher.start()
-  try:
-    with pytest.raises(ConfigError, match='host another-host, pid 1, attempt 3'):
-      Lease(str(tmp_path), 4).acquire()
-  finally:
-    done.set()
-    refresher.join()
+  with _refreshing(tmp_path, lease, behind=100.0), \
+       pytest.raises(ConfigError, match='host another-host, pid 1, attempt 3'):
+    Lease(str(tmp_path), 4).acquire()
 
 
 def test_a_reused_pid_is_not_mistaken_for_the_holder(tmp_path):

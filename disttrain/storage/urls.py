@@ -74,7 +74,7 @@ def resolve(path: str) -> str:
   odd = next((why for bad, why in (
       ('#' in url or '?' in url, "a '#' or '?'"),
       ('..' in url.split('://', 1)[1].split('/'), "a '..' segment"),
-      (url != url.strip() or any(p != p.strip() for p in url.split('/')), 'a leading or '
+      (any(p != p.strip() for p in url.split('/')), 'a leading or '
        'trailing space')) if bad), None)
   if odd:
     raise ConfigError(f'{path!r}: a bucket path with {odd} is not stored where it reads '
