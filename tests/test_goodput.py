@@ -1,6 +1,7 @@
 """disttrain goodput on an event log whose every figure is known."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -92,9 +93,11 @@ def test_an_attempt_dead_in_set_up_and_a_preempted_one_are_costed_as_they_went(t
 
 def test_the_command_prints_the_table_and_writes_json(tmp_path):
   _log(tmp_path)
-  proc = subprocess.run([sys.executable, '-m', 'disttrain', 'goodput', str(tmp_path),
+  # '~/run' as a script quotes it: the table reads the directory the path resolves to.
+  proc = subprocess.run([sys.executable, '-m', 'disttrain', 'goodput', f'~/{tmp_path.name}',
                          f'--json={tmp_path / "goodput.json"}'], cwd=ROOT, capture_output=True,
-                        text=True, timeout=60, check=False)
+                        env={**os.environ, 'HOME': str(tmp_path.parent)}, text=True, timeout=60,
+                        check=False)
   assert proc.returncode == 0, proc.stderr
   assert 'wall 150.0s, goodput 66.7%' in proc.stdout and 'killed by SIGKILL' in proc.stdout
   written = json.loads((tmp_path / 'goodput.json').read_text())

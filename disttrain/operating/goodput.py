@@ -158,9 +158,10 @@ def table(result: dict) -> str:
 def main(argv):
   if len(argv) != 2:
     raise DataError('pass one run directory: disttrain goodput RUN_DIR')
-  path = urls.join(urls.resolve(argv[1]), events_lib.FILE)
+  run_dir = urls.resolve(argv[1])
+  path = urls.join(run_dir, events_lib.FILE)
   try:
-    result = report(argv[1])
+    result = report(run_dir)
   except (KeyError, TypeError) as e:  # an event without a field every event of ours has
     raise DataError(f'{path} holds an event that is not disttrain\'s ({type(e).__name__}: {e}); '
                     'pass the run directory the events are from') from None
