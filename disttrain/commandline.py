@@ -1,5 +1,5 @@
 """What every `disttrain` subcommand does around absl: a bad flag is one `error:` line and exit 2,
-and --help exits 0 (absl alone prints a FATAL block and exits 1 for both).
+and --help (or -h) exits 0 (absl alone prints a FATAL block and exits 1 for both).
 
   if __name__ == '__main__':
     commandline.run(one_line_errors(main))
@@ -15,7 +15,7 @@ from disttrain.exitcodes import Exit
 
 _VALUE_ERROR = re.compile(r'^flag --(\S+?)=(.*?): (.*)$')
 _HELP = {'--help', '-help', '-?', '--helpshort', '-helpshort', '--helpfull', '-helpfull',
-         '--helpxml', '-helpxml'}  # absl's help flags (it has no -h)
+         '--helpxml', '-helpxml'}  # absl's help flags (it has no -h: run() reads -h as --help)
 
 
 def fail(message: str) -> NoReturn:
@@ -71,7 +71,10 @@ def run(main: Callable[[list[str]], object],
         parser: Callable[[list[str]], list[str]] = parse) -> NoReturn:
   """app.run(main) with one-line flag errors (exit 2) and --help exiting 0."""
   def parse_with_help(argv: list[str]) -> list[str]:
-    own = argv[1:argv.index('--')] if '--' in argv else argv[1:]
+    cut = argv.index('--') if '--' in argv else len(argv)
+    # -h as most command lines read it; absl has no short help flag and no flag named h.
+    argv = [*argv[:1], *('--help' if a == '-h' else a for a in argv[1:cut]), *argv[cut:]]
+    own = argv[1:cut]
     try:
       return parser(argv)
     except SystemExit as e:  # absl's help flags exit 1 after printing the usage

@@ -45,7 +45,7 @@ _HELP = textwrap.dedent("""
     import jax, flax, orbax.checkpoint  # what most subcommands load
     from disttrain import cli
     out = {}
-    for name, flag in [(n, f) for n in cli.COMMANDS for f in ('--help', '--bogus_flag=1')]:
+    for name, flag in [(n, f) for n in cli.COMMANDS for f in ('--help', '-h', '--bogus_flag=1')]:
       read, write = os.pipe()
       pid = os.fork()
       if pid == 0:
@@ -77,13 +77,14 @@ def test_every_subcommand_answers_help_with_its_own_flags_and_a_bad_flag_in_one_
   runs = json.loads(proc.stdout.strip().splitlines()[-1])
   assert set(cli.COMMANDS) == set(OWN_FLAG)
   assert set(runs) == {f'{name} {flag}' for name in cli.COMMANDS
-                       for flag in ('--help', '--bogus_flag=1')}
+                       for flag in ('--help', '-h', '--bogus_flag=1')}
   for name in cli.COMMANDS:
     code, text = runs[f'{name} --help']
     module = cli.COMMANDS[name][0]
     assert code == 0 and 'Try --helpfull' in text, (name, text[-2000:])  # absl's would exit 1
     assert f'{module.replace(".", "/")}.py:' in text, (name, text[:2000])  # its flags, by file
     assert OWN_FLAG[name] in text, (name, text[:2000])
+    assert runs[f'{name} -h'] == [0, text], (name, runs[f'{name} -h'])  # absl has no -h
     others = {flag for other, flag in OWN_FLAG.items() if cli.COMMANDS[other][0] != module}
     assert not [flag for flag in others if f'  {flag}' + ':' * (':' not in flag) in text], (
         name, text[:2000])
