@@ -203,9 +203,11 @@ def test_generate_chat_prompts_are_the_templates_generation_prompt(tokenizer_dir
   model.generation_config.eos_token_id = [end, second]
   model.save_pretrained(folder)  # with generation_config.json, as instruct models ship
   env = {'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': SUBPROCESS_XLA_FLAGS, 'PATH': '/usr/bin:/bin'}
+  # The tokenizer from elsewhere (no generation_config.json there): the stops are the model's.
   proc = subprocess.run(
       [sys.executable, '-m', 'disttrain', 'generate', f'--hf_dir={folder}', '--chat',
-       *[f'--prompt={p}' for p in prompts], '--max_new_tokens=6', '--json=-'],
+       f'--tokenizer={tokenizer_dirs["chatml"]}', *[f'--prompt={p}' for p in prompts],
+       '--max_new_tokens=6', '--json=-'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout)

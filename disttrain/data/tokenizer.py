@@ -73,14 +73,15 @@ class Tokenizer:
     tokenizer's 256 beyond a 256-id model)."""
     return int(self.eos_id) if self.eos_id is not None and self.eos_id < vocab_size else None
 
-  def stop_ids(self, vocab_size: int) -> tuple[int, ...]:
+  def stop_ids(self, vocab_size: int, model_dir: str | None = None) -> tuple[int, ...]:
     """The ids generation stops at: eos_within first, then generation_config.json's
     eos_token_id (an id or a list, as transformers' generate reads it; without that file,
-    config.json's, as transformers derives one) where the model has them."""
+    config.json's, as transformers derives one) where the model has them. The files are the
+    model's: in `model_dir` (a Hugging Face directory) if given, else beside the tokenizer."""
     ids = [i for i in [self.eos_within(vocab_size)] if i is not None]
-    folder = os.path.dirname(self.file)
+    folder = model_dir or os.path.dirname(self.file)
     config = next((os.path.join(folder, n) for n in ('generation_config.json', 'config.json')
-                   if self.file and os.path.isfile(os.path.join(folder, n))), None)
+                   if folder and os.path.isfile(os.path.join(folder, n))), None)
     if config is None:
       return tuple(ids)
     try:

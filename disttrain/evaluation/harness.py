@@ -198,7 +198,7 @@ def evaluate(trained, tasks: list[str], *, batch_size: int = 32, limit: int | No
   window = min(max_length or trained.context, trained.context)
   vocab = trained.model.cfg.vocab_size
   scorer = scoring.Scorer(trained.model, mesh_lib.batch_sharding(trained.mesh), batch_size,
-                          window, trained.tokenizer.stop_ids(vocab))
+                          window, trained.stop_ids())
   lm = backend(scorer, trained.tokenizer, vocab)
   lm.params = trained.params
   return run(lm, tasks, manager, limit=limit, num_fewshot=num_fewshot, log_samples=log_samples)

@@ -176,7 +176,7 @@ def main(argv) -> None:
     prompts = [lm.tokenizer.encode_whole([(template.render(
         [{'role': 'user', 'content': text}], True, example=f'--prompt={text!r}'), False)])[0]
                for text in f.prompt]
-  stops = lm.tokenizer.stop_ids(lm.model.cfg.vocab_size)
+  stops = lm.stop_ids()
   result = generate(lm.model, lm.params, prompts, max_new_tokens=f.max_new_tokens,
                     temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
                     eos_id=stops, mesh=lm.mesh, context=lm.context)

@@ -34,6 +34,11 @@ class Trained:
   source: str  # 'RUN_DIR step N' or the Hugging Face directory
   context: int  # the longest sequence it takes (positions table, max_seq_len or data.seq_len)
   adapters: Any = None  # a LoRA run's adapters (params holds them merged into the base)
+  hf_dir: str = ''  # the Hugging Face directory it was read from (its generation_config.json)
+
+  def stop_ids(self) -> tuple[int, ...]:
+    """EOS and the model's own stop ids (an instruct model's end of turn)."""
+    return self.tokenizer.stop_ids(self.model.cfg.vocab_size, self.hf_dir or None)
 
 
 def _config(tree: dict, mesh: dict | None) -> Config:
@@ -125,7 +130,7 @@ def load(*, workdir: str = '', hf_dir: str = '', step: int | None = None, device
   else:
     params = checkpoint.restore_subtree(workdir, step, {'params': abstract})['params']
   return Trained(cfg, model, params, mesh_, tokenizer_lib.load(tok_path), source, context,
-                 found_adapters)
+                 found_adapters, hf_dir or '')
 
 
 def _ema(workdir: str, step: int, cfg: Config, model, spec, mesh):
