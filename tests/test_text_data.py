@@ -345,6 +345,8 @@ def test_bad_text_inputs_are_one_line_and_exit_2(corpus, tmp_path, case, flags, 
     pytest.param(['--source=text', '--format=tokens', '--tokenizer=tok.json'],  # bytes, exit 0
                  '--tokenizer applies to --source=documents, not this conversion; drop it',
                  marks=pytest.mark.slow),
+    (['--source=text', '--format=tokens', '--input=mine.txt'],  # the standard library, exit 0
+     '--input applies to --source=npz or documents, not this conversion; drop it'),
     (['--source=docstrings'],  # it said docstrings is not a data.name, give get_data
      '--source=docstrings --format=array_record is not a conversion; use documents -> tokens, '
      'text -> jsonl or docstrings -> jsonl'),

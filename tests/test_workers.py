@@ -31,12 +31,15 @@ def _env() -> dict:
 @pytest.fixture(scope='module')
 def shards(tmp_path_factory, mnist_dir):
   out = tmp_path_factory.mktemp('mnist_shards')
+  # An earlier conversion's shard (--shards=8) matched the printed glob and was read with them.
+  (out / 'train-00007-of-00008.array_record').write_bytes(b'')
   proc = subprocess.run([sys.executable, '-m', 'disttrain', 'convert', '--source=mnist',
                          f'--data_dir={mnist_dir}', f'--out={out}'], cwd=ROOT, env=_env(),
                         capture_output=True, text=True, timeout=120, check=False)
   assert proc.returncode == 0, proc.stderr
   assert 'train with: --config.data.name=array_record' in proc.stdout.splitlines()[-1]
-  assert len(list(out.glob('train-*-of-00004.array_record'))) == 4
+  assert sorted(p.name for p in out.glob('train-*')) == [
+      f'train-{i:05d}-of-00004.array_record' for i in range(4)]
   return out
 
 

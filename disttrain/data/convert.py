@@ -20,6 +20,7 @@ document ended by EOS, with OUT/*.bin.docs.npy indexes for data.packing='documen
 """
 
 import ast
+import glob
 import json
 import os
 
@@ -82,15 +83,21 @@ def _npz() -> dict:
           'eval_data': {k: v[cut:] for k, v in arrays.items()} if held_out else None}
 
 
-def _clear_token_files(out: str) -> None:
-  """Removes an earlier conversion's token files in `out`: a split or side file not written
-  again (an eval split, a loss mask) would be read beside the new ones."""
-  stale = [p for split in ('train', 'eval') for suffix in ('', '.docs.npy', '.mask.bin')
-           if os.path.exists(p := os.path.join(out, f'{split}.bin{suffix}'))]
+# An earlier conversion's files in --out, by format: a split, shard or side file not written
+# again would be read beside the new ones (the printed shard glob, an eval split, a loss mask).
+_EARLIER = {'tokens': [f'{split}.bin{side}' for split in ('train', 'eval')
+                       for side in ('', '.docs.npy', '.mask.bin')],
+            'array_record': ['train-*-of-*.array_record', 'eval-*-of-*.array_record'],
+            'jsonl': ['train.jsonl', 'eval.jsonl']}
+
+
+def _clear_earlier(out: str, form: str) -> None:
+  stale = sorted({path for pattern in _EARLIER[form]
+                  for path in glob.glob(os.path.join(glob.escape(out), pattern))})
   for path in stale:
     os.remove(path)
   if stale:
-    print(f'removed {len(stale)} token file(s) of an earlier conversion in {out}')
+    print(f'removed {len(stale)} {form} file(s) of an earlier conversion in {out}')
 
 
 def _documents(out: str) -> str:
@@ -104,7 +111,7 @@ def _documents(out: str) -> str:
     raise DataError(f'--eval_documents={held_out} must be in 0..{len(docs) - 1} (the input has '
                     f'{len(docs)} documents)')
   os.makedirs(out, exist_ok=True)
-  _clear_token_files(out)
+  _clear_earlier(out, 'tokens')
   written = []
   from disttrain.data.records import Slice  # pylint: disable=g-import-not-at-top
   for split, part in (('train', Slice(docs, 0, len(docs) - held_out)),
@@ -131,6 +138,7 @@ def _jsonl(out: str) -> str:
   held_out = _EVAL_DOCUMENTS.value
   if not 0 <= held_out < len(records):
     raise DataError(f'--eval_documents={held_out} must be in 0..{len(records) - 1}')
+  _clear_earlier(out, 'jsonl')
   os.makedirs(out, exist_ok=True)
   paths = []
   for split, part in (('train', records[:len(records) - held_out]),
@@ -172,7 +180,9 @@ _ONLY = {'tokenizer': '--source=documents', 'text_field': '--source=documents',
          'eval_documents': '--source=documents and --format=jsonl',
          'eval_tokens': '--source=text --format=tokens',
          'token_dtype': '--source=text --format=tokens',
-         'eval_examples': '--format=array_record (documents: --eval_documents)'}
+         'eval_examples': '--format=array_record (documents: --eval_documents)',
+         'input': '--source=npz or documents', 'data_dir': '--source=mnist, text or docstrings',
+         'shards': '--format=array_record', 'text_bytes': '--source=text (not --format=jsonl)'}
 
 
 def _unused_flag() -> str | None:
@@ -182,7 +192,10 @@ def _unused_flag() -> str | None:
            'eval_documents': source == 'documents' or form == 'jsonl',
            'eval_tokens': (source, form) == ('text', 'tokens'),
            'token_dtype': (source, form) == ('text', 'tokens'),
-           'eval_examples': form == 'array_record' and source != 'documents'}
+           'eval_examples': form == 'array_record' and source != 'documents',
+           'input': source in ('npz', 'documents'),
+           'data_dir': source in ('mnist', 'text', 'docstrings'),
+           'shards': form == 'array_record', 'text_bytes': source == 'text' and form != 'jsonl'}
   for name, where in _ONLY.items():
     if flags.FLAGS[name].present and not reads[name]:
       return f'--{name} applies to {where}, not this conversion; drop it'
@@ -213,8 +226,7 @@ def convert() -> str:
     if len(ids) <= 2 * _EVAL_TOKENS.value:
       raise DataError(f'the text has {len(ids)} bytes, not more than twice --eval_tokens='
                       f'{_EVAL_TOKENS.value}; read more (--text_bytes) or hold out fewer')
-    if os.path.isdir(out):
-      _clear_token_files(out)
+    _clear_earlier(out, 'tokens')
     train = formats.write_tokens(os.path.join(out, 'train.bin'), ids[:-_EVAL_TOKENS.value],
                                  _TOKEN_DTYPE.value)
     held_out = formats.write_tokens(os.path.join(out, 'eval.bin'), ids[-_EVAL_TOKENS.value:],
@@ -224,6 +236,7 @@ def convert() -> str:
     return (f'--config.data.name=tokens --config.data.train_files={train} '
             f'--config.data.eval_files={held_out} --config.data.tokens.dtype={_TOKEN_DTYPE.value}')
   data = _npz() if _SOURCE.value == 'npz' else _builtin(_SOURCE.value)
+  _clear_earlier(out, 'array_record')
   written = {}
   for split, key in (('train', 'train_data'), ('eval', 'eval_data')):
     if data[key] is None:
