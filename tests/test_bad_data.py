@@ -89,6 +89,8 @@ def test_bad_source_is_one_line_and_exit_2(tmp_path, case, flags, needles, fix, 
 FILE_CASES = [
     ('glob', ['--config.data.name=array_record', '--config.data.train_files={dir}/none-*.ar'],
      ["data.train_files='{dir}/none-*.ar' matches no file"], 'pass a glob of existing files'),
+    ('folder', ['--config.data.name=tokens', '--config.data.train_files={dir}'],  # a traceback
+     ['data.train_files: {dir} is a directory'], 'pass files (a glob such as {dir}/*)'),
     ('token_size', ['--config.data.name=tokens', '--config.data.train_files={dir}/odd.bin'],
      ['odd.bin has 3 bytes, not a multiple of the 2-byte uint16 token size'],
      'check data.tokens.dtype'),

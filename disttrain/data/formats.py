@@ -90,7 +90,8 @@ def write_array_record(prefix: str, examples: Iterable[dict], num_shards: int = 
 
 
 def resolve_files(patterns: str, field: str) -> list[str]:
-  """Sorted files of comma-separated globs; each glob must match at least one file."""
+  """Sorted files of comma-separated globs; each glob must match at least one file, and no
+  directory."""
   paths = []
   for pattern in (p.strip() for p in patterns.split(',') if p.strip()):
     matched = sorted(glob.glob(os.path.expanduser(pattern)))
@@ -100,6 +101,10 @@ def resolve_files(patterns: str, field: str) -> list[str]:
     paths += matched
   if not paths:
     raise DataError(f'{field} is empty; pass a glob of the data files')
+  folders = [p for p in paths if os.path.isdir(p)]
+  if folders:
+    raise DataError(f'{field}: {folders[0]} is a directory; pass files (a glob such as '
+                    f'{os.path.join(folders[0], "*")})')
   return paths
 
 

@@ -28,10 +28,6 @@ SUFFIXES = ('.txt', '.jsonl', '.json', '.parquet')
 def resolve(patterns: str, field: str) -> list[str]:
   """Sorted text files of comma-separated globs, each of a suffix this module reads."""
   paths = resolve_files(patterns, field)
-  folders = [p for p in paths if os.path.isdir(p)]
-  if folders:
-    raise DataError(f'{field}: {folders[0]} is a directory; pass files (a glob such as '
-                    f'{os.path.join(folders[0], "*.jsonl")})')
   bad = [p for p in paths if not p.endswith(SUFFIXES)]
   if bad:
     raise DataError(f'{field}: {bad[0]} is not one of {SUFFIXES}; pass text (.txt), JSON lines '
