@@ -106,6 +106,10 @@ BAD_INPUTS = [
     # early stopping with evals at the end only, a llama3 rope scaling with no original length.
     ('files_of_a_fileless_source', ['--config.data.train_files=/nonexistent/x.bin'],
      ["data.name='digits' reads no data.train_files"], r'drop them'),
+    ('packing_an_unpacked_source', ['--config.data.packing=documents'],
+     ["data.packing='documents' packs documents of data.name in"], r'drop data\.packing'),
+    ('exhausted_without_mixture', ['--config.data.mixture_exhausted=stop'],  # repeated epochs
+     ["data.mixture_exhausted='stop' applies to data.mixture sources"], r'set data\.mixture'),
     ('momentum_without_sgd', ['--config.optimizer=adam', '--config.momentum=0.9'],
      ["momentum=0.9", "optimizer='sgd' only"], r'set b1'),
     # A job that could never start: a traceback the supervisor restarted, or the init timeout.
