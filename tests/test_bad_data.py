@@ -159,7 +159,7 @@ def test_token_files_that_would_read_as_other_ids_are_refused(tmp_path):
   ids.astype(np.uint16).tofile(tmp_path / 'ids.bin')  # a uint16 file of the same ids passes
   assert len(formats.TokenWindows(str(tmp_path / 'ids.bin'), 16)) == 62
   path = str(tmp_path / 'ids.bin')
-  for starts in ([0, 400, 1700], [0, 700, 400], [5, 400]):
+  for starts in ([0, 400, 1700], [0, 700, 400], [5, 400], []):  # [] for 1,000 tokens
     np.save(path + '.docs.npy', np.asarray(starts))
     with pytest.raises(DataError, match=r'ids.bin.docs.npy is not the index of .*convert'):
       packing.TokenFileDocuments([path], 'uint16', 1 << 16)
@@ -171,6 +171,12 @@ def test_token_files_that_would_read_as_other_ids_are_refused(tmp_path):
   docs = packing.TokenFileDocuments([path], 'uint16', 1 << 16)
   assert list(docs.lengths) == [400, 300, 300]
   np.testing.assert_array_equal(docs.tokens(1)[0], ids[400:700])
+  empty = str(tmp_path / 'empty.bin')  # an empty shard of a hand-split corpus (a traceback)
+  np.zeros(0, np.uint16).tofile(empty)
+  np.save(empty + '.docs.npy', np.zeros(0, np.int64))
+  np.zeros(0, np.uint8).tofile(empty + '.mask.bin')
+  assert list(packing.TokenFileDocuments([empty, path], 'uint16', 1 << 16).lengths) == [400, 300,
+                                                                                         300]
 
 
 # A transform failing in a worker (FailsOn17) is one line: test_bad_source[transform]; a

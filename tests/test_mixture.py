@@ -196,10 +196,14 @@ def test_bad_mixtures_are_one_line_config_or_data_errors(tmp_path):
   # Stages built in Python are checked as the flag's are.
   for stages, message in ((((4, {'a': -1.0, 'b': 1.0}),), 'must be >= 0'),
                           (((4, {'a': 0.0, 'b': 0.0}),), 'give some source a weight'),
-                          (((8, {'a': 1.0}), (4, {'b': 1.0})), 'positive and increasing')):
+                          (((8, {'a': 1.0}), (4, {'b': 1.0})), 'positive and increasing'),
+                          ((('1k', {'a': 1.0}),), "step '1k' is not a whole number"),  # tracebacks
+                          (((10.7, {'a': 1.0}),), 'step 10.7 is not a whole number')):  # was 10
     with pytest.raises(ConfigError, match=message):
       MixtureRecords(Mixture({'a': _rows(0, 10), 'b': _rows(1, 10)}, {'a': 1, 'b': 1}, stages),
                      4, 0)
+  with pytest.raises(ConfigError, match='the mixture has no sources'):  # an IndexError
+    MixtureRecords(Mixture({}, {}), 4, 0)
   assert 'drop data.train_files' in error(mixture=f'a={one}:1', train_files=str(one))
   with pytest.raises(DataError, match="mixture sources 'a' and 'b' give different rows"):
     MixtureRecords(Mixture({'a': _rows(0, 10), 'b': {'x': np.zeros((10, 3), np.int32)}},

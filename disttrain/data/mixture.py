@@ -86,7 +86,7 @@ def parse_stages(spec: Any, names: list[str]) -> list[tuple[int, dict[str, float
                                  for k, v in weights.items()}))
   elif isinstance(spec, (tuple, list)) and all(
       isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[1], dict) for s in spec):
-    stages = [(int(step), {str(k): _number(v, 'data.mixture_stages') for k, v in w.items()})
+    stages = [(_step(step), {str(k): _number(v, 'data.mixture_stages') for k, v in w.items()})
               for step, w in spec]
   else:
     raise ConfigError(f'data.mixture_stages={spec!r} is neither STEP:NAME=WEIGHT,...;... nor a '
@@ -111,6 +111,13 @@ def check_weights(field: str, weights: dict[str, float]) -> None:
                       + (f'fix {next(iter(bad))!r}' if bad else 'give some source a weight'))
 
 
+def _step(value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):  # '1k', None, 10.7
+    raise ConfigError(f'data.mixture_stages step {value!r} is not a whole number; write e.g. '
+                      '(1000, {"web": 0.5, "code": 0.5})')
+  return int(value)
+
+
 def _number(text: Any, where: str) -> float:
   try:
     return float(text)
@@ -125,6 +132,8 @@ class MixtureRecords:
   uses_epochs = False  # each source counts its own
 
   def __init__(self, mixture: Mixture, batch_size: int, seed: int):
+    if not mixture.sources:
+      raise ConfigError('the mixture has no sources; give Mixture at least one')
     self.names = list(mixture.sources)
     self.parts = [Records(source, f'{name} (mixture source)', seed, (_key(name),))
                   for name, source in mixture.sources.items()]
@@ -140,10 +149,11 @@ class MixtureRecords:
     if mixture.exhausted not in EXHAUSTED:
       raise ConfigError(f'data.mixture_exhausted={mixture.exhausted!r} is not one of {EXHAUSTED}')
     self.exhausted = mixture.exhausted
-    check_weights('the mixture', mixture.weights)
+    weights = {n: _number(w, f'the mixture source {n!r}') for n, w in mixture.weights.items()}
+    check_weights('the mixture', weights)
     stages = parse_stages(tuple(mixture.stages), self.names)  # a Mixture built in Python too
     # (first batch, weights): a stage from step S on starts at batch S - 1 (steps count from 1).
-    self.stages = [(0, _vector(mixture.weights, self.names))] + [
+    self.stages = [(0, _vector(weights, self.names))] + [
         (step - 1, _vector(w, self.names)) for step, w in stages]
     self.origin = (0, np.zeros(len(self.names), np.int64))  # where the schedule starts
     self.schedule = self._schedule(*self.origin, self.stages)

@@ -106,8 +106,8 @@ class TokenFileDocuments:
                         "data.packing='documents' needs; write the files with disttrain "
                         "convert --source=documents, or use data.packing='concat'") from e
       size = formats.token_count(path, self.dtype)
-      if first.ndim != 1 or (len(first) and (first[0] != 0 or first[-1] > size or
-                                             np.any(np.diff(first) < 0))):
+      if first.ndim != 1 or (not len(first) and size) or (len(first) and (
+          first[0] != 0 or first[-1] > size or np.any(np.diff(first) < 0))):
         raise DataError(f'{path}.docs.npy is not the index of {path} (offsets from 0, rising, '
                         f'within its {size:,} tokens); write the pair again with disttrain convert')
       mask = path + '.mask.bin'
@@ -116,7 +116,7 @@ class TokenFileDocuments:
                         f'{path}; write the pair again with disttrain convert')
       files.append(np.full(len(first), f, np.int32))
       starts.append(first)
-      ends.append(np.append(first[1:], size))
+      ends.append(np.append(first[1:], size) if len(first) else first)  # an empty shard: none
       masks.append(os.path.isfile(mask))
     if len(set(masks)) > 1:
       raise DataError(f'{paths}: some files have loss masks (.mask.bin) and some do not; use one '
