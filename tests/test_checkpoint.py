@@ -241,6 +241,29 @@ def test_checkpoint_of_another_model_names_first_mismatch(saved_on_eight, tmp_pa
     disttrain.train(cfg, str(workdir), devices=devices(8))
 
 
+def test_a_warm_start_reads_the_params_for_any_optimizer_and_names_a_damaged_step(
+    saved_on_eight, tmp_path):
+  """restore_from: the optimizer starts fresh, so another one's state is no mismatch (sgd with
+  clipping was refused: 'has no opt_state/...'); a damaged step is one line (a traceback)."""
+  source, saved_params, _, common = saved_on_eight
+  cfg = make_config(mesh__data=4, mesh__tensor=2, num_train_steps=12, optimizer='sgd',
+                    grad_clip_norm=1.0, **common)
+  abstract, lay = _layout(cfg, 8)
+  params, _, step = checkpoint.restore_params(str(source / 'checkpoints'), abstract)
+  assert step == 10
+  for got, want in zip(jax.tree.leaves(to_numpy(params)), jax.tree.leaves(saved_params)):
+    np.testing.assert_array_equal(got, want)
+  assert params['Dense_0']['kernel'].sharding == lay.shardings.params['Dense_0']['kernel']
+  workdir = _copy_run(source, tmp_path)
+  for path in glob.glob(str(workdir / 'checkpoints' / '10' / 'state' / '**' / 'd' / '*'),
+                        recursive=True):
+    with open(path, 'r+b') as f:
+      f.truncate(max(os.path.getsize(path) // 3, 1))
+  with pytest.raises(CheckpointError, match=r"restore_from=.*: step 10 cannot be read \(") as e:
+    checkpoint.restore_params(str(workdir / 'checkpoints'), abstract)
+  assert '\n' not in str(e.value)
+
+
 def test_nan_stops_with_step_and_keeps_last_finite_checkpoint(tmp_path):
   # SGD at lr 1e4 diverges within a few steps (measured: NaN at step 4 on digits).
   proc = subprocess.run(

@@ -266,6 +266,8 @@ def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
               for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
   found = {sharding_lib.path_str(p): tuple(x.shape)
            for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
+  if isinstance(abstract_state, dict):  # a part of the state (a warm start's params): only it
+    found = {k: v for k, v in found.items() if k.split('/', 1)[0] in abstract_state}
   # Parameters first: a model mismatch is named by its parameter, not by the optimizer's copy.
   for path, shape in sorted(expected.items(), key=lambda item: not item[0].startswith('params')):
     if path not in found:
@@ -302,11 +304,19 @@ def restore_params(path: str, abstract_state: Any) -> tuple[Any, Any, int]:
   if step is None or step not in manager.all_steps():
     raise CheckpointError(f'restore_from={path!r} holds no complete checkpoint; pass a '
                           'checkpoints directory or one of its step directories')
-  check_fits(manager, step, abstract_state, directory)
-  restored = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract_state)))
+  # Parameters only: the optimizer starts fresh, so its state may be another optimizer's.
+  part = {'params': abstract_state.params, 'mutable': abstract_state.mutable}
+  check_fits(manager, step, part, directory)
   manager.close()
-  return restored['state'].params, restored['state'].mutable, step
+  try:
+    restored = ocp.PyTreeCheckpointer().restore(
+        urls.join(directory, str(step), 'state'), args=ocp.args.PyTreeRestore(
+            item=part, restore_args=ocp.checkpoint_utils.construct_restore_args(part),
+            partial_restore=True))
+  except Exception as e:  # pylint: disable=broad-except  (truncated or missing array files)
+    raise CheckpointError(f'restore_from={path!r}: step {step} cannot be read ({type(e).__name__}: '
+                          f'{first_line(e, 200)}); pass another step directory') from None
+  return restored['params'], restored['mutable'], step
 
 
 def _steps_dir(workdir: str) -> str:
