@@ -357,10 +357,17 @@ def test_best_checkpoint_is_kept_beside_the_latest_across_a_relaunch_and_a_preem
   assert (saved / '10' / 'metrics').exists() and not (saved / str(at) / 'metrics').exists()
 
 
-def test_best_metric_needs_checkpoints_at_eval_steps():
+def test_best_metric_needs_checkpoints_at_eval_steps_and_a_metric_of_the_eval(tmp_path):
   with pytest.raises(disttrain.ConfigError, match='must be a positive multiple of '
                                                   'eval_every_steps=300'):
     make_config(best_metric='accuracy', eval_every_steps=300, checkpoint_every_steps=100)
+  # A name the eval does not give: a KeyError traceback inside orbax at the second save.
+  cfg = make_config(best_metric='eval/acc', eval_every_steps=2, checkpoint_every_steps=2,
+                    num_train_steps=4, model__hidden=16)
+  with pytest.raises(disttrain.ConfigError, match=re.escape(
+      "best_metric='eval/acc' is not a metric of the eval, which gives ['eval/accuracy', "
+      "'eval/loss']; use one of them")):
+    disttrain.train(cfg, str(tmp_path), devices=devices(1))
 
 
 ACCUMULATED_BF16 = ('--config.grad_accum_steps=2', '--config.precision.compute_dtype=bfloat16')

@@ -20,7 +20,7 @@ import numpy as np
 from disttrain.config import Config
 from disttrain.data.batches import TrainIterator, eval_batches
 from disttrain.data.records import Records
-from disttrain.errors import Interrupted, NonFiniteError, Preempted
+from disttrain.errors import ConfigError, Interrupted, NonFiniteError, Preempted
 from disttrain.operating import metrics, timing
 from disttrain.operating.callbacks import Callbacks
 from disttrain.parallel import distributed, optim, step as step_lib
@@ -239,6 +239,12 @@ class Evaluator:
       return None
     flat = {f'{split}/{k}': v for split, result in self.last.items() for k, v in result.items()}
     flat.update(self.last.get('eval', {}))
+    best = self.cfg.best_metric
+    if best and best not in flat:  # else a KeyError inside orbax at the next save, every relaunch
+      given = sorted(k for k in flat
+                     if '/' in k and not k.endswith(('/num_examples', '/num_tokens')))
+      raise ConfigError(f'best_metric={best!r} is not a metric of the eval, which gives {given}; '
+                        'use one of them')
     return flat
 
 
