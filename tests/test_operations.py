@@ -265,6 +265,23 @@ def test_plot_draws_the_curves_of_two_runs(tmp_path):
 # ------------------------------------------------------------------------------------------
 # Ctrl-C and the watchdog on one process.
 
+class _SignalAtTheEnd(disttrain.Callback):
+  def on_eval(self, record):
+    if record['step'] == 6:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_during_the_last_steps_eval_ends_the_run_normally(tmp_path):
+  """Every step trained and the last save follows anyway: it raised Preempted ('relaunch to
+  resume'), with no on_end and no time in run.json, and a supervisor relaunched it."""
+  result = disttrain.train(make_config(num_train_steps=6, log_every_steps=3, eval_every_steps=3,
+                                       model__hidden=16), str(tmp_path), devices=devices(1),
+                           callbacks=[_SignalAtTheEnd()])
+  assert result.step == 6 and result.stopped_by == ''
+  assert 'time' in json.loads((tmp_path / 'run.json').read_text())
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['6']
+
+
 def test_second_ctrl_c_is_left_to_the_default_action():
   """The first Ctrl-C asks for a checkpointed stop; the handler then restores SIGINT's default
   action, so a second one ends the process at once (the kernel's doing: no traceback). Closing

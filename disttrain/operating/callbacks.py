@@ -8,7 +8,8 @@ Hooks (all optional; a callback needs only the ones it uses):
   state() -> dict, restore(state)   JSON state saved in every checkpoint and restored on resume
 
 A hook that returns STOP (or Stop('why')) asks the run to stop: every process stops at one
-agreed step, a checkpoint is saved there, and the run ends normally (exit status 0). Hooks run on
+agreed step (that record's or eval's; on_checkpoint's: the next record's or eval's), a checkpoint
+is saved there, and the run ends normally (exit status 0). Hooks run on
 every process with the same records; hooks never see device arrays, so they add no host sync.
 """
 

@@ -352,6 +352,8 @@ def _loop(run: Setup, first_step: int, device_state, batches, acts: _Actions,
     evals = acts.evaluator.maybe_eval(step_no, device_state, force=last)
     # Records and evals are emitted at the same steps on every process: a matched agreement.
     stop = acts.stopper.maybe_stop(step_no, hooks_ran=len(acts.out.records) > emitted)
+    if last and stop is not None and stop.kind in ('interrupted', 'preempted'):
+      stop = None  # a signal during the last step's eval: the run is done, its last save follows
     if stop is None and data_end is not None and step_no >= data_end:  # the same on every process
       stop = data_stop
     if stop is not None:
