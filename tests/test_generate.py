@@ -143,6 +143,8 @@ def test_generate_command_from_the_run_and_from_its_hugging_face_export(run_dir,
     ('generate', ['--prompt=a', '--workdir={empty}'], 'has no checkpoints directory'),
     ('generate', ['--prompt=a', '--chat'], "the tokenizer '(bytes)' has no chat template"),
     ('generate', ['--prompt=a', '--json=/nonexistent/x.json'], '/nonexistent is not a directory'),
+    ('generate', ['--prompt=a', '--top_p=0.9'],  # greedy: it was ignored without a word
+     '--top_p chooses among the tokens to sample, but --temperature=0 is greedy'),
     ('generate', [], '--prompt is required (Prompt text); pass --prompt=<value>'),  # two lines
     ('export', ['--out={empty}/hf', '--workdir={empty}'], 'has no checkpoints directory'),
 ])

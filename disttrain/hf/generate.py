@@ -160,6 +160,10 @@ def main(argv) -> None:
   if f.fake_devices:
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', f.fake_devices)
+  ignored = [name for name in ('top_k', 'top_p') if f[name].present]
+  if ignored and f.temperature == 0:  # greedy decoding takes the most likely token anyway
+    raise ConfigError(f'--{ignored[0]} chooses among the tokens to sample, but --temperature=0 is '
+                      'greedy; set --temperature > 0 to sample, or drop it')
   folder = os.path.dirname(os.path.abspath(f.json)) if f.json and f.json != '-' else ''
   if folder and not os.path.isdir(folder):  # before the model loads and samples
     raise ConfigError(f'--json={f.json!r}: {folder} is not a directory; create it or pass '
