@@ -133,6 +133,15 @@ def test_rewards_load_by_path_in_order_and_each_value_is_checked():
     rollout.score([('too_few', rewards.too_few)], ['1+1='] * 16, ['2'] * 16, [[50]] * 16, {})
   values = rollout.score([('length', rewards.length)], ['a'] * 2, ['xy', ''], [[1, 2], []], {})
   np.testing.assert_array_equal(values['length'], [2.0, 0.0])
+  # Functions of one name each count (the second replaced the first in the sum); one function
+  # alone, as TRL's reward_funcs takes it; a prompt field named like an argument is left out as
+  # TRL does (both were tracebacks).
+  twice = rollout.load_rewards('', [lambda completions, **_: [1.0] * len(completions),
+                                    lambda completions, **_: [10.0] * len(completions)])
+  assert [name for name, _ in twice] == ['<lambda>_1', '<lambda>_2']
+  values = rollout.score(twice, ['a'], ['x'], [[1]], {'completions': ['field'], 'n': [3]})
+  assert np.sum(list(values.values()), axis=0).tolist() == [11.0]
+  assert [name for name, _ in rollout.load_rewards('', rewards.length)] == ['length']
 
 
 # One launch (a compiled step): rollout.score raises both messages (the count and the type) on the

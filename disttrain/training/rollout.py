@@ -42,6 +42,7 @@ from disttrain.models import decoding, grpo, lora, preference
 from disttrain.parallel.state import FROZEN
 
 Reward = tuple[str, Callable]
+_PASSED = ('prompts', 'completions', 'completion_ids')  # every reward's own arguments
 
 
 def load_rewards(paths: str, given: Any = None) -> list[Reward]:
@@ -61,6 +62,8 @@ def load_rewards(paths: str, given: Any = None) -> list[Reward]:
       raise ConfigError(f'grpo.rewards: {path!r} is not a callable module.function; name a '
                         'function f(prompts, completions, **fields) -> list[float]')
     rewards.append((path, fn))
+  if callable(given):  # one function, as TRL's reward_funcs takes it
+    given = [given]
   for fn in ([] if rewards or given is None else list(given)):
     if not callable(fn):
       raise ConfigError(f'get_rewards() returned {fn!r}, which is not callable; return functions '
@@ -70,13 +73,17 @@ def load_rewards(paths: str, given: Any = None) -> list[Reward]:
     raise ConfigError("data.name='prompts' trains on rewards, and none is named: set "
                       'grpo.rewards=module.function[,...] or define get_rewards() in the config '
                       'file')
-  return rewards
+  # Each function its own name (two lambdas, one path twice): the sum keeps every one.
+  names = [name for name, _ in rewards]
+  return [(name if names.count(name) == 1 else f'{name}_{names[:i].count(name) + 1}', fn)
+          for i, (name, fn) in enumerate(rewards)]
 
 
 def score(rewards: list[Reward], prompts: list, completions: list, completion_ids: list,
           fields: dict) -> dict[str, np.ndarray]:
   """Each reward function's values [B] (float64), checked: one number per completion."""
   out = {}
+  fields = {k: v for k, v in fields.items() if k not in _PASSED}  # as TRL leaves them out
   for name, fn in rewards:
     values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **fields)
     values = list(values) if isinstance(values, (list, tuple, np.ndarray)) else values
