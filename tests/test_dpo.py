@@ -133,6 +133,16 @@ def test_a_long_pair_keeps_one_prompt_for_both_answers(tmp_path):
   assert bytes(tokens[0, 8:10].tolist()) == b'aa' and bytes(tokens[1, 8:16].tolist()) == b'b' * 8
 
 
+def test_pairs_tokenized_beyond_the_models_vocabulary_are_refused(tmp_path):
+  """The sft source's one line: DPO trained ids the embedding does not have (a NaN loss at
+  step 1 whose message said to lower the learning rate)."""
+  from disttrain.data import sources  # pylint: disable=g-import-not-at-top
+  cfg = _dpo_config('', _pairs(tmp_path), **{'model.vocab_size': 200})
+  with pytest.raises(disttrain.errors.DataError, match="data.tokenizer='bytes' has 257 tokens but "
+                                                       'model.vocab_size=200'):
+    sources.build(cfg)
+
+
 @pytest.mark.parametrize('name,field', [('preference', 'model.dropout'),
                                         ('prompts', 'lora.dropout')])
 def test_dropout_on_the_policy_is_refused(tmp_path, name, field):

@@ -211,6 +211,24 @@ def test_a_resume_with_other_iterations_is_refused_keeping_the_checkpoint(tmp_pa
   assert os.listdir(tmp_path / 'checkpoints') == ['3']
 
 
+def test_prompts_beyond_the_vocabulary_or_too_few_for_a_step_are_one_line(tmp_path):
+  """Ids beyond model.vocab_size trained silently; 3 prompts for a step of 8 were 'fewer than
+  global_batch_size=8; pass N <= 3' (completions counted as prompts, 3 then refused)."""
+  from disttrain.errors import DataError  # pylint: disable=g-import-not-at-top
+  from disttrain.training import setup as setup_lib  # pylint: disable=g-import-not-at-top
+  cfg, rewards = _example(**{'model.vocab_size': 50})
+  with pytest.raises(DataError, match="data.tokenizer='bytes' has 257 tokens but "
+                                      'model.vocab_size=50'):
+    setup_lib.setup(cfg, devices=devices(1), rewards=rewards)
+  three = tmp_path / 'three.jsonl'
+  three.write_text(''.join(open(cfg.data.train_files, encoding='utf-8').readlines()[:3]))
+  cfg, rewards = _example(**{'data.train_files': str(three)})
+  with pytest.raises(DataError, match=r'has 3 prompts, fewer than the 8 a step samples '
+                                      r'\(global_batch_size=64 completions / grpo.group_size=8\); '
+                                      'use more prompts or global_batch_size <= 24'):
+    setup_lib.setup(cfg, devices=devices(1), rewards=rewards)
+
+
 @pytest.mark.slow
 def test_the_trained_log_probabilities_of_sampled_rows_are_the_samplers(tmp_path):
   """On data x fsdp x tensor: the decoder samples completions of left-padded prompts with its

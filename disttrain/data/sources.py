@@ -127,6 +127,7 @@ def _sft(cfg: Config) -> dict:
 def _preference(cfg: Config) -> dict:
   """Prompt/chosen/rejected JSON lines (DPO) as pairs of rows [2, data.seq_len]."""
   tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
+  tokenizer.check_vocab(cfg.model.vocab_size)  # else ids beyond it: a NaN loss at step 1
   template = chat.load(tokenizer.file, cfg.data.sft.chat_template)
   read = lambda patterns, field: preference.read(
       formats.resolve_files(patterns, field), tokenizer, cfg.data.seq_len, template,
@@ -140,6 +141,7 @@ def _preference(cfg: Config) -> dict:
 def _prompts(cfg: Config) -> dict:
   """Prompt JSON lines (GRPO) as left-padded rows of data.seq_len tokens and their line index;
   no eval split (the rollout's rewards are the measure)."""
+  tokenizer_lib.load(cfg.data.tokenizer).check_vocab(cfg.model.vocab_size)  # else trained as is
   data = prompts.load(cfg.data.train_files, 'data.train_files', cfg.data.tokenizer,
                       cfg.data.seq_len, cfg.data.sft.chat_template, jax.process_index() == 0)
   return {'train_data': data.arrays, 'eval_data': None}

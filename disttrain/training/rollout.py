@@ -136,6 +136,12 @@ class Rollout:
     self.prompt_set = prompts_lib.load(cfg.data.train_files, 'data.train_files',  # read once:
                                        cfg.data.tokenizer, cfg.data.seq_len,  # as the source
                                        cfg.data.sft.chat_template, jax.process_index() == 0)
+    count = len(self.prompt_set.lines)
+    if count < self.prompts_per_step:  # the iterator's line would count completions as prompts
+      raise DataError(f'data.train_files has {count} prompts, fewer than the '
+                      f'{self.prompts_per_step} a step samples (global_batch_size='
+                      f'{cfg.global_batch_size} completions / grpo.group_size={g.group_size}); '
+                      f'use more prompts or global_batch_size <= {count * g.group_size}')
     self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
     policy = _policy_model(model)
     if not hasattr(policy, 'family'):
