@@ -106,10 +106,15 @@ BAD_INPUTS = [
     # early stopping with evals at the end only, a llama3 rope scaling with no original length.
     ('files_of_a_fileless_source', ['--config.data.train_files=/nonexistent/x.bin'],
      ["data.name='digits' reads no data.train_files"], r'drop them'),
-    ('packing_an_unpacked_source', ['--config.data.packing=documents'],
-     ["data.packing='documents' packs documents of data.name in"], r'drop data\.packing'),
     ('exhausted_without_mixture', ['--config.data.mixture_exhausted=stop'],  # repeated epochs
      ["data.mixture_exhausted='stop' applies to data.mixture sources"], r'set data\.mixture'),
+    ('lora_field_without_rank', ['--config.lora.alpha=32'],  # every weight trained
+     ['lora.alpha=32.0 applies with lora.rank > 0, which this run does not set'],
+     r'set it or drop the field'),
+    ('grpo_eval_files', ['--config=launch/configs/grpo_sums.py',
+                         '--config.data.eval_files={dir}/pairs.jsonl'],  # dropped silently
+     ["data.eval_files with data.name='prompts': GRPO has no eval split"],
+     r'drop data\.eval_files'),
     ('momentum_without_sgd', ['--config.optimizer=adam', '--config.momentum=0.9'],
      ["momentum=0.9", "optimizer='sgd' only"], r'set b1'),
     # A job that could never start: a traceback the supervisor restarted, or the init timeout.
@@ -153,7 +158,8 @@ BAD_INPUTS = [
      ["lora.targets='attn/q_proj'", 'matches no weight'], r'name some of'),
     ('preference_line_without_rejected',
      ['--config=launch/configs/llama.py', '--fake_devices=8', '--config.data.name=preference',
-      '--config.data.train_files={dir}/pairs.jsonl', '--config.data.seq_len=16'],
+      '--config.data.train_files={dir}/pairs.jsonl', '--config.data.seq_len=16',
+      '--config.model.vocab_size=260'],  # the bytes tokenizer's EOS is id 256
      ['pairs.jsonl line 2', "needs 'chosen' and 'rejected'", "no 'rejected'"],
      r'add it or fix the file'),
     ('grpo_reward_does_not_import',

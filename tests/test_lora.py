@@ -105,6 +105,11 @@ def test_lora_on_a_hugging_face_base_exports_merged_and_as_peft_with_equal_logit
   merged_dir, adapter_dir = str(tmp_path / 'merged'), str(tmp_path / 'adapter')
   export.export(workdir, merged_dir)
   export.export(workdir, adapter_dir, adapter=True)
+  half = str(tmp_path / 'adapter_bf16')  # --dtype was ignored: float32 tensors
+  export.export(workdir, half, adapter=True, dtype='bfloat16')
+  with open(f'{half}/adapter_model.safetensors', 'rb') as f:  # the header: 8-byte length, JSON
+    header = json.loads(f.read(int.from_bytes(f.read(8), 'little')))
+  assert {v['dtype'] for k, v in header.items() if k != '__metadata__'} == {'BF16'}
   # The merged query of layer 1 is W + (alpha / r) A B, in torch's [out, in].
   lm = trained.load(workdir=workdir, devices=devices(1), mesh={'data': 1})
   a = np.asarray(lm.adapters['blocks']['attention']['query_lora']['a'])[1]  # [D, r]

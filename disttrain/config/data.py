@@ -10,8 +10,6 @@ from disttrain.errors import ConfigError
 FILE_SOURCES = ('array_record', 'tokens', 'documents', 'sft', 'preference', 'prompts')
 FILELESS_SOURCES = ('digits', 'mnist', 'synthetic', 'synthetic_tokens', 'text')
 PACKING = ('concat', 'documents')
-PACKED = ('documents', 'sft', 'tokens')  # the sources data.packing lays out in rows
-UNPACKED = tuple(n for n in FILE_SOURCES + FILELESS_SOURCES if n not in PACKED)
 MIXABLE = ('array_record', 'tokens', 'documents', 'sft')  # sources data.mixture can join
 TOKEN_DTYPES = ('uint16', 'uint32')
 
@@ -138,9 +136,6 @@ class DataConfig:
     if self.mixture_exhausted != 'repeat' and not self.mixture:  # one source repeats its epochs
       raise ConfigError(f'data.mixture_exhausted={self.mixture_exhausted!r} applies to '
                         'data.mixture sources; set data.mixture, or num_train_steps for one source')
-    if self.packing and self.name in UNPACKED:  # the rows would be what they were
-      raise ConfigError(f'data.packing={self.packing!r} packs documents of data.name in {PACKED}, '
-                        f'not {self.name!r}; drop data.packing')
     if self.mixture_stages and not self.mixture:
       raise ConfigError('data.mixture_stages needs data.mixture (the sources whose weights it '
                         "changes); set data.mixture='NAME=GLOB:WEIGHT;...'")

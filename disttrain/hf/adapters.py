@@ -89,8 +89,10 @@ def _peft_entries(family: str, adapters) -> list[tuple[str, np.ndarray]]:
   return out
 
 
-def write_peft(out: str, family: str, cfg: Config, adapters, base_name: str = '') -> list[str]:
-  """Writes adapter_config.json and adapter_model.safetensors to `out`; the tensor names."""
+def write_peft(out: str, family: str, cfg: Config, adapters, base_name: str = '',
+               dtype: str = 'float32') -> list[str]:
+  """Writes adapter_config.json and adapter_model.safetensors (tensors in `dtype`: float32 or
+  bfloat16) to `out`; the tensor names."""
   entries = _peft_entries(family, adapters)
   modules = sorted({re.escape(n.removeprefix('base_model.model.').rsplit('.lora_', 1)[0])
                     for n, _ in entries})
@@ -104,7 +106,9 @@ def write_peft(out: str, family: str, cfg: Config, adapters, base_name: str = ''
             'auto_mapping': {'base_model_class': hf_config.FAMILIES[family],
                              'parent_library': 'transformers.models'}}
   urls.path(out).mkdir(parents=True, exist_ok=True)
-  tensors = [(name, value.shape, np.float32, lambda v=value: v) for name, value in entries]
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  np_dtype = np.float32 if dtype == 'float32' else ml_dtypes.bfloat16
+  tensors = [(name, value.shape, np_dtype, lambda v=value: v) for name, value in entries]
   tensorfiles.write(out, tensors, max_shard_bytes=2**62, metadata={'format': 'pt'},
                     file_name='adapter_model.safetensors')
   urls.write_text(urls.join(out, 'adapter_config.json'), json.dumps(config, indent=2))

@@ -44,9 +44,9 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
     if lm.adapters is None:
       raise ConfigError(f'{workdir} trained every weight (lora.rank=0): it has no adapters; '
                         'drop --adapter to export the model')
-    names = adapters.write_peft(out, family, lm.cfg, lm.adapters)
+    names = adapters.write_peft(out, family, lm.cfg, lm.adapters, dtype=dtype)
     return (f'exported the LoRA adapters of {lm.source} (rank {lm.cfg.lora.rank}, '
-            f'{len(names)} tensors) to {out} as a PEFT adapter directory, in '
+            f'{len(names)} tensors, {dtype}) to {out} as a PEFT adapter directory, in '
             f'{time.perf_counter() - start:.1f}s')
   files, size, copied = saves.write(out, family, lm.cfg.model, lm.model.cfg, lm.params,
                                     lm.tokenizer, lm.context, dtype, max_shard_bytes)
@@ -60,6 +60,9 @@ def main(argv) -> None:
   if len(argv) > 1:
     commandline.fail(f'unexpected arguments {argv[1:]}; pass settings as flags, e.g. '
                      '--workdir=RUN_DIR')
+  if _ADAPTER.value and _MAX_SHARD_GB.present:  # PEFT reads one adapter_model.safetensors
+    commandline.fail('--max_shard_gb splits a model\'s safetensors; --adapter writes one '
+                     'adapter_model.safetensors, as PEFT reads it: drop --max_shard_gb')
   from disttrain.errors import DisttrainError  # pylint: disable=g-import-not-at-top
   try:
     print(export(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value, _EMA.value,
