@@ -208,7 +208,7 @@ def test_in_the_loop_records_equal_the_hf_backend(setup, tmp_path):
 
 
 @pytest.mark.slow  # the module's setup runs both backends (18 s): 27 s of the quick tier
-def test_a_harness_task_generating_a_whole_row_is_refused_at_setup(setup):
+def test_a_harness_task_generating_a_whole_row_is_refused_at_setup(setup, tmp_path):
   """local_gen generates 10 tokens; rows of 10 leave no prompt. The run stops before its first
   step, naming data.seq_len (it stopped at the first eval, saying 'raise --max_length')."""
   cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'hf.py')
@@ -220,6 +220,15 @@ def test_a_harness_task_generating_a_whole_row_is_refused_at_setup(setup):
   with pytest.raises(ConfigError, match=r"data.eval_harness task 'local_gen' generates 10 "
                      r'tokens, which leaves no room for a prompt in the 10 tokens a row holds '
                      r'\(data.seq_len\); generate fewer tokens'):
+    disttrain.setup(disttrain.from_config_dict(cd), devices=helpers.devices(1))
+  # A group's task named like a data.eval_tasks task: its record replaced the task's own.
+  (setup['task_dir'] / 'local_group.yaml').write_text('group: local_group\ntask: [local_mc]\n')
+  mc = tmp_path / 'mc.jsonl'
+  mc.write_text(json.dumps({'context': 'a', 'choices': [' b', ' c'], 'answer': 0}) + '\n')
+  helpers.override(cd, {'data.seq_len': 32, 'data.eval_harness': 'local_group',
+                        'data.eval_tasks': f'local_mc={mc}'})
+  with pytest.raises(ConfigError, match="data.eval_harness writes records named 'local_mc' \\(a "
+                                        'task of one of its groups\\)'):
     disttrain.setup(disttrain.from_config_dict(cd), devices=helpers.devices(1))
   cd = disttrain.config.defaults()  # an MLP: the message named data.eval_tasks, not set here
   cd.data.eval_harness = 'local_mc'

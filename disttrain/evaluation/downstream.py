@@ -96,7 +96,15 @@ class Downstream:
       raise ConfigError(f'data.eval_max_new_tokens={cfg.data.eval_max_new_tokens} leaves no '
                         f'room for a prompt in the {row} tokens a row holds (data.seq_len); '
                         'generate fewer tokens or raise data.seq_len')
-    return cls(cfg, model, batch_sharding, tasks, extract)
+    made = cls(cfg, model, batch_sharding, tasks, extract)
+    if made.harness_tasks:  # a group's tasks write records too (arc_easy under ai2_arc)
+      reached = harness.record_names(made.manager, made.harness_tasks)
+      clash = sorted(reached & {*names, 'train', *eval_splits})
+      if clash:
+        raise ConfigError(f'data.eval_harness writes records named {clash[0]!r} (a task of one '
+                          'of its groups), as a data.eval_tasks task or an eval split of the run '
+                          'does; rename the task or the split')
+    return made
 
   def _encode(self, task: Task) -> list:
     """Generation: each prompt's ids. Multiple choice: (context, continuation) ids per choice."""

@@ -171,22 +171,33 @@ def task_manager(tasks: list[str], include_path: str | None = None):
   return manager
 
 
+def _walk(manager, tasks: list[str]):
+  """(name, its YAML config) of `tasks` and, groups expanded, every task under them, as
+  lm-eval's task index describes them without loading them (None: not in the index)."""
+  index, todo, seen = getattr(manager, 'task_index', {}), list(tasks), set()
+  while todo:
+    name = todo.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    cfg = getattr(index.get(name), 'cfg', None)
+    yield name, cfg if isinstance(cfg, dict) else None
+    if isinstance(cfg, dict) and 'group' in cfg and isinstance(cfg.get('task'), list):
+      todo += [t for t in cfg['task'] if isinstance(t, str)]
+
+
+def record_names(manager, tasks: list[str]) -> set[str]:
+  """The names `tasks` write records under: each task, and every task of a group."""
+  return {name for name, _ in _walk(manager, tasks)}
+
+
 def generation_lengths(manager, tasks: list[str], default: int) -> dict[str, int]:
   """{task: max_gen_toks} of the generate_until tasks among `tasks` (groups expanded) that
   lm-eval's task index describes without loading them (a type from an included YAML is not
   seen here: the backend checks it when the task runs)."""
-  index, out, todo, seen = getattr(manager, 'task_index', {}), {}, list(tasks), set()
-  while todo:
-    name = todo.pop()
-    cfg = getattr(index.get(name), 'cfg', None) if name not in seen else None
-    seen.add(name)
-    if not isinstance(cfg, dict):
-      continue
-    if 'group' in cfg and isinstance(cfg.get('task'), list):
-      todo += [t for t in cfg['task'] if isinstance(t, str)]
-    elif cfg.get('output_type') == 'generate_until':
-      out[name] = generation(cfg.get('generation_kwargs') or {}, default)[0]
-  return out
+  return {name: generation(cfg.get('generation_kwargs') or {}, default)[0]
+          for name, cfg in _walk(manager, tasks)
+          if cfg is not None and cfg.get('output_type') == 'generate_until'}
 
 
 def evaluate(trained, tasks: list[str], *, batch_size: int = 32, limit: int | None = None,
