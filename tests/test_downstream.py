@@ -193,9 +193,20 @@ def test_bad_task_files_are_one_line(tmp_path, lines, needle):
   assert f'{path}, {needle}' in str(e.value) and '\n' not in str(e.value), e.value
 
 
-def test_bad_pairs_and_models_are_one_line(tmp_path):
+def test_bad_pairs_and_models_are_one_line(tmp_path, monkeypatch):
   with pytest.raises(DataError, match=r"task 'a': .*missing.jsonl is not a file"):
     tasks.load(f'a={tmp_path}/missing.jsonl')
+  # Half an escaped emoji (a traceback at tokenizing); a BOM and '~' read as data.train_files
+  # reads them (both were refused).
+  row = {'context': 'smile \ud83d', 'choices': [' a', ' b'], 'answer': 0}
+  (tmp_path / 'half.jsonl').write_text(json.dumps(row, ensure_ascii=True) + '\n')
+  with pytest.raises(DataError, match=r'half.jsonl, line 1: context has an unpaired surrogate '
+                                      r"'\\ud83d' at character 6"):
+    tasks.load(f'a={tmp_path}/half.jsonl')
+  (tmp_path / 'bom.jsonl').write_bytes(b'\xef\xbb\xbf' + json.dumps({**row, 'context': 'x'})
+                                       .encode() + b'\n')
+  monkeypatch.setenv('HOME', str(tmp_path))
+  assert tasks.load('a=~/bom.jsonl')[0].examples[0].context == 'x'
   for spec, needle in (('a=x;b', "'b' is not NAME=PATH"), ('a=x;a=y', "names 'a' twice"),
                        ((('a', 'x'), ('a', 'y')), "names 'a' twice")):
     with pytest.raises(ConfigError, match=needle):

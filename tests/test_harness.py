@@ -158,6 +158,8 @@ def test_unknown_task_is_one_line_before_the_model_loads(setup, tmp_path):
   with pytest.raises(ConfigError, match=r"lm-eval knows no task 'local_mcq' \(its own tasks and "
                      r'those in .*\); list them with `lm_eval ls tasks`'):
     harness.task_manager(['local_mcq'], str(setup['task_dir']))
+  with pytest.raises(ConfigError, match=r"the include path '.*/nodir' is not a directory"):
+    harness.task_manager(['arc_easy'], str(tmp_path / 'nodir'))  # lm-eval skipped it silently
   env = subprocess_env()
   proc = subprocess.run(
       [sys.executable, '-m', 'disttrain', 'lm-eval', f'--hf_dir={tmp_path}/missing',

@@ -106,6 +106,9 @@ BAD_INPUTS = [
     # early stopping with evals at the end only, a llama3 rope scaling with no original length.
     ('files_of_a_fileless_source', ['--config.data.train_files=/nonexistent/x.bin'],
      ["data.name='digits' reads no data.train_files"], r'drop them'),
+    ('harness_limit_without_harness', ['--config.data.eval_harness_limit=5'],  # ignored
+     ['data.eval_harness_limit applies to data.eval_harness tasks, and none is named'],
+     r'set data\.eval_harness=TASK'),
     ('exhausted_without_mixture', ['--config.data.mixture_exhausted=stop'],  # repeated epochs
      ["data.mixture_exhausted='stop' applies to data.mixture sources"], r'set data\.mixture'),
     ('lora_field_without_rank', ['--config.lora.alpha=32'],  # every weight trained

@@ -109,12 +109,13 @@ def read(name: str, path: str) -> Task:
     DataError: a missing file, a line that is not a JSON object, a missing or mistyped field, an
       answer index out of range, or an empty file.
   """
+  path = os.path.expanduser(path)  # as data.train_files: the shell leaves NAME=~/x alone
   if not os.path.isfile(path):
     raise DataError(f'data.eval_tasks: task {name!r}: {path} is not a file; pass NAME=PATH with '
                     'the path of a local JSON lines file')
   kind, examples = None, []
   try:
-    with open(path, encoding='utf-8') as file:
+    with open(path, encoding='utf-8-sig') as file:  # a BOM, as the training readers allow it
       for number, line in enumerate(file, 1):
         if not line.strip():
           continue
@@ -177,4 +178,9 @@ def _example(row: dict, kind: str, path: str, number: int) -> Question | Prompt:
 def _text(value: Any, field: str, where: str, empty: bool = False) -> str:
   if not isinstance(value, str) or not (empty or value):
     raise DataError(f'{where}: {field} is {value!r}; give a {"" if empty else "non-empty "}string')
+  try:
+    value.encode('utf-8')
+  except UnicodeEncodeError as e:  # '\ud83d': half an escaped emoji, which JSON lets through
+    raise DataError(f'{where}: {field} has an unpaired surrogate {value[e.start]!r} at character '
+                    f'{e.start}; write the whole character') from None
   return value
