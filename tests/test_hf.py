@@ -8,6 +8,7 @@ run, transformers' logits equal ours to 1e-5 (measured <= 2e-6); import -> expor
 bitwise.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -23,7 +24,7 @@ import transformers
 
 import disttrain
 from disttrain import models
-from disttrain.config import ModelConfig
+from disttrain.config import ModelConfig, RopeScalingConfig
 from disttrain.errors import CheckpointError, ConfigError
 from disttrain.hf import config as hf_config, exported_config, tensorfiles, trained, weights as hf
 from disttrain.models import layers
@@ -175,6 +176,13 @@ def test_hf_config_trains_the_model_its_directory_describes(tmp_path):
   with pytest.raises(ConfigError, match='config.json gives model.num_layers=2 but the config '
                                         'sets model.num_layers=3; drop --config.model.num_layers'):
     hf_config.from_directory(config(**{'model.num_layers': 3}))
+  # A scaling config.json does not have (it trained another model, 4.6 off transformers).
+  with pytest.raises(ConfigError, match=r"config.json gives model.rope_scaling=\{'kind': ''"):
+    hf_config.from_directory(config(**{'model.rope_scaling.kind': 'linear'}))
+  linear = dataclasses.replace(model, rope_scaling=RopeScalingConfig(kind='linear', factor=4.0))
+  with pytest.raises(CheckpointError, match="config.json rope_scaling.rope_type='' but "
+                                            "model.rope_scaling.kind='linear'"):
+    hf_config.check(path, 'qwen3', linear, ours.cfg)
   with pytest.raises(ConfigError, match="set --config.restore_from=HF_DIR"):
     hf_config.from_directory(config(restore_from=''))
   result = disttrain.train(config(), str(tmp_path / 'run'), devices=jax.devices()[:1])

@@ -200,9 +200,10 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
   if kind == 'linear' and not (cfg.rope_scaling.kind == 'linear' and np.isclose(
       scaling['factor'], cfg.rope_scaling.factor)):
     raise _mismatch(directory, 'rope_scaling', scaling, 'model.rope_scaling', vars(cfg.rope_scaling))
-  if (kind == 'llama3') != (cfg.rope_scaling.kind == 'llama3'):
-    raise _mismatch(directory, 'rope_scaling.rope_type', kind or None, 'model.rope_scaling.kind',
-                    cfg.rope_scaling.kind)
+  if (kind == 'llama3') != (cfg.rope_scaling.kind == 'llama3') or (
+      kind in ('', 'default') and cfg.rope_scaling.kind):
+    raise _mismatch(directory, 'rope_scaling.rope_type', kind if kind != 'default' else '',
+                    'model.rope_scaling.kind', cfg.rope_scaling.kind)
   if kind == 'llama3':
     for hf_key, ours in (('factor', 'factor'), ('low_freq_factor', 'low_freq_factor'),
                          ('high_freq_factor', 'high_freq_factor'),
@@ -244,6 +245,7 @@ def model_fields(config: dict, family: str) -> dict:
                   if config.get('output_router_logits') else 0.0,
                   router_z_weight=0.0, router_balance='transformers')
   scaling = rope(config, family)[1]
+  fields['rope_scaling'] = {}  # none: a run's own scaling is then a contradiction
   if scaling.get('rope_type', scaling.get('type')) == 'linear':
     fields['rope_scaling'] = {'kind': 'linear', 'factor': float(scaling['factor'])}
   if scaling.get('rope_type', scaling.get('type')) == 'llama3':
