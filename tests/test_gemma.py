@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from disttrain import models
-from disttrain.config import ModelConfig
+from disttrain.config import ModelConfig, RopeScalingConfig
 from disttrain.errors import CheckpointError, ConfigError
 from disttrain.hf import config as hf_config, exported_config
 from disttrain.models.decoder import Decoder
@@ -123,17 +123,49 @@ def test_gemma3_local_rope_scaling_is_refused(tmp_path):
     hf_round_trip.load(str(tmp_path / 'g3'))
 
 
+@pytest.mark.parametrize('fields', [
+    {'local_rope_theta': 0.0, 'rope_scaling': RopeScalingConfig(kind='linear', factor=8.0)},
+    {'local_rope_theta': 1e4, 'rope_scaling': RopeScalingConfig(kind='llama3', factor=8.0,
+                                                               original_max_len=16)},
+    {'local_rope_theta': 1e4, 'sliding_window_pattern': 0}], ids=['linear_local_0', 'llama3',
+                                                                 'every_layer_local'])
+def test_gemma3_exports_the_rotation_its_layers_were_built_with(tmp_path, fields):
+  """A run's Gemma 3 written for transformers: local layers scaled as the global ones (local 0),
+  llama3 scaling, every layer windowed on the global base. The export wrote the local layers
+  unscaled, dropped llama3 and gave pattern 0 the local base: logits 0.8-4.4 off transformers'."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from disttrain.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from disttrain.hf import saves  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig(**{**dict(
+      name='gemma3', hidden=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+      mlp_dim=48, vocab_size=VOCAB, tied_embeddings=True, norm_eps=1e-6, rope_theta=1e3,
+      sliding_window=6, sliding_window_pattern=2, query_pre_attn_scalar=16.0), **fields})
+  model = models.build(cfg, 'float32', 40)
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (1, 40))
+  params = model.init(jax.random.key(0), {'tokens': jnp.zeros((1, 40), jnp.int32)})['params']
+  params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape), params)
+  exported_config.check_exportable(model, 'run')
+  saves.write(str(tmp_path), 'gemma3', cfg, model.cfg, params, tokenizer_lib.load(''), 64)
+  reference = hf_round_trip.reference(str(tmp_path))
+  with torch.no_grad():
+    want = reference(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(_logits(model, params, tokens), want, rtol=1e-4, atol=1e-4)
+  if fields.get('local_rope_theta') == 0.0:  # the export reads back as the run's model
+    assert hf_round_trip.load(str(tmp_path)).cfg.model.local_rope_theta == 0.0
+
+
 @pytest.mark.parametrize('name,field', [('gpt', 'sliding_window'), ('llama', 'attn_softcap'),
                                         ('llama', 'final_softcap'),
                                         ('qwen3', 'query_pre_attn_scalar'),
-                                        ('mistral', 'sliding_window_pattern')])
+                                        ('mistral', 'sliding_window_pattern'),
+                                        ('gemma2', 'local_rope_theta')])
 def test_a_field_the_family_does_not_build_is_refused(name, field):
   """Each was dropped: the logits equalled the default config's (a review, max diff 0.0)."""
   cfg = ModelConfig(name=name, hidden=32, num_layers=1, num_heads=2, vocab_size=64, **{field: 2})
   with pytest.raises(ConfigError, match=f"model.{field}=2: model.name='{name}' does not build "
                                         'it'):
     models.build(cfg)
-  models.build(dataclasses.replace(cfg, name='gemma2'))  # a family that builds it
+  models.build(dataclasses.replace(cfg, name='gemma3'))  # a family that builds it
 
 
 def test_layer_patterns_read_and_written_as_transformers_lists_them():

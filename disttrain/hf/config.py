@@ -176,7 +176,7 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
       raise CheckpointError(f'{directory}: config.json {key}={config[key]!r}; the {family} family '
                             f'has {key}={value!r}')
   local = (config.get('rope_parameters') or {}).get('sliding_attention') or {}
-  if local.get('rope_type', 'default') != 'default':
+  if local.get('rope_type', 'default') != 'default' and not _local_as_global(config):
     raise CheckpointError(f"{directory}: rope_parameters.sliding_attention rope_type "
                           f"{local['rope_type']!r}; the local layers rotate without scaling here")
   theta, scaling = rope(config, family)
@@ -277,11 +277,19 @@ def layer_types(pattern: int, window: int, num_layers: int) -> list[str]:
           else 'full_attention' for i in range(num_layers)]
 
 
+def _local_as_global(config: dict) -> bool:
+  """Gemma 3's windowed layers rotate as the global ones, scaling included (local_rope_theta 0)."""
+  params = config.get('rope_parameters') or {}
+  return bool(params.get('sliding_attention')) and (
+      params.get('sliding_attention') == params.get('full_attention'))
+
+
 def _gemma_fields(config: dict, family: str) -> dict:
   """model.* fields of Gemma's parts: the layer pattern, local rotary base, scale and caps."""
   params = config.get('rope_parameters') or {}
-  local = (params.get('sliding_attention') or {}).get('rope_theta') or config.get(
-      'rope_local_base_freq') or (10_000.0 if family == 'gemma3' else 0.0)
+  local = 0.0 if _local_as_global(config) else (params.get('sliding_attention') or {}).get(
+      'rope_theta') or config.get('rope_local_base_freq') or (
+          10_000.0 if family == 'gemma3' else 0.0)
   return {'sliding_window_pattern': _gemma_pattern(config, family) if _get(
               config, family, 'sliding_window') else 0,
           'local_rope_theta': float(local) if family == 'gemma3' else 0.0,

@@ -98,9 +98,10 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
                   final_logit_softcapping=cfg.final_softcap or None)
     if family == 'gemma3':
       del config['rope_theta']
-      full = {'rope_type': 'default', 'rope_theta': cfg.rope_theta}
-      if cfg.rope_scaling.kind == 'linear':
-        full.update(rope_type='linear', factor=cfg.rope_scaling.factor)
-      config['rope_parameters'] = {'full_attention': full, 'sliding_attention': {
-          'rope_type': 'default', 'rope_theta': cfg.local_rope_theta or cfg.rope_theta}}
+      full = {'rope_type': 'default', 'rope_theta': cfg.rope_theta, **(scaling or {})}
+      # Windowed layers rotate as the global ones (scaling included) unless the decoder built
+      # them a base of their own: local_rope_theta=0, or every layer alike (pattern 0).
+      local = full if decoder.local_rope is None else {'rope_type': 'default',
+                                                       'rope_theta': cfg.local_rope_theta}
+      config['rope_parameters'] = {'full_attention': full, 'sliding_attention': dict(local)}
   return config

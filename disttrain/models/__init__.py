@@ -109,9 +109,9 @@ HF_NAMES = {**gpt.HF_NAMES, **llama.HF_NAMES, **qwen.HF_NAMES, **mistral.HF_NAME
 _GEMMA = ('gemma2', 'gemma3')
 _BUILT_BY = {'sliding_window': ('llama', 'qwen2', 'qwen3', 'mistral', 'mixtral', 'qwen3_moe',
                                 *_GEMMA),
-             **{name: _GEMMA for name in ('sliding_window_pattern', 'local_rope_theta',
-                                          'query_pre_attn_scalar', 'attn_softcap',
-                                          'final_softcap')}}
+             **{name: _GEMMA for name in ('sliding_window_pattern', 'query_pre_attn_scalar',
+                                          'attn_softcap', 'final_softcap')},
+             'local_rope_theta': ('gemma3',)}  # Gemma 2's config.json has one rotary base
 
 
 def _entry(cfg: ModelConfig) -> Entry:
