@@ -6,7 +6,7 @@ import pytest
 
 import disttrain
 from disttrain.data import sources
-from disttrain.data.records import ID, MASK
+from disttrain.data.records import ID, MASK, Records
 from disttrain.models.task import Classification
 from tests.helpers import devices, make_config, to_numpy
 
@@ -94,3 +94,26 @@ def test_an_eval_set_smaller_than_one_device_s_rows_is_padded_and_counted(step_m
   log_probs = logits - np.log(np.sum(np.exp(logits), -1, keepdims=True))
   np.testing.assert_allclose(result['loss'], -np.mean(log_probs[np.arange(3), small['label']]),
                              rtol=1e-4)
+
+
+def test_padding_rows_a_model_turns_into_nan_count_for_nothing(tmp_path):
+  """A cosine classifier (x / |x|): the all-zero padding rows give NaN, and NaN x mask 0 is NaN,
+  so 37 eval examples in batches of 16 reported loss nan. 37 rows equal their first 32 and the
+  last 5 scored alone, summed by count."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  model = disttrain.FunctionalModel(
+      lambda rng, x: {'w': jax.random.normal(rng, (x.shape[-1], 2))},
+      lambda params, x: x / jnp.linalg.norm(x, axis=-1, keepdims=True) @ params['w'],
+      input_key='x')
+  rng = np.random.default_rng(0)
+  data = {'x': rng.standard_normal((37, 8)).astype(np.float32),
+          'y': (np.arange(37) % 2).astype(np.int32)}
+  cfg = make_config(global_batch_size=16, num_train_steps=1)
+  run = disttrain.setup(cfg, devices=devices(1), model=model,
+                        task=Classification(label_key='y'), train_data=data, eval_data=data)
+  score = lambda rows: disttrain.evaluate(run.steps, run.state, Records(
+      {k: v[rows] for k, v in data.items()}, 'eval', 0), 16, run.batch_sharding)
+  whole, head, tail = score(slice(None)), score(slice(0, 32)), score(slice(32, None))
+  assert np.isfinite(whole['loss']) and whole['num_examples'] == 37
+  np.testing.assert_allclose(whole['loss'], (32 * head['loss'] + 5 * tail['loss']) / 37,
+                             rtol=1e-5)

@@ -216,6 +216,13 @@ def update(tx, state: TrainState, grads, sums, count, new_mutable, all_metrics: 
   return new_state, metrics
 
 
+def _masked_sum(values: jax.Array, batch: dict) -> jax.Array:
+  """sum(values x mask); a padding row's value is dropped, not multiplied: the all-zero row can
+  give NaN (x / |x|, a loss over a zero weight), and NaN x 0 is NaN."""
+  mask = batch[MASK].reshape(batch[MASK].shape + (1,) * (values.ndim - batch[MASK].ndim))
+  return jnp.sum(jnp.where(mask > 0, values.astype(jnp.float32) * mask, 0.0))
+
+
 def eval_sums(model, task, state: TrainState, batch: dict, policy: Policy) -> Metrics:
   """Masked sums of the task's per-example values over an eval batch, with 'count' (the summed
   weights), and for per-token tasks 'num_examples' and 'num_tokens'."""
@@ -223,8 +230,7 @@ def eval_sums(model, task, state: TrainState, batch: dict, policy: Policy) -> Me
   batch, count = jax.lax.optimization_barrier((batch, count))  # as in accumulated_grads
   outputs, _, model_loss = model.apply({'params': policy.cast(state.params), **state.mutable},
                                        policy.cast_batch(batch), train=False, rng=None)
-  sums = {k: jnp.sum(v.astype(jnp.float32) * batch[MASK])
-          for k, v in task.per_example(outputs, batch).items()}
+  sums = {k: _masked_sum(v, batch) for k, v in task.per_example(outputs, batch).items()}
   sums['count'] = count
   if getattr(task, 'per_token', False):
     sums.update(num_examples=jnp.sum(batch[MASK]), num_tokens=sums['count'])
@@ -294,7 +300,7 @@ class StepContext:
   @staticmethod
   def masked_sum(values_B: jax.Array, batch: dict) -> jax.Array:
     """sum(values x mask) over the batch: padding rows count for nothing."""
-    return jnp.sum(values_B.astype(jnp.float32) * batch[MASK])
+    return _masked_sum(values_B, batch)
 
 
 def with_batch_axes(model, axes, state_mutable):
