@@ -1,5 +1,7 @@
 """Global masked averaging and exact eval: sums over valid examples / global valid count."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -117,3 +119,19 @@ def test_padding_rows_a_model_turns_into_nan_count_for_nothing(tmp_path):
   assert np.isfinite(whole['loss']) and whole['num_examples'] == 37
   np.testing.assert_allclose(whole['loss'], (32 * head['loss'] + 5 * tail['loss']) / 37,
                              rtol=1e-5)
+
+
+def test_an_eval_set_the_model_cannot_take_is_refused_at_setup():
+  """Other feature counts or a float label passed setup (same field names) and failed with a
+  traceback at the first eval, after training up to it."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  model = disttrain.FunctionalModel(lambda rng, x: {'w': jnp.zeros((x.shape[-1], 2))},
+                                    lambda params, x: x @ params['w'], input_key='x')
+  train = {'x': np.zeros((32, 8), np.float32), 'y': np.zeros(32, np.int32)}
+  for field, value, said in [('x', np.zeros((16, 7), np.float32), 'x float32[7]'),
+                             ('y', np.zeros(16, np.float32), 'y float32[]')]:
+    with pytest.raises(disttrain.errors.DataError, match=r'the eval data \(.*' + re.escape(said) +
+                       r'.* does not run through the model trained on x float32\[8\], y int32\[\]'):
+      disttrain.setup(make_config(global_batch_size=16), devices=devices(1), model=model,
+                      task=Classification(label_key='y'), train_data=train,
+                      eval_data={**{k: v[:16] for k, v in train.items()}, field: value})

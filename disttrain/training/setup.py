@@ -21,7 +21,7 @@ from disttrain.data import mixture, records as records_lib, sources
 from disttrain.data.batches import element_spec
 from disttrain.data.workers import check_workers
 from disttrain.data.records import Records
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, DataError, first_line
 from disttrain.evaluation import downstream as downstream_lib, tasks as tasks_lib
 from disttrain.hf import config as hf_config
 from disttrain.models import grpo, lora, pipeline, preference
@@ -105,8 +105,26 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
   parallel.check_model(model, _tokens(model, spec))
   state, lay = state_lib.create(model, tx, spec, cfg, mesh)
   steps = spmd.build(model, task, tx, cfg, mesh, lay, batch_sharding, train_step, eval_step)
+  for records in evals.values():
+    if records.spec != train.spec:  # else its first eval fails, after training up to it
+      _check_eval_runs(steps, state, records, train, cfg.eval_batch, batch_sharding)
   return Setup(cfg, mesh, train, evals, model, task, tx, lr_schedule, batch_sharding, state, lay,
                steps, spec, sampler, tasks)
+
+
+def _check_eval_runs(steps: Steps, state, records: Records, train: Records, batch_size: int,
+                     sharding) -> None:
+  """An eval source whose fields' shapes or dtypes differ from the train data's: its eval step,
+  traced (not compiled) now; an error is one line naming both."""
+  batch = {k: jax.ShapeDtypeStruct((batch_size,) + s.shape[1:], s.dtype, sharding=sharding)
+           for k, s in element_spec(records).items()}
+  try:
+    jax.eval_shape(steps.evaluate, state, batch)
+  except (TypeError, ValueError, KeyError, IndexError) as e:
+    shown = lambda r: ', '.join(f'{k} {s.dtype}{list(s.shape)}' for k, s in sorted(r.spec.items()))
+    raise DataError(f'the {records.name} data ({shown(records)}) does not run through the model '
+                    f'trained on {shown(train)}: {type(e).__name__}: {first_line(e, 200)}; give '
+                    'it the train data\'s shapes and dtypes') from None
 
 
 def _objective(cfg: Config, model, task):
