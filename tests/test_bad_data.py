@@ -138,6 +138,16 @@ def test_fields_that_are_not_numbers_or_overflow_32_bits_are_one_line():
       Records(source, 'train', 0).read(np.asarray([1, 0]))
   np.testing.assert_array_equal(Records([{'x': np.int64(5)}, {'x': np.int64(-7)}], 'train', 0)
                                 .read(np.asarray([1, 0]))['x'], [-7, 5])  # within int32: read
+  # bfloat16 is a number too (its numpy kind is 'V': it was refused as "not numbers").
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  half = Records({'x': np.asarray([[1.5], [2.0]], ml_dtypes.bfloat16)}, 'train', 0)
+  assert half.spec['x'].dtype == ml_dtypes.bfloat16
+  assert half.read(np.asarray([1, 0]))['x'].tolist() == [[2.0], [1.5]]
+  # One transform where a list goes (a TypeError traceback: 'Scale' object is not iterable).
+  from disttrain.data.records import Data  # pylint: disable=g-import-not-at-top
+  from disttrain.data.transforms import Scale  # pylint: disable=g-import-not-at-top
+  scaled = Records(Data({'image': np.full((2, 3), 255, np.uint8)}, Scale()), 'train', 0)
+  assert scaled.read(np.asarray([0]))['image'].max() == 1.0
 
 
 def test_token_files_that_would_read_as_other_ids_are_refused(tmp_path):

@@ -19,6 +19,7 @@ from typing import Any
 
 import grain
 import jax
+import ml_dtypes
 import numpy as np
 
 from disttrain.errors import DataError, first_line
@@ -84,7 +85,10 @@ class Records:
     """
     data = data if isinstance(data, Data) else Data(data)
     self.name, self.seed, self.source = name, [seed, *stream], data.source
-    self.transforms = tuple(data.transforms)
+    given = data.transforms
+    one = given is None or callable(given) or isinstance(
+        given, (grain.transforms.Map, grain.transforms.RandomMap))  # Data(source, MyMap())
+    self.transforms = (() if given is None else (given,)) if one else tuple(given)
     for t in self.transforms:
       if isinstance(t, (grain.transforms.Filter, grain.transforms.Batch)) or not (
           isinstance(t, (grain.transforms.Map, grain.transforms.RandomMap)) or callable(t)):
@@ -208,7 +212,7 @@ def _array(value, key: str, where: str) -> np.ndarray:
   except ValueError as e:  # ragged nested lists
     raise DataError(f'{where}: field {key!r} is not one array ({first_line(e, 120)}); pad or '
                     'crop it to one shape in the source or a transform') from None
-  if value.dtype.kind not in 'biuf':
+  if value.dtype.kind not in 'biuf' and value.dtype != ml_dtypes.bfloat16:  # bf16's kind is V
     kind = type(value.flat[0]).__name__ if value.size else value.dtype
     raise DataError(f'{where}: field {key!r} is {value.dtype} ({kind} values), not numbers; '
                     'turn it into a numeric array in the source or a transform (e.g. tokenize '
