@@ -135,3 +135,22 @@ def test_an_eval_set_the_model_cannot_take_is_refused_at_setup():
       disttrain.setup(make_config(global_batch_size=16), devices=devices(1), model=model,
                       task=Classification(label_key='y'), train_data=train,
                       eval_data={**{k: v[:16] for k, v in train.items()}, field: value})
+
+
+def test_labels_the_task_cannot_read_are_one_line():
+  """A label field of another name (a KeyError traceback while compiling), labels of [N, 1] as
+  sklearn gives them (a take_along_axis ValueError), float labels (a dtype TypeError)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  model = disttrain.FunctionalModel(lambda rng, x: {'w': jnp.zeros((x.shape[-1], 2))},
+                                    lambda params, x: x @ params['w'], input_key='x')
+  x = np.zeros((32, 8), np.float32)
+  for data, said in [({'x': x, 'target': np.zeros(32, np.int32)},
+                      "reads its targets from batch field 'y', but the data has ['target', 'x']"),
+                     ({'x': x, 'y': np.zeros((32, 1), np.int32)},
+                      "field 'y' holds the targets as int32[16, 1], but the model gives [16] rows"),
+                     ({'x': x, 'y': np.zeros(32, np.float32)}, 'as float32[16], but')]:
+    run = disttrain.setup(make_config(global_batch_size=16), devices=devices(1), model=model,
+                          task=Classification(label_key='y'), train_data=data, eval_data=data)
+    batch = {**{k: v[:16] for k, v in data.items()}, MASK: np.ones(16, np.float32)}
+    with pytest.raises(disttrain.errors.DataError, match=re.escape(said)):
+      run.steps.train(run.steps.place(run.state), batch)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from disttrain.data.records import MASK
+from disttrain.errors import DataError
 from disttrain.models import chunked_loss
 
 
@@ -33,12 +34,27 @@ class Classification:
   label_key: str = 'label'
 
   def per_example(self, logits_BxC: jax.Array, batch: dict) -> dict[str, jax.Array]:
-    labels = batch[self.label_key]
+    labels = _labels(batch, self.label_key, logits_BxC.shape[:-1])
     logits_BxC = logits_BxC.astype(jnp.float32)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxC, labels)
     loss = jnp.where((labels >= 0) & (labels < logits_BxC.shape[-1]), loss, jnp.nan)
     correct = (jnp.argmax(logits_BxC, axis=-1) == labels).astype(jnp.float32)
     return {'loss': _mean_per_example(loss), 'accuracy': _mean_per_example(correct)}
+
+
+def _labels(batch: dict, key: str, shape: tuple) -> jax.Array:
+  """batch[key]: integer classes, one per output row; else one line (found while tracing)."""
+  fields = sorted(k for k in batch if not k.startswith('_'))
+  if key not in batch:
+    raise DataError(f'the task reads its targets from batch field {key!r}, but the data has '
+                    f'{fields}; name one of them (config: model.target_key; Classification\'s '
+                    'label_key)')
+  labels = batch[key]
+  if not jnp.issubdtype(labels.dtype, jnp.integer) or labels.shape != tuple(shape):
+    raise DataError(f'batch field {key!r} holds the targets as {labels.dtype}{list(labels.shape)}, '
+                    f'but the model gives {list(shape)} rows of classes; give integer classes of '
+                    f'that shape (e.g. y.astype(int).reshape(-1) for [N, 1] labels)')
+  return labels
 
 
 def _mean_per_example(values: jax.Array) -> jax.Array:

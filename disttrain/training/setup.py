@@ -120,7 +120,7 @@ def _check_eval_runs(steps: Steps, state, records: Records, train: Records, batc
            for k, s in element_spec(records).items()}
   try:
     jax.eval_shape(steps.evaluate, state, batch)
-  except (TypeError, ValueError, KeyError, IndexError) as e:
+  except (TypeError, ValueError, KeyError, IndexError, DataError) as e:  # DataError: the task's
     shown = lambda r: ', '.join(f'{k} {s.dtype}{list(s.shape)}' for k, s in sorted(r.spec.items()))
     raise DataError(f'the {records.name} data ({shown(records)}) does not run through the model '
                     f'trained on {shown(train)}: {type(e).__name__}: {first_line(e, 200)}; give '
