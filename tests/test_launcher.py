@@ -142,6 +142,9 @@ BAD_INPUTS = [
     # `disttrain check` parses what setup would (it printed ok for these).
     ('check_mixture', ['--check', '--config.data.name=tokens', '--config.data.mixture=garbage'],
      ["data.mixture entry 'garbage' is not NAME=GLOB:WEIGHT"], r'write e\.g\.'),
+    ('check_batch_split', ['--check', '--config.global_batch_size=8',
+                           '--config.grad_accum_steps=3'],  # 'ok', then refused by train
+     ['global_batch_size=8 does not split into grad_accum_steps=3'], r'use a multiple of 3'),
     ('check_eval_tasks', ['--check', "--config.data.eval_tasks=a=x.jsonl;a=y.jsonl"],
      ["data.eval_tasks names 'a' twice"], r'give each task its own name'),
     ('param_rule_too_many_dims',

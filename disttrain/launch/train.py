@@ -88,6 +88,8 @@ def _check_specs(cfg) -> None:
   parsed now, so `disttrain check` refuses what the run would."""
   from disttrain.data import mixture  # pylint: disable=g-import-not-at-top
   from disttrain.evaluation import tasks  # pylint: disable=g-import-not-at-top
+  from disttrain.parallel import mesh  # pylint: disable=g-import-not-at-top
+  mesh.check_batch_split(cfg, mesh.known_batch_ways(cfg))  # the axes' sizes the config fixes
   if cfg.data.eval_tasks:
     tasks.pairs(cfg.data.eval_tasks)
   if cfg.data.mixture:

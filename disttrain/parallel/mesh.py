@@ -31,6 +31,26 @@ BATCH_AXES = ('data', 'fsdp', 'expert')  # the global batch's rows are split ove
 FSDP_AXIS, EXPERT_AXIS, SEQUENCE_AXIS, STAGE_AXIS = 'fsdp', 'expert', 'context', 'stage'
 
 
+def check_batch_split(cfg, ways: int) -> None:
+  """Both batch sizes split evenly over `ways` batch devices; micro-batches over them too."""
+  for name, size in (('global_batch_size', cfg.global_batch_size),
+                     ('eval_batch_size', cfg.eval_batch)):
+    if size % ways:
+      raise ConfigError(f'{name}={size} is not divisible by the {ways} devices on mesh axes '
+                        f'{BATCH_AXES}; use a multiple of {ways}')
+  m = cfg.grad_accum_steps
+  if cfg.global_batch_size % (ways * m):
+    raise ConfigError(f'global_batch_size={cfg.global_batch_size} does not split into '
+                      f'grad_accum_steps={m} micro-batches over {ways} devices on mesh axes '
+                      f'{BATCH_AXES}; use a multiple of {ways * m}')
+
+
+def known_batch_ways(cfg) -> int:
+  """The batch devices the config fixes without knowing the devices (an axis of -1 counts 1)."""
+  return math.prod(max(getattr(cfg.mesh, a), 1) * max(getattr(cfg.dcn_mesh, a), 1)
+                   for a in BATCH_AXES)
+
+
 def resolve_shape(cfg, num_devices: int) -> tuple[int, ...]:
   """Axis sizes of a MeshConfig with the -1 axis filled; ConfigError if they cannot cover the
   devices."""
@@ -194,17 +214,7 @@ class Parallelism:
 
   def check_batch_sizes(self, cfg) -> None:
     """Both batch sizes split evenly over the batch axes; micro-batches over them too."""
-    ways = self.batch_ways
-    for name, size in (('global_batch_size', cfg.global_batch_size),
-                       ('eval_batch_size', cfg.eval_batch)):
-      if size % ways:
-        raise ConfigError(f'{name}={size} is not divisible by the {ways} devices on mesh axes '
-                          f'{BATCH_AXES}; use a multiple of {ways}')
-    m = cfg.grad_accum_steps
-    if cfg.global_batch_size % (ways * m):
-      raise ConfigError(f'global_batch_size={cfg.global_batch_size} does not split into '
-                        f'grad_accum_steps={m} micro-batches over {ways} devices on mesh axes '
-                        f'{BATCH_AXES}; use a multiple of {ways * m}')
+    check_batch_split(cfg, self.batch_ways)
 
   def check_model(self, model, tokens: int) -> None:
     """The expert, stage and context axes fit the model: a number of experts the expert axis
