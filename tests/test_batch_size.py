@@ -60,6 +60,18 @@ def test_the_finder_picks_b_between_the_sizes_of_b_and_2b_and_only_b_passes_the_
   assert found.tried == sizes  # the bytes our own compiles measured: 2 fits, 4 does not
   assert found.peak_bytes == sizes[2] < found.budget_bytes < sizes[4] < given
 
+  # The configured batch of 4 at a limit micro-batch 2 fits but not its accumulated step (its
+  # gradient accumulator): grad_accum_steps=2 was named from the micro-batch, then refused.
+  accumulated = dataclasses.replace(cfg, global_batch_size=4, grad_accum_steps=2)
+  sizes[(2, 2)] = _peak(run_lib.plan(accumulated, spec, helpers.devices(1)))
+  assert sizes[2] < sizes[(2, 2)], sizes
+  found = batch_size.find(dataclasses.replace(cfg, global_batch_size=4), headroom=0,
+                          limit=(sizes[2] + sizes[(2, 2)]) // 2, devices=helpers.devices(1))
+  assert found.micro_batch == 2 and found.keep in (0, 4), found.keep
+  said = [line for line in found.lines() if line.startswith('global_batch_size=4 as configured')]
+  assert len(said) == 1 and ('fits with --config.grad_accum_steps=4' in said[0]) == bool(
+      found.keep), said
+
   for b, plan in plans.items():
     plan.cfg = dataclasses.replace(plan.cfg, memory_limit_bytes=limit)
     variants = memory.loop_variants(plan.cfg, 0)
@@ -99,6 +111,20 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, 'launch/train.py', '--find_batch_size', *ARGS, *args],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
                         check=False)
+
+
+def test_a_mixture_is_read_as_the_run_reads_it_and_pmap_is_refused(tmp_path):
+  """A data.mixture config was 'the train data (Mixture) has no __len__' (a run trains it);
+  step_mode=pmap was a pjit sharding traceback (its steps take a placed state)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  for name in ('web', 'code'):
+    np.arange(4000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(tmp_path / f'{name}.bin')
+  mixed = _config(**{'data.name': 'tokens', 'data.eval_examples': 0, 'global_batch_size': 1,
+                     'data.mixture': f'web={tmp_path}/web.bin:0.7;code={tmp_path}/code.bin:0.3'})
+  with pytest.raises(memory.MemoryLimitError, match='micro-batch 1 per device needs'):
+    batch_size.find(mixed, limit=1000, devices=helpers.devices(1))  # compiled: the data read
+  with pytest.raises(config_lib.ConfigError, match='step_mode=pmap: the finder compiles jit'):
+    batch_size.find(_config(step_mode='pmap'), limit=10**9, devices=helpers.devices(1))
 
 
 @pytest.mark.slow  # a launcher subprocess, ~5 s

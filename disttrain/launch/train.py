@@ -269,7 +269,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def _check_batch_flags() -> None:
-  """--memory_limit, --headroom and --batch_multiple are in range."""
+  """--memory_limit, --headroom and --batch_multiple are the finder's, and in range."""
+  given = [f for f in ('memory_limit', 'headroom', 'batch_multiple') if flags.FLAGS[f].present]
+  if given and not _FIND_BATCH.value:  # train would ignore them
+    _fail(f'--{given[0]} applies to `disttrain batch-size` (--find_batch_size); a run holds its '
+          'compiled step to --config.memory_limit_bytes')
   if _MEMORY_LIMIT.value is not None and _MEMORY_LIMIT.value < 1:
     _fail(f'--memory_limit={_MEMORY_LIMIT.value} must be >= 1 byte; pass the per-device bytes, '
           'e.g. --memory_limit=17179869184 (16 GiB)')

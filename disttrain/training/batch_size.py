@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 
 from disttrain.config import Config
-from disttrain.data import records as records_lib, sources
+from disttrain.data import mixture, records as records_lib, sources
 from disttrain.data.batches import element_spec
 from disttrain.errors import ConfigError
 from disttrain.hf import config as hf_config
@@ -39,6 +39,8 @@ class Found:
   batch_ways: int  # devices the global batch's rows are split over
   cfg: Config  # the config searched (its global_batch_size and grad_accum_steps as given)
   tried: dict  # micro-batch -> per-device peak bytes, every candidate compiled
+  # grad_accum_steps whose compiled step fits the configured batch (0: none tried fits)
+  keep: int | None = None
 
   @property
   def global_batch_size(self) -> int:
@@ -66,11 +68,15 @@ class Found:
            f'largest global batch at grad_accum_steps={m}: {self.micro_batch} x {ways} batch '
            f'devices x {m} = {self.global_batch_size} (--config.global_batch_size='
            f'{self.global_batch_size})']
-    keep = self.accumulation_for(cfg.global_batch_size)
+    keep = self.keep
     if keep:
       out.append(f'global_batch_size={cfg.global_batch_size} as configured fits with '
                  f'--config.grad_accum_steps={keep} (micro-batch '
                  f'{cfg.global_batch_size // ways // keep})')
+    elif keep == 0:
+      out.append(f'global_batch_size={cfg.global_batch_size} as configured fits with none of the '
+                 'grad_accum_steps tried (their accumulated gradients add to the step); split the '
+                 'state (fsdp) or recompute activations (model.remat)')
     return out + ['tried: ' + ', '.join(f'{b} ({memory.mib(p)})'
                                         for b, p in sorted(self.tried.items()))]
 
@@ -125,6 +131,9 @@ def find(cfg: Config, *, limit: int | None = None, headroom: float = 0.1, multip
     MemoryLimitError: not even a micro-batch of 1 fits.
   """
   cfg = hf_config.from_directory(cfg)
+  if cfg.step_mode == 'pmap':  # its steps take a placed (per-device stacked) state
+    raise ConfigError('step_mode=pmap: the finder compiles jit steps of the same layout; find '
+                      'the batch with --config.step_mode=jit (data parallel alike per device)')
   if cfg.data.name == 'prompts':
     raise ConfigError('data.name=prompts: a GRPO step also samples completions, which the '
                       'finder does not compile; find the batch of the same model on its '
@@ -141,18 +150,23 @@ def find(cfg: Config, *, limit: int | None = None, headroom: float = 0.1, multip
   ways, m = parallel.batch_ways, cfg.grad_accum_steps
   if train_data is None:
     train_data = sources.build(cfg)['train_data']
-  spec = element_spec(records_lib.Records(train_data, 'train', cfg.seed))
+  records = (mixture.MixtureRecords(train_data, cfg.global_batch_size, cfg.seed)
+             if isinstance(train_data, mixture.Mixture) else
+             records_lib.Records(train_data, 'train', cfg.seed))  # as setup reads them
+  spec = element_spec(records)
   tried = {}
 
-  def fits(b: int) -> bool:
-    candidate = dataclasses.replace(cfg, global_batch_size=b * ways * m)
+  def peak(candidate: Config) -> int:
     plan = run_lib.plan(candidate, spec, devices, model, task, tx)
     try:
       infos, _ = memory.preflight(plan, plan.state, memory.loop_variants(candidate, 0),
                                    lambda _: None, limit=budget)
-      tried[b] = max(info.peak_bytes for info in infos.values())
+      return max(info.peak_bytes for info in infos.values())
     except memory.MemoryLimitError as e:
-      tried[b] = e.peak_bytes
+      return e.peak_bytes
+
+  def fits(b: int) -> bool:
+    tried[b] = peak(dataclasses.replace(cfg, global_batch_size=b * ways * m))
     say(f'micro-batch {b}: {memory.mib(tried[b])} per device, '
         f'{"fits" if tried[b] <= budget else "does not fit"} {memory.mib(budget)}')
     return tried[b] <= budget
@@ -165,4 +179,23 @@ def find(cfg: Config, *, limit: int | None = None, headroom: float = 0.1, multip
         f'{memory.mib(budget)} ({memory.mib(limit)} ({source}) less {headroom:.0%} headroom); '
         'split the state (sharding=fsdp with mesh.fsdp), recompute activations '
         '(model.remat=full), or give a larger limit', tried[1])
-  return Found(best, tried[best], limit, source, headroom, budget, ways, cfg, tried)
+  found = Found(best, tried[best], limit, source, headroom, budget, ways, cfg, tried)
+  return dataclasses.replace(found, keep=_verified_accumulation(found, peak, say))
+
+
+def _verified_accumulation(found: Found, peak: Callable[[Config], int],
+                           say: Callable[[str], None], tries: int = 3) -> int | None:
+  """The fewest grad_accum_steps whose compiled step fits the configured global batch: more
+  micro-batches add an accumulator of the gradients (and, under fsdp, gathered parameters), so
+  the smallest count the micro-batch allows is compiled, then up to `tries` larger ones."""
+  cfg, first = found.cfg, found.accumulation_for(found.cfg.global_batch_size)
+  if first is None or first == cfg.grad_accum_steps:
+    return first  # the configured step: its micro-batch was searched as it is
+  rows = cfg.global_batch_size // found.batch_ways
+  for m in [d for d in range(first, rows + 1) if rows % d == 0][:tries]:
+    need = peak(dataclasses.replace(cfg, grad_accum_steps=m))
+    say(f'global_batch_size={cfg.global_batch_size} with grad_accum_steps={m}: '
+        f'{memory.mib(need)} per device')
+    if need <= found.budget_bytes:
+      return m
+  return 0
