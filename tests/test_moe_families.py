@@ -20,7 +20,7 @@ import transformers
 
 import jax.numpy as jnp
 
-from disttrain.config import ModelConfig
+from disttrain.config import ModelConfig, RopeScalingConfig
 from disttrain.hf import compare
 from disttrain.hf import config as hf_config
 from tests import hf_round_trip, test_llama
@@ -109,7 +109,8 @@ def test_qwen3_moe_with_dense_layers_among_the_experts_is_refused_naming_the_fie
     hf_round_trip.load(path)
   # null is transformers' [] (it loads such a config); the family checks pass
   null = {**config, 'mlp_only_layers': None}
-  cfg = ModelConfig(**hf_config.model_fields(null, 'qwen3_moe'))
+  fields = hf_config.model_fields(null, 'qwen3_moe')
+  cfg = ModelConfig(**{**fields, 'rope_scaling': RopeScalingConfig(**fields['rope_scaling'])})
   hf_config._check_rotary(path, 'qwen3_moe', null, cfg)  # pylint: disable=protected-access
 
 
