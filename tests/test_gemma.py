@@ -127,8 +127,9 @@ def test_gemma3_local_rope_scaling_is_refused(tmp_path):
     {'local_rope_theta': 0.0, 'rope_scaling': RopeScalingConfig(kind='linear', factor=8.0)},
     {'local_rope_theta': 1e4, 'rope_scaling': RopeScalingConfig(kind='llama3', factor=8.0,
                                                                original_max_len=16)},
-    {'local_rope_theta': 1e4, 'sliding_window_pattern': 0}], ids=['linear_local_0', 'llama3',
-                                                                 'every_layer_local'])
+    {'local_rope_theta': 1e4, 'sliding_window_pattern': 0},
+    {'local_rope_theta': 1e3}], ids=['linear_local_0', 'llama3', 'every_layer_local',
+                                     'local_base_is_global'])
 def test_gemma3_exports_the_rotation_its_layers_were_built_with(tmp_path, fields):
   """A run's Gemma 3 written for transformers: local layers scaled as the global ones (local 0),
   llama3 scaling, every layer windowed on the global base. The export wrote the local layers
@@ -152,6 +153,7 @@ def test_gemma3_exports_the_rotation_its_layers_were_built_with(tmp_path, fields
   np.testing.assert_allclose(_logits(model, params, tokens), want, rtol=1e-4, atol=1e-4)
   if fields.get('local_rope_theta') == 0.0:  # the export reads back as the run's model
     assert hf_round_trip.load(str(tmp_path)).cfg.model.local_rope_theta == 0.0
+  hf_config.check(str(tmp_path), 'gemma3', cfg, model.cfg)  # the run restores its own export
 
 
 @pytest.mark.parametrize('name,field', [('gpt', 'sliding_window'), ('llama', 'attn_softcap'),

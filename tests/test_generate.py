@@ -137,6 +137,15 @@ def test_generate_command_from_the_run_and_from_its_hugging_face_export(run_dir,
   assert out['settings']['temperature'] == 0 and np.prod(list(out['mesh'].values())) == 8
 
 
+def test_a_run_saved_with_fields_it_did_not_use_still_loads():
+  """Fields a run ignored are refused since 2026-11-29; a run saved before (lora.alpha without a
+  rank, a harness limit without tasks) must still load for generate, export and lm-eval."""
+  from disttrain.hf import trained  # pylint: disable=g-import-not-at-top
+  cfg = trained._config({'lora': {'alpha': 32.0}, 'dpo': {'beta': 0.5},  # pylint: disable=protected-access
+                         'data': {'eval_harness_limit': 5, 'mixture_exhausted': 'stop'}}, None)
+  assert (cfg.lora.alpha, cfg.dpo.beta, cfg.data.eval_harness_limit) == (16.0, 0.1, 0)
+
+
 @pytest.mark.parametrize('command,args,message', [
     ('generate', ['--prompt=' + 'x' * 80, '--max_new_tokens=8'],
      'a prompt of 80 tokens + max_new_tokens=8 is longer than the model context of 64 tokens'),

@@ -205,6 +205,10 @@ def test_bad_mixtures_are_one_line_config_or_data_errors(tmp_path):
   with pytest.raises(ConfigError, match='the mixture has no sources'):  # an IndexError
     MixtureRecords(Mixture({}, {}), 4, 0)
   assert 'drop data.train_files' in error(mixture=f'a={one}:1', train_files=str(one))
+  cd = config_lib.defaults()  # 'stop' from the config (each source's own config refused it)
+  cd.data.name, cd.model.name, cd.data.mixture = 'tokens', 'gpt', f'a={one}:1;b={one}:1'
+  cd.data.mixture_exhausted = 'stop'
+  assert sources.build(config_lib.from_config_dict(cd))['train_data'].exhausted == 'stop'
   with pytest.raises(DataError, match="mixture sources 'a' and 'b' give different rows"):
     MixtureRecords(Mixture({'a': _rows(0, 10), 'b': {'x': np.zeros((10, 3), np.int32)}},
                            {'a': 1, 'b': 1}), 4, 0)

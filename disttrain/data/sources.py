@@ -47,7 +47,8 @@ def _mixture(cfg: Config) -> dict:
   for i, (name, pattern, _) in enumerate(entries):
     eval_files = cfg.data.eval_files if i == 0 else ''  # one shared eval set, built once
     held_out = 0 if cfg.data.eval_files else cfg.data.eval_examples
-    one = dataclasses.replace(cfg.data, mixture='', mixture_stages='', train_files=pattern,
+    one = dataclasses.replace(cfg.data, mixture='', mixture_stages='', mixture_exhausted='repeat',
+                              train_files=pattern,
                               eval_files=eval_files, eval_examples=held_out)
     try:
       built = SOURCES[cfg.data.name](dataclasses.replace(cfg, data=one))

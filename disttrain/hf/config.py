@@ -194,9 +194,16 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
                             f'global but model.sliding_window_pattern='
                             f'{cfg.sliding_window_pattern}; set '
                             f'--config.model.sliding_window_pattern={pattern}')
+    # Unscaled, local_rope_theta 0 rotates the windowed layers on rope_theta: the same model.
+    same_base = lambda v: v or cfg.rope_theta if not cfg.rope_scaling.kind else v
     for key, value in fields.items():
-      if not np.isclose(getattr(cfg, key), value, rtol=1e-6):
-        raise _mismatch(directory, key, value, f'model.{key}', getattr(cfg, key))
+      ours = getattr(cfg, key)
+      if key == 'local_rope_theta':
+        if not (cfg.sliding_window and cfg.sliding_window_pattern):
+          continue  # no layer of ours is local (pattern 0: every layer on the global base)
+        ours, value = same_base(ours), same_base(value)
+      if not np.isclose(ours, value, rtol=1e-6):
+        raise _mismatch(directory, key, fields[key], f'model.{key}', getattr(cfg, key))
   if kind == 'linear' and not (cfg.rope_scaling.kind == 'linear' and np.isclose(
       scaling['factor'], cfg.rope_scaling.factor)):
     raise _mismatch(directory, 'rope_scaling', scaling, 'model.rope_scaling', vars(cfg.rope_scaling))
@@ -278,10 +285,12 @@ def layer_types(pattern: int, window: int, num_layers: int) -> list[str]:
 
 
 def _local_as_global(config: dict) -> bool:
-  """Gemma 3's windowed layers rotate as the global ones, scaling included (local_rope_theta 0)."""
+  """Gemma 3's windowed layers rotate as the global ones with their scaling (local_rope_theta 0;
+  unscaled, the local base is the global one either way)."""
   params = config.get('rope_parameters') or {}
-  return bool(params.get('sliding_attention')) and (
-      params.get('sliding_attention') == params.get('full_attention'))
+  local = params.get('sliding_attention')
+  return bool(local) and local == params.get('full_attention') and local.get(
+      'rope_type', 'default') != 'default'
 
 
 def _gemma_fields(config: dict, family: str) -> dict:

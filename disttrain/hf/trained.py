@@ -50,7 +50,25 @@ def _config(tree: dict, mesh: dict | None) -> Config:
       cd[group] = tuple(tuple(r) for r in fields) if group.endswith('_rules') else fields
   if mesh:
     cd.mesh.update(mesh)
-  return config_lib.from_config_dict(cd)
+  return config_lib.from_config_dict(_unused_cleared(cd))
+
+
+def _unused_cleared(cd):
+  """A saved run's fields that its run did not use, back at their defaults: configs saved before
+  such fields were refused (lora.alpha without a rank, ...) load as the model they trained."""
+  default = config_lib.defaults()
+  for group, used in (('lora', cd.lora.rank > 0), ('dpo', cd.data.name == 'preference'),
+                      ('grpo', cd.data.name == 'prompts')):
+    if not used:
+      cd[group] = default[group]
+  if not cd.data.mixture:
+    cd.data.mixture_exhausted = default.data.mixture_exhausted
+  if not cd.data.eval_harness:
+    cd.data.eval_harness_limit = default.data.eval_harness_limit
+    cd.data.eval_harness_include = default.data.eval_harness_include
+  if cd.data.name == 'prompts':
+    cd.data.eval_files = ''
+  return cd
 
 
 def _mesh(cfg: Config, devices):
