@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -100,10 +101,13 @@ def test_torn_save_in_a_bucket_is_never_restored_and_a_second_run_is_refused(ser
   steps = ['--config.num_train_steps=40', '--config.checkpoint_every_steps=10']
   with servers.stalled('/torn/run/checkpoints/20/') as stalled:
     first = _launch(url, *steps)
+    printed = []  # its lines, read as they come (it blocks on a full pipe otherwise)
+    reader = threading.Thread(target=lambda: printed.extend(first.stdout), daemon=True)
+    reader.start()
     try:
       deadline = time.monotonic() + 180
       while not stalled:
-        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()[-3000:]
+        assert first.poll() is None and time.monotonic() < deadline, ''.join(printed)[-3000:]
         time.sleep(0.1)
       second = _launch(url, *steps)
       out, _ = second.communicate(timeout=180)
@@ -111,6 +115,13 @@ def test_torn_save_in_a_bucket_is_never_restored_and_a_second_run_is_refused(ser
       (line,) = [l for l in out.splitlines() if l.startswith('error:')]
       assert f'{url} is in use by another run' in line and f'pid {first.pid}' in line, line
       assert first.poll() is None  # the first run was left alone
+      # It trains on to step 30, whose save waits for the stalled one: killed there, after its
+      # progress upload (every 2 s). (Killed whenever the refusal came, it had reached 20-22 on
+      # a fast day: the check below then read a run that had trained less, not a lost upload.)
+      while not any(l.startswith('train step 30/') for l in list(printed)):
+        assert first.poll() is None and time.monotonic() < deadline, ''.join(printed)[-3000:]
+        time.sleep(0.1)
+      time.sleep(3)
       first.send_signal(signal.SIGKILL)
       first.wait(30)
     finally:
