@@ -283,8 +283,11 @@ def test_grpo_on_data_fsdp_tensor_equals_one_device_and_resumes_bitwise_after_si
   for step, got in _records(tmp_path / 'one').items():
     assert got['reward'] == want[step]['reward'], step
     assert got['completion_length'] == want[step]['completion_length'], step
-    for name in ('loss', 'kl'):
-      np.testing.assert_allclose(got[name], want[step][name], rtol=1e-4, atol=1e-6)
+    # Steps 1-4 sample no reward here (every advantage 0): the only gradient is the KL's, exactly
+    # 0 at the reference on 1 device and float32 reassociation noise on 8, which Adam scales to
+    # steps of up to the learning rate: KL 1.3e-6 against 0 (jax 0.12.0.1), the loss beta times it.
+    for name, atol in (('loss', 1e-6), ('kl', 1e-5)):
+      np.testing.assert_allclose(got[name], want[step][name], rtol=1e-4, atol=atol)
 
   killed = tmp_path / 'killed'
   flags = [f'--config={EXAMPLE}', f'--workdir={killed}', '--fake_devices=8',
