@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -469,9 +470,12 @@ def test_small_replicated_arrays_are_saved_whole_and_large_ones_in_slices(tmp_pa
     ckpt.close()
 
 
-def test_a_finished_run_relaunched_writes_its_last_eval_once(tmp_path):
+def test_a_finished_run_relaunched_writes_its_last_eval_once(tmp_path, monkeypatch):
   """The relaunch evaluates the last step again (its Result has the eval); metrics.jsonl and
-  TensorBoard held that step's eval twice."""
+  TensorBoard held that step's eval twice. tensorboardX names its event file by the second: a
+  relaunch within the same second (frozen here, as in a CI run) truncated the first run's."""
+  from tensorboardX import event_file_writer  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(event_file_writer, 'time', types.SimpleNamespace(time=lambda: 1764450000.5))
   cfg = make_config(num_train_steps=10, log_every_steps=5, eval_every_steps=5)
   disttrain.train(cfg, str(tmp_path), devices=devices(1))
   again = disttrain.train(cfg, str(tmp_path), devices=devices(1))

@@ -82,7 +82,10 @@ class Writer:
     if progress is not None and progress > first_step:
       moved.append(progress)
     self._jsonl = open(path, 'a', encoding='utf-8')
-    self._tb = _summary_writer(logdir=self.local, purge_step=first_step + 1)
+    # tensorboardX names the file by the second and truncates it: a relaunch in the same second
+    # erased the last attempt's events. Nanoseconds keep names unique and in order (purges).
+    self._tb = _summary_writer(logdir=self.local, purge_step=first_step + 1,
+                               filename_suffix=f'.{time.time_ns()}')
     self.sync()
     return max(moved, default=None)
 
