@@ -273,6 +273,13 @@ class MixtureRecords:
             f'{[round(float(x), 4) for x in [w for b, w in self.stages if b <= next_batch][-1]]}')
 
 
+def train_records(source: Any, global_batch_size: int, seed: int) -> 'Records | MixtureRecords':
+  """The records a run trains on: a Mixture's weighted draw, or one source's shuffle."""
+  if isinstance(source, Mixture):
+    return MixtureRecords(source, global_batch_size, seed)
+  return Records(source, 'train', seed)
+
+
 def _key(name: str) -> int:
   """A source's seed word: its shuffles and random transforms draw apart from the others'."""
   return zlib.crc32(name.encode())

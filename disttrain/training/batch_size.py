@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 
 from disttrain.config import Config
-from disttrain.data import mixture, records as records_lib, sources
+from disttrain.data import mixture, sources
 from disttrain.data.batches import element_spec
 from disttrain.errors import ConfigError
 from disttrain.hf import config as hf_config
@@ -150,9 +150,7 @@ def find(cfg: Config, *, limit: int | None = None, headroom: float = 0.1, multip
   ways, m = parallel.batch_ways, cfg.grad_accum_steps
   if train_data is None:
     train_data = sources.build(cfg)['train_data']
-  records = (mixture.MixtureRecords(train_data, cfg.global_batch_size, cfg.seed)
-             if isinstance(train_data, mixture.Mixture) else
-             records_lib.Records(train_data, 'train', cfg.seed))  # as setup reads them
+  records = mixture.train_records(train_data, cfg.global_batch_size, cfg.seed)
   spec = element_spec(records)
   tried = {}
 

@@ -83,8 +83,7 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
     built = sources.build(cfg)
     train_data, eval_data = built['train_data'], built['eval_data'] if eval_data is None else \
         eval_data
-  train = (mixture.MixtureRecords(train_data, cfg.global_batch_size, cfg.seed)
-           if isinstance(train_data, mixture.Mixture) else Records(train_data, 'train', cfg.seed))
+  train = mixture.train_records(train_data, cfg.global_batch_size, cfg.seed)
   evals = {name: Records(source, name, cfg.seed)
            for name, source in records_lib.named_sources(eval_data).items()}
   batch_sharding = parallel.rows
