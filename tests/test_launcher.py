@@ -107,7 +107,7 @@ BAD_INPUTS = [
     ('files_of_a_fileless_source', ['--config.data.train_files=/nonexistent/x.bin'],
      ["data.name='digits' reads no data.train_files"], r'drop them'),
     ('harness_limit_without_harness', ['--config.data.eval_harness_limit=5'],  # ignored
-     ['data.eval_harness_limit applies to data.eval_harness tasks, and none is named'],
+     ['data.eval_harness_limit=5 applies to data.eval_harness tasks, and none is named'],
      r'set data\.eval_harness=TASK'),
     ('exhausted_without_mixture', ['--config.data.mixture_exhausted=stop'],  # repeated epochs
      ["data.mixture_exhausted='stop' applies to data.mixture sources"], r'set data\.mixture'),
@@ -116,7 +116,7 @@ BAD_INPUTS = [
      r'set it or drop the field'),
     ('grpo_eval_files', ['--config=launch/configs/grpo_sums.py',
                          '--config.data.eval_files={dir}/pairs.jsonl'],  # dropped silently
-     ["data.eval_files with data.name='prompts': GRPO has no eval split"],
+     ["data.eval_files='", "pairs.jsonl' with data.name='prompts': GRPO has no eval split"],
      r'drop data\.eval_files'),
     ('momentum_without_sgd', ['--config.optimizer=adam', '--config.momentum=0.9'],
      ["momentum=0.9", "optimizer='sgd' only"], r'set b1'),

@@ -12,6 +12,7 @@ The dataclasses are the single schema, one module per part of a run; the generat
   build          defaults() (a locked ConfigDict for config files and --config.<field>
                  overrides) and from_config_dict() (back to a validated Config)
   checks         the one-line field checks every group shares
+  conditional    fields that apply only with another set: refused alone, dropped from saved runs
 
 Every name is importable from `disttrain.config`, as when the schema was one module. Importing
 it loads no jax: config files and bad command lines are answered without it.

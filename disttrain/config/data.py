@@ -133,9 +133,6 @@ class DataConfig:
     if self.mixture and self.train_files:
       raise ConfigError('data.mixture and data.train_files are both set; the mixture names its '
                         'own files, so drop data.train_files')
-    if self.mixture_exhausted != 'repeat' and not self.mixture:  # one source repeats its epochs
-      raise ConfigError(f'data.mixture_exhausted={self.mixture_exhausted!r} applies to '
-                        'data.mixture sources; set data.mixture, or num_train_steps for one source')
     if self.mixture_stages and not self.mixture:
       raise ConfigError('data.mixture_stages needs data.mixture (the sources whose weights it '
                         "changes); set data.mixture='NAME=GLOB:WEIGHT;...'")
@@ -151,10 +148,6 @@ class DataConfig:
     positive('data.seq_len', self.seq_len)
     positive('data.eval_max_new_tokens', self.eval_max_new_tokens)
     positive('data.eval_harness_limit', self.eval_harness_limit, allow_zero=True)
-    given = [f for f in ('eval_harness_limit', 'eval_harness_include') if getattr(self, f)]
-    if given and not self.eval_harness:  # they would change nothing
-      raise ConfigError(f'data.{given[0]} applies to data.eval_harness tasks, and none is named; '
-                        'set data.eval_harness=TASK[,...] or drop it')
     positive('data.workers', self.workers, allow_zero=True)
     if self.prefetch < -1:
       raise ConfigError(f'data.prefetch={self.prefetch} must be -1 (auto) or >= 0; pass one')

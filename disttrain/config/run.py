@@ -4,6 +4,7 @@ checkpoints, guards) and groups, and the checks across groups."""
 import dataclasses
 import re
 
+from disttrain.config import conditional
 from disttrain.config.checks import one_of, positive
 from disttrain.config.data import DataConfig
 from disttrain.config.layout import (SHARDINGS, STEP_MODES, DcnMeshConfig, MeshConfig,
@@ -268,20 +269,10 @@ class Config:
       raise ConfigError(f'{field}={rate} with data.name={self.data.name}: the policy '
                         f"log-probabilities are compared with {against}'s, which run without "
                         f'dropout; set --config.{field}=0 (TRL disables dropout too)')
-    for group, used, how in (('lora', self.lora.rank > 0, 'lora.rank > 0'),
-                             ('dpo', self.data.name == 'preference', "data.name='preference'"),
-                             ('grpo', self.data.name == 'prompts', "data.name='prompts'")):
-      given, default = getattr(self, group), type(getattr(self, group))()
-      changed = [f.name for f in dataclasses.fields(default)
-                 if getattr(given, f.name) != getattr(default, f.name)]
-      if changed and not used:  # e.g. lora.alpha without a rank: every weight trained
-        raise ConfigError(f'{group}.{changed[0]}={getattr(given, changed[0])!r} applies with '
-                          f'{how}, which this run does not set; set it or drop the field')
+    for _, line in conditional.unused(self)[:1]:
+      raise ConfigError(line)
     if self.data.name != 'prompts':
       return
-    if self.data.eval_files:
-      raise ConfigError("data.eval_files with data.name='prompts': GRPO has no eval split (the "
-                        'rewards of its samples are the measure); drop data.eval_files')
     g = self.grpo
     if self.global_batch_size % g.group_size:
       raise ConfigError(f'global_batch_size={self.global_batch_size} counts completions, '

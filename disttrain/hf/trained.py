@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from disttrain import config as config_lib, models
-from disttrain.config import Config
+from disttrain.config import Config, conditional
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.errors import CheckpointError, ConfigError
 from disttrain.hf import adapters, config as hf_config, weights as hf
@@ -56,18 +56,9 @@ def _config(tree: dict, mesh: dict | None) -> Config:
 def _unused_cleared(cd):
   """A saved run's fields that its run did not use, back at their defaults: configs saved before
   such fields were refused (lora.alpha without a rank, ...) load as the model they trained."""
-  default = config_lib.defaults()
-  for group, used in (('lora', cd.lora.rank > 0), ('dpo', cd.data.name == 'preference'),
-                      ('grpo', cd.data.name == 'prompts')):
-    if not used:
-      cd[group] = default[group]
-  if not cd.data.mixture:
-    cd.data.mixture_exhausted = default.data.mixture_exhausted
-  if not cd.data.eval_harness:
-    cd.data.eval_harness_limit = default.data.eval_harness_limit
-    cd.data.eval_harness_include = default.data.eval_harness_include
-  if cd.data.name == 'prompts':
-    cd.data.eval_files = ''
+  for path, _ in conditional.unused(cd):
+    group, name = path.split('.')
+    cd[group][name] = conditional.default(path)
   return cd
 
 
