@@ -255,9 +255,10 @@ class Checkpointer:
     self._manager.reload()
 
 
-def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
-               where: str) -> None:
-  """One-line error naming the first parameter (then other leaf) whose shape or presence differs."""
+def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: Any, where: str,
+               only: tuple[str, ...] = ()) -> None:
+  """One-line error naming the first parameter (then other leaf) whose shape or presence differs;
+  `only`: the parts of the saved state compared (a warm start reads params and mutable), else all."""
   try:
     saved = manager.item_metadata(step)['state'].tree
   except Exception:  # pylint: disable=broad-except
@@ -266,8 +267,8 @@ def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
               for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
   found = {sharding_lib.path_str(p): tuple(x.shape)
            for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
-  if isinstance(abstract_state, dict):  # a part of the state (a warm start's params): only it
-    found = {k: v for k, v in found.items() if k.split('/', 1)[0] in abstract_state}
+  if only:
+    found = {k: v for k, v in found.items() if k.split('/', 1)[0] in only}
   # Parameters first: a model mismatch is named by its parameter, not by the optimizer's copy.
   for path, shape in sorted(expected.items(), key=lambda item: not item[0].startswith('params')):
     if path not in found:
@@ -306,7 +307,7 @@ def restore_params(path: str, abstract_state: Any) -> tuple[Any, Any, int]:
                           'checkpoints directory or one of its step directories')
   # Parameters only: the optimizer starts fresh, so its state may be another optimizer's.
   part = {'params': abstract_state.params, 'mutable': abstract_state.mutable}
-  check_fits(manager, step, part, directory)
+  check_fits(manager, step, part, directory, only=tuple(part))
   manager.close()
   try:
     restored = ocp.PyTreeCheckpointer().restore(
