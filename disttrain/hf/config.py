@@ -194,16 +194,17 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
                             f'global but model.sliding_window_pattern='
                             f'{cfg.sliding_window_pattern}; set '
                             f'--config.model.sliding_window_pattern={pattern}')
-    # Unscaled, local_rope_theta 0 rotates the windowed layers on rope_theta: the same model.
-    same_base = lambda v: v or cfg.rope_theta if not cfg.rope_scaling.kind else v
+    local = fields.pop('local_rope_theta')
     for key, value in fields.items():
-      ours = getattr(cfg, key)
-      if key == 'local_rope_theta':
-        if not (cfg.sliding_window and cfg.sliding_window_pattern):
-          continue  # no layer of ours is local (pattern 0: every layer on the global base)
-        ours, value = same_base(ours), same_base(value)
-      if not np.isclose(ours, value, rtol=1e-6):
-        raise _mismatch(directory, key, fields[key], f'model.{key}', getattr(cfg, key))
+      if not np.isclose(getattr(cfg, key), value, rtol=1e-6):
+        raise _mismatch(directory, key, value, f'model.{key}', getattr(cfg, key))
+    # Unscaled, local_rope_theta 0 rotates the windowed layers on rope_theta: the same model;
+    # pattern 0 has no local layer of ours (every layer on the global base).
+    base = lambda v: v or cfg.rope_theta if not cfg.rope_scaling.kind else v
+    if cfg.sliding_window and cfg.sliding_window_pattern and not np.isclose(
+        base(cfg.local_rope_theta), base(local), rtol=1e-6):
+      raise _mismatch(directory, 'local_rope_theta', local, 'model.local_rope_theta',
+                      cfg.local_rope_theta)
   if kind == 'linear' and not (cfg.rope_scaling.kind == 'linear' and np.isclose(
       scaling['factor'], cfg.rope_scaling.factor)):
     raise _mismatch(directory, 'rope_scaling', scaling, 'model.rope_scaling', vars(cfg.rope_scaling))
