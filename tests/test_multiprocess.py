@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -517,6 +518,37 @@ def test_process_started_alone_names_the_missing_one(tmp_path, process_id, missi
   assert 'Traceback' not in proc.stderr
   with socket.socket() as s:  # the roll call's listener was closed
     s.bind(('127.0.0.1', port + 1))
+
+
+def test_the_roll_call_waits_for_a_name_that_resolves_late_and_takes_an_ipv6_address(monkeypatch):
+  """A Kubernetes pod can start before pod 0's DNS record exists: process 1 retried only a refused
+  connection and failed at once on 'Name or service not known'. '[::1]:P', as jax.distributed
+  takes it, was passed on with its brackets and the listener was IPv4 only."""
+  port, real, start = distributed.free_port_pair(), socket.getaddrinfo, time.monotonic()
+
+  def resolves_late(host, *args, **kwargs):
+    if host == 'pod-0.starting':
+      if time.monotonic() - start < 1.5:
+        raise socket.gaierror(socket.EAI_NONAME, 'Name or service not known')
+      host = '127.0.0.1'
+    return real(host, *args, **kwargs)
+  monkeypatch.setattr(socket, 'getaddrinfo', resolves_late)
+  for address in (f'pod-0.starting:{port}', f'[::1]:{port}'):
+    errors = []
+    coordinator = threading.Thread(target=lambda: _record_error(
+        errors, distributed._roll_call, address, 2, 0, 30))  # pylint: disable=protected-access
+    coordinator.start()
+    distributed._roll_call(address, 2, 1, 30)  # pylint: disable=protected-access
+    coordinator.join()
+    assert not errors, (address, errors)
+  assert time.monotonic() - start >= 1.5  # the first address did wait for its name
+
+
+def _record_error(errors, fn, *args):
+  try:
+    fn(*args)
+  except Exception as e:  # pylint: disable=broad-except
+    errors.append(e)
 
 
 @pytest.mark.parametrize('flag,message', [

@@ -62,11 +62,13 @@ def _roll_call(address: str, num_processes: int, process_id: int, timeout: float
   did not release them. Everyone proceeds only when all have checked in.
   """
   host, port = address.rsplit(':', 1)
-  port = int(port) + 1
+  host, port = host.strip('[]'), int(port) + 1  # [::1]:PORT, as jax.distributed takes it
   deadline = time.monotonic() + timeout
   if process_id == 0:
-    try:
-      server = socket.create_server(('', port))
+    try:  # IPv4 and IPv6 (jax.distributed listens on both)
+      dual = socket.has_dualstack_ipv6()
+      server = socket.create_server(('', port), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                    dualstack_ipv6=dual)
     except (OSError, OverflowError) as e:  # OverflowError: port 65536
       raise DistributedError(f'cannot listen on port {port} (coordinator port + 1) for the roll '
                              f'call: {getattr(e, "strerror", None) or e}; pick another '
@@ -92,24 +94,26 @@ def _roll_call(address: str, num_processes: int, process_id: int, timeout: float
           f'(coordinator {address}); start them with --coordinator_address={address} '
           f'--num_processes={num_processes}, or raise --distributed_init_timeout')
     return
-  while True:
+  last = ''
+  while time.monotonic() < deadline:
     try:
       with socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.01)) \
           as conn:
         conn.sendall(f'{process_id}\n'.encode())
         if conn.makefile().readline().strip() == 'go':
           return
+        last = 'it ended the roll call without starting the job'
         break
-    except ConnectionRefusedError:
-      if time.monotonic() > deadline:
-        break
-      time.sleep(0.2)
-    except (socket.timeout, OSError):
-      break
+    except socket.timeout:
+      break  # the deadline
+    except OSError as e:  # not listening yet, or its name not resolvable yet (a pod starting)
+      last = f'last try: {e.strerror or e}'
+      time.sleep(0.5)
   raise DistributedError(
       f'process {process_id}: the coordinator (process 0 at {address}) did not start the job '
-      f'within {timeout:.0f}s; start process 0 and every other process with the same '
-      '--coordinator_address and --num_processes, or raise --distributed_init_timeout')
+      f'within {timeout:.0f}s{f" ({last})" if last else ""}; start process 0 and every other '
+      'process with the same --coordinator_address and --num_processes, or raise '
+      '--distributed_init_timeout')
 
 
 def job() -> Any:
