@@ -564,16 +564,23 @@ def test_bad_cluster_flags_are_one_line(flag, message):
   assert proc.stderr.startswith(message), proc.stderr
 
 
-def test_distributed_without_a_cluster_says_so(tmp_path):
+@pytest.mark.parametrize('flags,message', [
+    (['--distributed', '--num_processes=2', '--process_id=0'],  # no address, no cluster
+     ['detected no cluster', '--coordinator_address=HOST:PORT']),
+    # JAX's own ValueError was reworded as 'not all None processes joined within 3s'.
+    (['--coordinator_address=127.0.0.1:{port}', '--process_id=1'],
+     ['cannot start: Number of processes must be defined;', 'pass --num_processes=N']),
+])
+def test_distributed_without_a_cluster_or_a_count_says_so(tmp_path, flags, message):
+  port = distributed.free_port_pair()
   proc = subprocess.run(
       [sys.executable, 'launch/train.py', f'--config={CONFIG}', f'--workdir={tmp_path}',
-       '--fake_devices=4', '--distributed', '--num_processes=2', '--process_id=0',
-       '--distributed_init_timeout=3'],
+       '--fake_devices=4', '--distributed_init_timeout=3'] + [f.format(port=port) for f in flags],
       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=False)
   assert proc.returncode == 2, proc.stderr
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
-  assert len(errors) == 1 and 'detected no cluster' in errors[0], proc.stderr
-  assert '--coordinator_address=HOST:PORT' in errors[0] and 'Traceback' not in proc.stderr
+  assert len(errors) == 1 and all(m in errors[0] for m in message), proc.stderr
+  assert 'Traceback' not in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from disttrain.errors import DisttrainError
+from disttrain.errors import DisttrainError, first_line
 
 
 class DistributedError(DisttrainError):
@@ -45,6 +45,10 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
           f'--distributed: JAX detected no cluster to join ({message}); on a multi-host TPU '
           'slice run the same command on every host, elsewhere pass --coordinator_address='
           'HOST:PORT --num_processes=N --process_id=I') from e
+    if isinstance(e, ValueError):  # its arguments (a count or id neither given nor detected)
+      raise DistributedError(
+          f'jax.distributed cannot start: {first_line(e, 200).rstrip(".")}; pass --num_processes=N and '
+          '--process_id=I (or JAX_NUM_PROCESSES, JAX_PROCESS_ID) with --coordinator_address') from e
     missing = sorted({int(t) for t in re.findall(r'task:(\d+)', message)} - {process_id})
     who = (f'process(es) {missing} did not join' if missing else
            f'not all {num_processes} processes joined')
