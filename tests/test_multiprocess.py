@@ -555,9 +555,15 @@ def _record_error(errors, fn, *args):
     ('--timeout=-5', 'error: --timeout=-5 must be > 0 and --grace=20 >= 0'),  # it ran, stopped
     ('--num_processes=0', 'error: --num_processes=0 and --devices_per_process=4 must both be'),
     ('--grace=abc', "error: --grace='abc' is not a float value"),
+    # After --, absl kept the launcher's own value (appended last): 2 x 4 devices, exit 0.
+    ('-- --num_processes=1', 'error: --num_processes=1 after -- is set by the launcher for each '
+     'process; drop it and pass --num_processes=N before --'),
+    ('-- --fake_devices=8', 'error: --fake_devices=8 after -- is set by the launcher for each '
+     'process; drop it and pass --devices_per_process=N before --'),
 ])
 def test_bad_cluster_flags_are_one_line(flag, message):
-  proc = subprocess.run([sys.executable, 'launch/local_cluster.py', flag, '--', '--config=x'],
+  proc = subprocess.run([sys.executable, 'launch/local_cluster.py', *flag.split(), '--',
+                         '--config=x'],
                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
                         check=False)
   assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr

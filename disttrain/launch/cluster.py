@@ -174,8 +174,19 @@ def main(argv):
   if not _TIMEOUT.value > 0 or not _GRACE.value >= 0:  # a negative timeout stopped it at once
     commandline.fail(f'--timeout={_TIMEOUT.value:g} must be > 0 and --grace={_GRACE.value:g} >= 0;'
                      ' pass seconds, e.g. --timeout=1800 --grace=20')
+  for arg in argv[1:]:  # the launcher appends its own: absl would keep the last, silently
+    name = re.match(r'--?([a-z_]+)', arg)
+    if name and name[1] in _SET_BY_LAUNCHER:
+      instead = _SET_BY_LAUNCHER[name[1]]
+      commandline.fail(f'{arg} after -- is set by the launcher for each process; drop it'
+                       + (f' and pass --{instead}=N before --' if instead else ''))
   sys.exit(run(_NUM_PROCESSES.value, _DEVICES.value, argv[1:], _TIMEOUT.value, _GRACE.value,
                _PROGRAM.value))
+
+
+# What run() appends to every process's command line.
+_SET_BY_LAUNCHER = {'fake_devices': 'devices_per_process', 'num_processes': 'num_processes',
+                    'coordinator_address': '', 'process_id': ''}
 
 
 if __name__ == '__main__':
