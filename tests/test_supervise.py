@@ -23,14 +23,16 @@ from tests.conftest import ROOT
 JOB = str(ROOT / 'tests' / 'configs' / 'planned_job.py')
 
 
-def _supervise(tmp_path, plan: list, *flags: str):
-  """Runs the supervisor over the stand-in with `plan` = [(status, committed step), ...]."""
+def _supervise(tmp_path, plan: list, *flags: str, workdir_flag: str = ''):
+  """Runs the supervisor over the stand-in with `plan` = [(status, committed step), ...], from
+  tmp_path/cwd with HOME=tmp_path; the run's workdir is tmp_path/run."""
   workdir = tmp_path / 'run'
-  env = dict(os.environ, PLAN=json.dumps(plan))
+  env = dict(os.environ, PLAN=json.dumps(plan), HOME=str(tmp_path))
+  os.makedirs(tmp_path / 'cwd', exist_ok=True)
   proc = subprocess.run(
-      [sys.executable, 'launch/supervise.py', '--backoff_seconds=0.01', *flags, '--',
-       sys.executable, JOB, f'--workdir={workdir}'],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+      [sys.executable, str(ROOT / 'launch' / 'supervise.py'), '--backoff_seconds=0.01', *flags,
+       '--', sys.executable, JOB, workdir_flag or f'--workdir={workdir}'],
+      cwd=tmp_path / 'cwd', env=env, capture_output=True, text=True, timeout=60, check=False)
   attempts = (workdir / 'attempts.txt').read_text().split() if (workdir / 'attempts.txt').exists() \
       else []
   exits = [e for e in events.read(str(workdir)) if e['event'] == 'exit']
@@ -46,6 +48,16 @@ def test_done_after_a_hang_and_a_death_by_signal(tmp_path):
   assert exits[1]['reason'] == 'killed by SIGKILL' and exits[1]['exit_code'] == 137
   assert exits[2]['committed_step'] == 30
   assert 'restarting in' in proc.stderr
+
+
+def test_a_home_relative_workdir_is_the_one_the_job_writes(tmp_path):
+  """--workdir=~/run (a shell leaves ~ after '=' alone): the job expands it, and the supervisor's
+  exit events and attempt count went to ./~/run/events.jsonl under its working directory."""
+  proc, attempts, exits = _supervise(tmp_path, [[Exit.HANG, None], [0, 5]],
+                                     workdir_flag='--workdir=~/run')
+  assert proc.returncode == 0 and attempts == [1, 2], proc.stderr
+  assert [e['verdict'] for e in exits] == ['failure', 'done']
+  assert not os.path.exists(tmp_path / 'cwd' / '~')
 
 
 @pytest.mark.parametrize('code', [Exit.BAD_INPUT, Exit.INTERRUPTED])
@@ -117,7 +129,9 @@ def test_a_signal_during_the_backoff_stops_the_supervisor_with_its_status(tmp_pa
 
 
 @pytest.mark.parametrize('args,message', [
-    (['--max_restarts=-1', '--', 'true', '--workdir=x'], '--max_restarts=-1 is negative'),
+    (['--max_restarts=-1', '--', 'true', '--workdir=x'], '--max_restarts=-1 is not 0 or more'),
+    (['--backoff_seconds=nan', '--', 'true', '--workdir=x'],  # restarted with no wait
+     '--backoff_seconds=nan is not 0 or more'),
     ([], 'no command to run'),
     (['--max_restarts=abc', '--', 'true', '--workdir=x'], "--max_restarts='abc' is not an int"),
     (['disttrain', 'train', '--config=c.py', '--workdir=x'],  # no --: train's flags reach absl

@@ -34,7 +34,7 @@ from absl import flags
 from disttrain import commandline
 from disttrain.exitcodes import Exit, Verdict, describe, shell_status, verdict
 from disttrain.operating import events
-from disttrain.storage import progress
+from disttrain.storage import progress, urls
 
 _MAX_RESTARTS = flags.DEFINE_integer(
     'max_restarts', 3, 'Failed attempts in a row, without a newer committed checkpoint, that are '
@@ -168,8 +168,8 @@ def main(argv):
                      'disttrain train --config=launch/configs/mnist_mlp.py --workdir=runs/digits')
   for name, flag in (('max_restarts', _MAX_RESTARTS), ('max_preemptions', _MAX_PREEMPTIONS),
                      ('backoff_seconds', _BACKOFF), ('max_backoff_seconds', _MAX_BACKOFF)):
-    if flag.value < 0:
-      commandline.fail(f'--{name}={flag.value} is negative; pass 0 or more')
+    if not flag.value >= 0:  # nan too: it restarted with no wait
+      commandline.fail(f'--{name}={flag.value} is not 0 or more; pass 0 or more')
   workdir = workdir_of(command)
   if not shutil.which(command[0]):
     commandline.fail(f'supervise: cannot run {command[0]!r} (not found, or not executable); '
@@ -178,6 +178,8 @@ def main(argv):
   if workdir is None or not workdir.strip():
     commandline.fail('supervise: the command has no --workdir=DIR; the supervisor reads the run\'s '
                      'committed checkpoints there to tell progress from failure')
+  # As train reads it (--workdir=~/run is not expanded by the shell): events.jsonl went to ./~/run.
+  workdir = urls.resolve(workdir)
   supervisor = Supervisor(command, workdir, _MAX_RESTARTS.value, _MAX_PREEMPTIONS.value,
                           _BACKOFF.value, _MAX_BACKOFF.value,
                           say=lambda line: print(line, file=sys.stderr, flush=True))

@@ -9,7 +9,8 @@ import json
 import os
 import sys
 
-workdir = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('--workdir='))
+workdir = os.path.expanduser(next(a.split('=', 1)[1] for a in sys.argv
+                                   if a.startswith('--workdir=')))  # as train reads it
 attempt = int(os.environ['DISTTRAIN_ATTEMPT'])
 status, step = json.loads(os.environ['PLAN'])[attempt - 1]
 os.makedirs(workdir, exist_ok=True)
