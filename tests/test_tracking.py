@@ -81,6 +81,9 @@ def resumed(tmp_path_factory):
   out, _ = relaunch.communicate(timeout=300)
   assert relaunch.returncode == 0, out
   assert f'resumed from step {resume_step}' in out, out
+  again = _launch(tmp_path, workdir, uri)  # a finished run requeued: logs no step twice
+  again_out, _ = again.communicate(timeout=300)
+  assert again.returncode == 0 and 'nothing to train' in again_out, again_out
   # MLflow's own INFO lines (its database setup) stay quiet unless --verbosity asks for them.
   assert not [line for line in (first + out).splitlines() if ' INFO ' in line], first + out
   return workdir, uri, resume_step, killed_steps
@@ -117,6 +120,8 @@ def test_mlflow_run_continues_with_each_step_once(resumed):
   assert params['tracking.mlflow_uri'] == uri and params['data.name'] == 'digits', params
   final = metrics_records(workdir, 'eval')[-1]
   assert run.data.metrics['final/eval/loss'] == final['loss'], run.data.metrics
+  for key in ('final/eval/loss', 'time/wall_seconds'):  # the requeue logged them again
+    assert [m.step for m in client.get_metric_history(run_id, key)] == [STEPS], key
   assert run.data.metrics['time/wall_seconds'] > 0
   assert run.info.status == 'FINISHED' and run.data.tags['stopped_by'] == ''
   assert run.info.run_name == 'run'  # the workdir's base name
@@ -126,7 +131,7 @@ def test_mlflow_run_continues_with_each_step_once(resumed):
 def test_wandb_offline_run_continues_with_each_step_once(resumed):
   workdir, _, _, _ = resumed
   directories = sorted(glob.glob(str(workdir / 'wandb' / 'offline-run-*')))
-  assert len(directories) == 2, directories  # one per attempt, one run id
+  assert len(directories) == 3, directories  # one per attempt (the requeue too), one run id
   run_ids = {d.rsplit('-', 1)[1] for d in directories}
   assert len(run_ids) == 1, directories
   rows = tracking.wandb_history(str(workdir / 'wandb'), run_ids.pop())

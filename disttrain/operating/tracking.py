@@ -154,6 +154,9 @@ class _Tracker(Callback):
       if record['split'] != 'train':
         final.update({f'final/{k}': v for k, v in _values(record).items()})
     final['time/wall_seconds'] = float(result.time.get('wall_seconds', 0.0))
+    # A finished run relaunched (a requeue) ends at the step it held: its finals are logged.
+    final = {k: v for k, v in final.items()
+             if result.step > self._held.get(k.partition('/')[0], -1)}
     self._finish(result.step, final, result.stopped_by)
 
   def _start(self) -> dict:
