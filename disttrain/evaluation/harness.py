@@ -161,10 +161,10 @@ def task_manager(tasks: list[str], include_path: str | None = None):
   """lm_eval's TaskManager (with the YAML tasks under include_path); a task it does not know is
   one ConfigError naming it."""
   _lm_eval()
-  if include_path and not os.path.isdir(os.path.expanduser(include_path)):  # lm-eval skips it
-    raise ConfigError(f'the include path {include_path!r} is not a directory; pass the directory '
+  given, include_path = include_path, include_path and os.path.expanduser(include_path)
+  if include_path and not os.path.isdir(include_path):  # lm-eval skips it
+    raise ConfigError(f'the include path {given!r} is not a directory; pass the directory '
                       'of your YAML tasks')
-  include_path = os.path.expanduser(include_path) if include_path else include_path
   from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
   manager = TaskManager(include_path=include_path) if include_path else TaskManager()
   unknown = [t for t in tasks if t not in set(manager.all_tasks)]
