@@ -235,7 +235,8 @@ def _sum_loss_layers(dropout: float):
 def test_keras_dropout_and_summed_losses_match_one_device(tmp_path):
   # jit: Keras dropout draws from seeds derived from the step's key, so 8 devices draw the
   # global mask of 1 device. shard_map: per-device masks differ, so dropout is off there; a sum
-  # over rows is exact only because the model declares loss_reduction='sum'.
+  # over rows is exact only because the model declares loss_reduction='sum', and in micro-batches
+  # too (each micro-batch's sum entered divided by grad_accum_steps: 6.67 -> 4.54 at M=2).
   steps = dict(num_train_steps=3, log_every_steps=1)
   model = _keras_model(_sum_loss_layers(0.3), loss_reduction='sum')
   ref = _losses(make_config(mesh__data=1, **steps), model, tmp_path / 'one', 1)
@@ -243,9 +244,12 @@ def test_keras_dropout_and_summed_losses_match_one_device(tmp_path):
   np.testing.assert_allclose(jit8, ref, rtol=1e-5)
   model = _keras_model(_sum_loss_layers(0.0), loss_reduction='sum')
   ref = _losses(make_config(mesh__data=1, **steps), model, tmp_path / 'one_nodrop', 1)
-  shard8 = _losses(make_config(mesh__data=8, step_mode='shard_map', **steps), model,
-                   tmp_path / 'shard8', 8)
+  shard8 = _losses(make_config(mesh__data=8, step_mode='shard_map', grad_accum_steps=2, **steps),
+                   model, tmp_path / 'shard8', 8)
   np.testing.assert_allclose(shard8, ref, rtol=1e-5)
+  jit1 = _losses(make_config(mesh__data=1, grad_accum_steps=2, **steps), model,
+                 tmp_path / 'accum', 1)
+  np.testing.assert_allclose(jit1, ref, rtol=1e-5)
 
 
 def test_keras_losses_of_unknown_reduction_and_batch_norm_are_refused_in_shard_map(tmp_path):

@@ -16,12 +16,13 @@ same values; the config's seed drives dropout and data order. A builder runs in 
 (see keras_model), where Keras' thread-local settings (set_random_seed, dtype policy) made in the
 caller's thread do not apply: make them inside the builder.
 
-Losses under shard_map/pmap: each device only sees its rows, so the step scales each device's
-model loss by 1/devices and sums, which is exact for losses that are means over rows (Keras'
-own activity regularizers divide by the batch size) but not for sums over rows. The model says
-which it has with `loss_reduction`: 'mean', 'sum' (scaled by the device count, so the psum gives
-the global sum), or None (unknown: refused in shard_map/pmap when the model adds losses). In
-jit style every call sees the global batch, so all three are exact there.
+Losses over a split batch: each call of the model (a device's rows in shard_map/pmap, a
+micro-batch under grad_accum_steps) sees part of the batch, so the step scales each call's model
+loss by its share and sums, which is exact for losses that are means over rows (Keras' own
+activity regularizers divide by the batch size) but not for sums over rows. The model says which
+it has with `loss_reduction`: 'mean', 'sum' (each call's sum enters whole, so the calls add up to
+the global sum), or None (unknown: refused in shard_map/pmap when the model adds losses; in jit
+style without accumulation every call sees the global batch, so all three are exact there).
 """
 
 import concurrent.futures
@@ -108,17 +109,17 @@ class KerasModel:
            if not _is_seed_state(v)}
     return outputs, ({'non_trainable': new} if new and train else {}), self._model_loss(losses)
 
+  @property
+  def model_loss_sums_rows(self) -> bool:
+    """The step adds each call's (device's, micro-batch's) model loss whole, not its share."""
+    return self.loss_reduction == 'sum'
+
   def _model_loss(self, losses: list) -> jax.Array:
-    total = sum((jnp.asarray(l, jnp.float32) for l in losses), jnp.float32(0.0))
-    if not losses or self.batch_axes is None or self.loss_reduction == 'mean':
-      return total
-    if self.loss_reduction == 'sum':
-      # The step multiplies each device's model loss by 1/devices before the psum; a sum over
-      # rows must enter whole, so undo that factor.
-      return total * jax.lax.psum(1, self.batch_axes)
-    raise ConfigError('the Keras model adds losses (add_loss) but loss_reduction is None, so '
-                      'shard_map/pmap cannot combine per-device losses exactly; pass '
-                      "KerasModel(..., loss_reduction='mean' or 'sum') or use step_mode=jit")
+    if losses and self.batch_axes is not None and self.loss_reduction not in ('mean', 'sum'):
+      raise ConfigError('the Keras model adds losses (add_loss) but loss_reduction is None, so '
+                        'shard_map/pmap cannot combine per-device losses exactly; pass '
+                        "KerasModel(..., loss_reduction='mean' or 'sum') or use step_mode=jit")
+    return sum((jnp.asarray(l, jnp.float32) for l in losses), jnp.float32(0.0))
 
   def logical_specs(self, batch: dict) -> None:
     """Keras variables carry no logical axis names: use param_rules on their paths."""

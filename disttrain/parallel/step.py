@@ -102,7 +102,7 @@ def _grads(model, task, params, mutable, batch, rng, policy: Policy, share: floa
 
   `share` is 1 / (number of calls the global batch is split into: devices in shard_map/pmap,
   micro-batches): each call's model loss (a mean over its rows) enters once per call and the sum
-  averages. `all_metrics=False` sums only the loss. `count` is the global number of valid
+  averages; a model loss summed over rows (model_loss_sums_rows) enters whole. `all_metrics=False` sums only the loss. `count` is the global number of valid
   examples: a cross-device sum of the mask, or the static global batch size.
   """
   def loss_fn(params):
@@ -112,7 +112,9 @@ def _grads(model, task, params, mutable, batch, rng, policy: Policy, share: floa
     if not all_metrics:
       per_example = {'loss': per_example['loss']}
     sums = {k: jnp.sum(v.astype(jnp.float32) * batch[MASK]) for k, v in per_example.items()}
-    model_loss = jnp.asarray(model_loss, jnp.float32) * share
+    model_loss = jnp.asarray(model_loss, jnp.float32)
+    if not getattr(model, 'model_loss_sums_rows', False):  # a mean over this call's rows
+      model_loss = model_loss * share
     objective = (sums['loss'] + model_loss * count) / count
     name = apart_name(model)  # records divide sums by count
     if name is None:  # reported inside 'loss'
