@@ -59,6 +59,10 @@ def test_rule_naming_a_missing_mesh_axis_is_rejected():
   assert '\n' not in str(err.value)
   with pytest.raises(ConfigError, match="names mesh axis 'nope'"):
     make_config(mesh__data=8, logical_rules=(('hidden', 'nope'),))
+  # A flax-style fallback list: the last entry won and the tensor split was silently lost.
+  with pytest.raises(ConfigError, match=r"logical_rules maps 'hidden' 2 times \[\('hidden', "
+                                        r"'tensor'\), \('hidden', None\)\]; each logical name"):
+    make_config(mesh__data=4, mesh__tensor=2, logical_rules=(('hidden', 'tensor'), ('hidden', None)))
 
 
 def test_rule_that_does_not_divide_is_one_line_error():

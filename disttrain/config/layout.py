@@ -127,6 +127,12 @@ def check_rules(param_rules, logical_rules) -> None:
       raise ConfigError(f'logical_rules entry {rule!r} must be (logical name, mesh axis or None); '
                         'pass e.g. --config.logical_rules="((\'hidden\', \'tensor\'),)"')
     _check_axes(f'logical_rules {rule[0]!r}', (rule[1],))
+  named = [rule[0] for rule in logical_rules]
+  for name in dict.fromkeys(n for n in named if named.count(n) > 1):  # the last one won, silently
+    given = [tuple(rule) for rule in logical_rules if rule[0] == name]
+    raise ConfigError(f'logical_rules maps {name!r} {len(given)} times {given}; each logical name '
+                      'maps once (no fallback list as in flax): keep one, or give a tuple of mesh '
+                      f"axes to split over several, e.g. ({name!r}, ('tensor', 'fsdp'))")
 
 
 def _check_axes(where: str, spec) -> None:

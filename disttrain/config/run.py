@@ -104,7 +104,8 @@ class Config:
   # Tensor parallelism: ((regex on 'a/b/kernel' paths, spec), ...), spec a tuple of mesh axes or
   # None per dimension; first match wins and beats logical rules.
   param_rules: tuple = ()
-  # ((logical axis name, mesh axis or None), ...) for Flax logical-axis metadata.
+  # ((logical axis name, mesh axis, tuple of axes or None), ...) for Flax logical-axis metadata;
+  # each name once.
   logical_rules: tuple = ()
   step_mode: str = 'jit'  # jit, shard_map or pmap: how the step is compiled over the mesh
   # K steps per compiled call (lax.scan over K batches), like Keras' steps_per_execution;
