@@ -32,7 +32,8 @@ def _leaves(result) -> list[np.ndarray]:
   return [np.asarray(x) for x in jax.tree.leaves((result.state.params, result.state.opt_state))]
 
 
-def test_resume_from_the_fast_tier_is_exact_and_stays_in_its_run_and_layout(tmp_path, capfd):
+def test_resume_from_the_fast_tier_is_exact_and_stays_in_its_run_and_layout(tmp_path, capfd,
+                                                                           monkeypatch):
   want = _leaves(disttrain.train(_config(num_train_steps=10), str(tmp_path / 'ref')))
   work, local = tmp_path / 'run', tmp_path / 'local'
   fast = {'local_checkpoint_every_steps': 5, 'local_checkpoint_dir': str(local)}
@@ -50,7 +51,8 @@ def test_resume_from_the_fast_tier_is_exact_and_stays_in_its_run_and_layout(tmp_
   disttrain.train(_config(num_train_steps=17, **fast), str(work))  # fast save at 15
   shutil.rmtree(work / 'checkpoints' / '17')
   capfd.readouterr()
-  again = disttrain.train(_config(num_train_steps=18, **fast, **{'mesh.data': 8, 'mesh.fsdp': 1}),
+  again = disttrain.train(_config(num_train_steps=18, **fast, **{'mesh.data': 8, 'mesh.fsdp': 1,
+                                                                   'sharding': 'replicate'}),
                           str(work))
   out = capfd.readouterr().out
   assert 'fast tier: step 15' in out and 'was saved with another layout' in out, out
@@ -60,13 +62,20 @@ def test_resume_from_the_fast_tier_is_exact_and_stays_in_its_run_and_layout(tmp_
   capfd.readouterr()
   fresh = disttrain.train(_config(num_train_steps=2, **fast), str(work))
   assert 'resumed' not in capfd.readouterr().out and fresh.step == 2
-  # A damaged (truncated) file of the newest fast step: that step is passed over, the older
-  # persistent one restores (the fast step's zip failed the restore on every relaunch).
+  # A damaged file of the newest fast step (one flipped byte in its arrays: the zip's directory
+  # opened, its CRC failed the restore on every relaunch): that step is passed over, the older
+  # persistent one restores. local_checkpoint_dir='~/local' (a shell leaves it after '=') is
+  # HOME's, not ./~/local.
   shutil.rmtree(work)
+  monkeypatch.setenv('HOME', str(tmp_path))
+  monkeypatch.chdir(work.parent)
+  fast = {**fast, 'local_checkpoint_dir': '~/local'}
   disttrain.train(_config(num_train_steps=7, checkpoint_every_steps=4, **fast), str(work))
   shutil.rmtree(work / 'checkpoints' / '7')
   own = local / 'process_0' / '5' / 'own.npz'
-  os.truncate(own, os.path.getsize(own) // 2)
+  damaged = bytearray(own.read_bytes())
+  damaged[len(damaged) // 2] ^= 0xFF
+  own.write_bytes(bytes(damaged))
   capfd.readouterr()
   disttrain.train(_config(num_train_steps=8, checkpoint_every_steps=4, **fast), str(work))
   out = capfd.readouterr().out

@@ -71,6 +71,20 @@ def test_lora_on_data_fsdp_tensor_equals_one_device_resumes_bitwise_and_keeps_ad
   assert parts['cube']['frozen'] <= base_bytes / 3, parts  # split over fsdp and tensor
 
 
+def test_the_frozen_base_takes_the_param_rules_of_the_weights_it_holds():
+  """A param_rules regex anchored at a weight's path ('^blocks/...') was matched against
+  'frozen/blocks/...' under LoRA: the same weight fell back to the logical rules' layout."""
+  rule = {'param_rules': (('^blocks/mlp/down/kernel$', (None, None, 'tensor')),),
+          'mesh.data': 4, 'mesh.tensor': 2}
+  specs = {}
+  for rank in (0, 4):
+    layout = disttrain.setup(_config(**{**rule, 'lora.rank': rank}), devices=devices(8)).layout
+    tree = layout.param_specs if not rank else jax.tree.map(
+        lambda s: s.spec, layout.shardings.mutable['frozen'])
+    specs[rank] = tree['blocks']['mlp']['down']['kernel']
+  assert specs[4] == specs[0] == jax.sharding.PartitionSpec(None, None, 'tensor'), specs
+
+
 def hf_llama(tmp_path, vocab: int = 256) -> str:
   """A tiny untied Llama saved by transformers (the LoRA and DPO tests' base)."""
   torch.manual_seed(0)

@@ -105,6 +105,10 @@ def test_a_checkpoint_of_four_stages_resumes_on_one_device_and_on_four_again(tmp
      'model.num_layers=4 do not split into mesh.stage=3 stages'),
     ({'mesh.stage': 4, 'mesh.data': 1, 'grad_accum_steps': 2}, 4,
      'mesh.stage=4 needs at least as many micro-batches as stages, got grad_accum_steps=2'),
+    # A filled stage axis was never checked: M=1 on 4 stages ran with a 75% bubble.
+    ({'mesh.stage': -1, 'mesh.data': 1, 'grad_accum_steps': 1}, 4,
+     'mesh.stage fills 4 stages on these devices, which need at least as many micro-batches, '
+     'got grad_accum_steps=1; set grad_accum_steps >= 4'),
     ({'mesh.stage': 2, 'mesh.data': 1, 'step_mode': 'pmap'}, 2,
      'mesh.stage=2 pipelines layers inside the jit step, not step_mode=pmap'),
     ({'mesh.stage': 2, 'mesh.data': 1, 'model.num_experts': 4}, 2,

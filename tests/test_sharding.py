@@ -65,6 +65,19 @@ def test_rule_naming_a_missing_mesh_axis_is_rejected():
     make_config(mesh__data=4, mesh__tensor=2, logical_rules=(('hidden', 'tensor'), ('hidden', None)))
 
 
+def test_an_fsdp_or_tensor_layout_that_splits_nothing_is_one_line():
+  """sharding='fsdp' on the default mesh (data=-1) replicated every parameter, silently."""
+  with pytest.raises(ConfigError, match=r"sharding='fsdp' splits parameters over mesh.fsdp, "
+                                        r'which is 1 on these 8 devices .*mesh.fsdp=-1'):
+    disttrain.setup(make_config(sharding='fsdp'), devices=devices(8))
+  disttrain.setup(make_config(mesh__data=1, sharding='fsdp'), devices=devices(1))  # 1 is 1
+  # mesh.tensor with no rule naming it: every parameter replicated, each pair computing the same.
+  with pytest.raises(ConfigError, match=r"mesh.tensor=2 splits no parameter: no param_rules or "
+                                        r"logical_rules entry puts a dimension it divides on"):
+    disttrain.setup(make_config(mesh__data=4, mesh__tensor=2, logical_rules=()),
+                    devices=devices(8))
+
+
 def test_rule_that_does_not_divide_is_one_line_error():
   cfg = make_config(mesh__data=1, mesh__tensor=8,
                     param_rules=(('Dense_2/kernel', (None, 'tensor')),))

@@ -29,6 +29,7 @@ from disttrain.errors import ConfigError
 AXES = MESH_AXES  # the config's mesh fields, outermost first: data, stage, fsdp, expert, ...
 BATCH_AXES = ('data', 'fsdp', 'expert')  # the global batch's rows are split over these
 FSDP_AXIS, EXPERT_AXIS, SEQUENCE_AXIS, STAGE_AXIS = 'fsdp', 'expert', 'context', 'stage'
+TENSOR_AXIS = 'tensor'
 
 
 def check_batch_split(cfg, ways: int) -> None:
@@ -213,8 +214,31 @@ class Parallelism:
             'sequence': SEQUENCE_AXIS}
 
   def check_batch_sizes(self, cfg) -> None:
-    """Both batch sizes split evenly over the batch axes; micro-batches over them too."""
+    """Both batch sizes split evenly over the batch axes; micro-batches over them too, at least
+    one per pipeline stage; sharding=fsdp has an fsdp axis to split over. On the resolved sizes:
+    the config checks axes of -1 (fill) as 1."""
     check_batch_split(cfg, self.batch_ways)
+    if self.stages > 1 and cfg.grad_accum_steps < self.stages:
+      raise ConfigError(f'mesh.{STAGE_AXIS} fills {self.stages} stages on these devices, which '
+                        f'need at least as many micro-batches, got grad_accum_steps='
+                        f'{cfg.grad_accum_steps}; set grad_accum_steps >= {self.stages} (more cut '
+                        'the pipeline bubble, (S - 1) / (M + S - 1))')
+    if cfg.sharding == 'fsdp' and self.fsdp == 1 and self.mesh.size > 1:  # else replicated
+      raise ConfigError(f"sharding='fsdp' splits parameters over mesh.{FSDP_AXIS}, which is 1 on "
+                        f'these {self.mesh.size} devices (mesh {self.sizes}); set it, e.g. '
+                        f'--config.mesh.data=1 --config.mesh.{FSDP_AXIS}=-1, or use '
+                        "sharding='replicate'")
+
+  def check_splits(self, split_axes: list[str]) -> None:
+    """mesh.tensor > 1 splits some weight (`split_axes`: the axes the layout splits any over),
+    else each group of tensor devices computes the same batch."""
+    ways = self.sizes[TENSOR_AXIS]
+    if ways > 1 and TENSOR_AXIS not in split_axes:
+      raise ConfigError(
+          f'mesh.{TENSOR_AXIS}={ways} splits no parameter: no param_rules or logical_rules '
+          f"entry puts a dimension it divides on '{TENSOR_AXIS}', so each group of {ways} "
+          f"devices would compute the same; map one, e.g. --config.logical_rules=\"(('mlp', "
+          f"'{TENSOR_AXIS}'),)\", or give those devices to mesh.data")
 
   def check_model(self, model, tokens: int) -> None:
     """The expert, stage and context axes fit the model: a number of experts the expert axis

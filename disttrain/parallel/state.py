@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from disttrain.config import Config
 from disttrain.parallel import sharding as sharding_lib
+from disttrain.parallel.mesh import Parallelism
 
 
 @flax.struct.dataclass
@@ -104,11 +105,15 @@ def layout(model, tx, spec: dict, cfg: Config, mesh: Mesh) -> Layout:
   """
   abstract = jax.eval_shape(_init_fn(model, tx, spec, cfg.seed))
   param_specs, replicated = params_specs(model, abstract.params, spec, cfg, mesh)
-  logical = None
-  if FROZEN in abstract.mutable:  # the frozen base is laid out by the parameters' logical names
-    logical = model.logical_specs(spec)
-    logical = {k: logical.get(k) for k in abstract.mutable}
-  mutable_specs, _ = sharding_lib.specs_for(abstract.mutable, cfg, mesh, logical=logical)
+  rest = {k: v for k, v in abstract.mutable.items() if k != FROZEN}
+  mutable_specs, _ = sharding_lib.specs_for(rest, cfg, mesh)
+  if FROZEN in abstract.mutable:  # the frozen base is laid out as parameters: their paths (for
+    # param_rules, which saw 'frozen/blocks/...') and their logical names
+    logical = (model.logical_specs(spec) or {}).get(FROZEN)
+    mutable_specs = {**mutable_specs, FROZEN: sharding_lib.specs_for(
+        abstract.mutable[FROZEN], cfg, mesh, logical=logical)[0]}
+  Parallelism(mesh).check_splits(sharding_lib.split_summary(
+      {'params': param_specs, **mutable_specs}, mesh)['axes'])
   replicate = NamedSharding(mesh, P())
   param_shardings = sharding_lib.named(mesh, param_specs)
   opt_shardings = _follow_params(abstract.opt_state, abstract.params, param_shardings, replicate)
