@@ -1,5 +1,6 @@
 """Checkpoints resume exactly, reshard onto other meshes, survive torn/corrupt saves and NaNs."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -325,6 +326,54 @@ def test_no_restorable_checkpoint_moves_nothing(saved_on_eight, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_relaunch_ranking_by_a_new_eval_sources_metric_keeps_saving(tmp_path):
+  """best_metric='val/accuracy' once a named eval source is added: the older steps' stored metrics
+  lack it, and orbax's ranking raised KeyError at every save (each relaunch kept one more step).
+  They rank last now: the newest and the best of the new metric are kept."""
+  from tests.test_user_data import MODEL, TASK, _breast_cancer, _config  # pylint: disable=g-import-not-at-top
+  train, held = _breast_cancer()
+  run = lambda steps, eval_data, best: disttrain.train(
+      _config(1, num_train_steps=steps, eval_every_steps=2, checkpoint_every_steps=2,
+              max_to_keep=1, best_metric=best), str(tmp_path), model=MODEL, task=TASK,
+      devices=devices(1), train_data=train, eval_data=eval_data)
+  run(4, held, 'accuracy')
+  halves = {'val': {k: v[:40] for k, v in held.items()}, 'test': {k: v[40:] for k, v in held.items()}}
+  assert run(8, halves, 'val/accuracy').step == 8
+  accuracy = {r['step']: r['accuracy'] for r in metrics_records(tmp_path, 'val')}
+  best = max(sorted(accuracy), key=accuracy.get)  # the first of equal ones, as orbax keeps
+  kept = sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit())
+  assert kept == sorted({best, 8}), (kept, accuracy)
+
+
+def test_a_save_out_of_space_names_its_step_and_a_damaged_step_names_an_older_one(tmp_path,
+                                                                                   monkeypatch):
+  """max_to_keep=1 deleted steps 2 and 4 on purpose, and a full disk at step 8's save was reported
+  as step 2's. A damaged newest step's metadata was a JSONDecodeError traceback from export,
+  generate, compare and lm-eval (training falls back to an older step)."""
+  import errno  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  real, calls = ocp.StandardCheckpointHandler.async_save, []
+
+  def full_at_the_fourth_save(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 4:
+      raise OSError(errno.ENOSPC, 'No space left on device')
+    return real(self, *args, **kwargs)
+  monkeypatch.setattr(ocp.StandardCheckpointHandler, 'async_save', full_at_the_fourth_save)
+  cfg = make_config(num_train_steps=10, checkpoint_every_steps=2, max_to_keep=1, log_every_steps=2)
+  with pytest.raises(CheckpointError, match=r'saving checkpoint step 8 to \S+ failed: no space '
+                                            r'left on device; the last complete checkpoint is '
+                                            r'step 6, kept'):
+    disttrain.train(cfg, str(tmp_path / 'full'), devices=devices(1))
+  monkeypatch.undo()
+  disttrain.train(dataclasses.replace(cfg, num_train_steps=4, max_to_keep=3), str(tmp_path / 'run'),
+                  devices=devices(1))
+  (tmp_path / 'run' / 'checkpoints' / '4' / 'meta' / 'metadata').write_text('{')
+  with pytest.raises(CheckpointError, match=r'checkpoints/4 cannot be read \(JSONDecodeError: .*\); '
+                                            r'pass --step=2 \(an older one\)'):
+    checkpoint.run_config(str(tmp_path / 'run'))
+
+
 def test_best_checkpoint_is_kept_beside_the_latest_across_a_relaunch_and_a_preemption(tmp_path):
   """max_to_keep=1 with best_metric: the best evaluated checkpoint stays beside the latest after
   a relaunch (its metrics read back from disk; orbax wrote none without best_fn, and the first

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import inspect
 import logging as std_logging
+import math
 import shutil
 import time
 from typing import Any
@@ -93,7 +94,10 @@ class Checkpointer:
     _whole_small_arrays()
     self.directory = urls.join(urls.resolve(workdir), 'checkpoints')
     keep = [policies.LatestN(n=cfg.max_to_keep)]
-    metric = (lambda m: m[cfg.best_metric]) if cfg.best_metric else None
+    # Steps saved with other metrics (a relaunch that names a new eval source) rank last: a
+    # KeyError inside orbax failed every save, each relaunch keeping one more step.
+    worst = -math.inf if cfg.best_mode == 'max' else math.inf
+    metric = (lambda m: m.get(cfg.best_metric, worst)) if cfg.best_metric else None
     if metric:
       keep.append(policies.BestN(get_metric_fn=metric,
                                  reverse=cfg.best_mode == 'min', n=1,
@@ -190,7 +194,9 @@ class Checkpointer:
         raise
       self._manager.reload()
       done = set(self._manager.all_steps())
-      failed = min((s for s in self._started if s not in done), default=self._started[-1])
+      # The first step started after the newest that committed (older ones retention deleted).
+      failed = min((s for s in self._started if s > max(done, default=-1)),
+                   default=self._started[-1])
       raise self._no_space(failed, 'failed: no space left on device', done) from None
 
   def restore_latest(self, abstract_state: Any) -> tuple[Any, dict, dict, int] | None:
@@ -299,8 +305,7 @@ def restore_params(path: str, abstract_state: Any) -> tuple[Any, Any, int]:
   if not urls.path(directory).is_dir():
     raise CheckpointError(f'restore_from={path!r} does not exist; pass a checkpoints directory '
                           'or one of its step directories')
-  manager = _Manager(directory, item_handlers=_handlers(),
-                                  options=ocp.CheckpointManagerOptions(read_only=True))
+  manager = _read_only(directory)
   step = manager.latest_step() if step is None else step
   if step is None or step not in manager.all_steps():
     raise CheckpointError(f'restore_from={path!r} holds no complete checkpoint; pass a '
@@ -331,23 +336,45 @@ def _steps_dir(workdir: str) -> str:
 def run_config(workdir: str, step: int | None = None) -> tuple[dict, int]:
   """(the config dict a run's checkpoint was saved with, its step): the latest, or `step`."""
   directory = _steps_dir(workdir)
-  manager = _Manager(directory, item_handlers=_handlers(),
-                     options=ocp.CheckpointManagerOptions(read_only=True))
+  manager = _read_only(directory)
   steps = sorted(manager.all_steps())
   if not steps or (step is not None and step not in steps):
     raise CheckpointError(f'{directory} has no complete checkpoint'
                           + (f' at step {step} (it has {steps})' if steps else '')
                           + '; pass the workdir of a run that saved one, or one of its steps')
   step = steps[-1] if step is None else step
-  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  try:
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  except Exception as e:  # pylint: disable=broad-except  (a damaged step: training falls back)
+    raise _unreadable(directory, step, steps, e) from None
   manager.close()
   return meta['config'], step
+
+
+def _read_only(directory: str) -> ocp.CheckpointManager:
+  """A manager that lists and reads committed steps only: in a bucket, a step without its commit
+  marker (a save under way, or killed) looked complete to the default check."""
+  return _Manager(directory, item_handlers=_handlers(), options=ocp.CheckpointManagerOptions(
+      read_only=True, temporary_path_class=(ocp.path.atomicity.CommitFileTemporaryPath
+                                            if urls.is_bucket(directory) else None)))
+
+
+def _unreadable(directory: str, step: int, steps: list[int], e: Exception) -> CheckpointError:
+  older = [s for s in steps if s < step]
+  return CheckpointError(f'{directory}/{step} cannot be read ({type(e).__name__}: '
+                         f'{first_line(e, 200)}); '
+                         + (f'pass --step={older[-1]} (an older one)' if older else
+                            'it is the only step: retrain or restore it from a copy'))
 
 
 def restore_subtree(workdir: str, step: int, abstract: dict) -> dict:
   """Part of a saved TrainState, e.g. {'params': ShapeDtypeStructs with shardings}: only those
   arrays are read (no optimizer state), resharded onto the given shardings."""
-  path = urls.join(_steps_dir(workdir), str(step), 'state')
+  directory = _steps_dir(workdir)
   restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
-  return ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
-      item=abstract, restore_args=restore_args, partial_restore=True))
+  try:
+    return ocp.PyTreeCheckpointer().restore(
+        urls.join(directory, str(step), 'state'), args=ocp.args.PyTreeRestore(
+            item=abstract, restore_args=restore_args, partial_restore=True))
+  except Exception as e:  # pylint: disable=broad-except  (truncated or missing array files)
+    raise _unreadable(directory, step, sorted(_read_only(directory).all_steps()), e) from None

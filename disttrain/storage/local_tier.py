@@ -85,7 +85,8 @@ class LocalTier:
 
   def __init__(self, root: str, workdir: str):
     self.n, self.p = jax.process_count(), jax.process_index()
-    self.root = Path(root or default_root(workdir))
+    self.root = Path(os.path.abspath(os.path.expanduser(root))) if root else Path(
+        default_root(workdir))  # ~/fast went to ./~/fast: a relaunch elsewhere missed it
     self.dir = self.root / f'process_{self.p}'
     self.marker = progress.local_marker(workdir)
     self.run = self._run_id()
@@ -156,10 +157,11 @@ class LocalTier:
       return []
 
   def _opens(self, step: int, name: str) -> bool:
-    """The step's file is a whole zip (a truncated or damaged one is not restored from)."""
+    """The step's file is a whole zip whose members' CRCs hold (a truncated or damaged one is
+    not restored from: one flipped byte failed every relaunch). Reads the file once."""
     try:
-      zipfile.ZipFile(self.dir / str(step) / name).close()
-      return True
+      with zipfile.ZipFile(self.dir / str(step) / name) as z:
+        return z.testzip() is None
     except (OSError, zipfile.BadZipFile):
       return False
 
