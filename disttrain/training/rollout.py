@@ -38,7 +38,7 @@ from disttrain.config import Config
 from disttrain.data import batches as batches_lib, prompts as prompts_lib
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.errors import ConfigError, DataError
-from disttrain.models import decoding, grpo, lora, preference
+from disttrain.models import decoding, grpo, lora, moe, preference
 from disttrain.parallel.state import FROZEN
 
 Reward = tuple[str, Callable]
@@ -155,8 +155,10 @@ class Rollout:
       raise ConfigError(f'data.seq_len={self.prompt_len} prompt tokens + grpo.max_new_tokens='
                         f'{self.new} exceed the model\'s {context} positions; shorten one')
     self.adapters = isinstance(policy, lora.LoraModel)
-    module = (policy.adapted_model if self.adapters else policy).module
-    loop = decoding.decode_loop(module, self.new, self.stops, g.temperature, g.top_k, g.top_p)
+    # Dropless, as generate's: with a capacity a prompt's left padding took expert slots and
+    # its sample depended on data.seq_len.
+    self.module = moe.dropless((policy.adapted_model if self.adapters else policy).module)
+    loop = decoding.decode_loop(self.module, self.new, self.stops, g.temperature, g.top_k, g.top_p)
 
     def sample(params, mutable, tokens, segments, positions, key):
       if self.adapters:
