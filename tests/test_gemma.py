@@ -15,6 +15,7 @@ equals 1 device.
 """
 
 import dataclasses
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -168,6 +169,22 @@ def test_a_field_the_family_does_not_build_is_refused(name, field):
                                         'it'):
     models.build(cfg)
   models.build(dataclasses.replace(cfg, name='gemma3'))  # a family that builds it
+
+
+@pytest.mark.parametrize('name,fields,message', [
+    ('gpt', {'head_dim': 8}, 'model.head_dim=8: the GPT family has learned positions and heads '
+                             'of hidden / num_heads = 16'),  # it built 16-wide heads
+    ('gpt', {'rope_theta': 500.0}, 'model.rope_theta=500.0: the GPT family'),  # no rotation
+    ('gpt', {'rope_scaling': RopeScalingConfig(kind='linear', factor=2.0)},
+     "model.rope_scaling.kind='linear': the GPT family"),
+    ('gemma2', {'norm': 'layernorm'}, "model.norm='layernorm': the Gemma family uses its "
+                                      'RMSNorm'),  # it built Gemma's offset RMSNorm
+])
+def test_fields_a_family_builds_otherwise_are_refused(name, fields, message):
+  cfg = ModelConfig(name=name, hidden=32, num_layers=1, num_heads=2, vocab_size=64, **fields)
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    models.build(cfg)
+  models.build(dataclasses.replace(cfg, name='llama', norm=''))  # a family that builds them
 
 
 def test_layer_patterns_read_and_written_as_transformers_lists_them():

@@ -35,6 +35,9 @@ def decoder_config(cfg: ModelConfig, dtype, context: int, family: str) -> Decode
   if cfg.attn_softcap and cfg.attention in ('cudnn', 'blockwise'):
     raise ConfigError(f'model.attn_softcap={cfg.attn_softcap} runs on the xla attention only, '
                       f'not model.attention={cfg.attention!r}; set model.attention=xla or auto')
+  if cfg.norm not in ('', 'rmsnorm'):  # it built Gemma's own (1 + scale) RMSNorm regardless
+    raise ConfigError(f"model.norm={cfg.norm!r}: the Gemma family uses its RMSNorm; set 'rmsnorm' "
+                      "or ''")
   base = llama.decoder_config(dataclasses.replace(cfg, norm='rmsnorm'), dtype, context)
   head_dim = base.head_dim
   pattern = cfg.sliding_window_pattern  # 0: every layer alike (cfg.sliding_window or none)

@@ -35,6 +35,15 @@ def decoder_config(cfg: ModelConfig, dtype, context: int) -> DecoderConfig:
                       'grouped-query attention')
   if cfg.norm not in ('', 'layernorm', 'rmsnorm'):
     raise ConfigError(f'model.norm={cfg.norm!r}: the GPT family uses layernorm or rmsnorm')
+  width = cfg.hidden // cfg.num_heads
+  for field, value, ignored in (  # the family builds none of them: accepted, they did nothing
+      ('head_dim', cfg.head_dim, cfg.head_dim not in (0, width)),
+      ('rope_theta', cfg.rope_theta, cfg.rope_theta != ModelConfig.rope_theta),
+      ('rope_scaling.kind', cfg.rope_scaling.kind, bool(cfg.rope_scaling.kind))):
+    if ignored:
+      raise ConfigError(f'model.{field}={value!r}: the GPT family has learned positions and '
+                        f'heads of hidden / num_heads = {width}; leave it at its default, or use '
+                        'model.name=llama')
   return DecoderConfig(
       vocab_size=cfg.vocab_size, width=cfg.hidden, num_layers=cfg.num_layers,
       num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads, mlp_dim=cfg.mlp_dim or 4 * cfg.hidden,
