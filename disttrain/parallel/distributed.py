@@ -59,6 +59,16 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
     ) from e
 
 
+_ID_SECONDS = 10.0  # for a connection to the roll call to name its process
+
+
+def _process_id(line: str, num_processes: int) -> int:
+  process = int(line)
+  if not 0 < process < num_processes:
+    raise ValueError(f'process id {process} is not in 1..{num_processes - 1}')
+  return process
+
+
 def _roll_call(address: str, num_processes: int, process_id: int, timeout: float) -> None:
   """Every process checks in with process 0 on the coordinator's port + 1 before JAX starts.
 
@@ -83,10 +93,15 @@ def _roll_call(address: str, num_processes: int, process_id: int, timeout: float
         server.settimeout(max(deadline - time.monotonic(), 0.01))
         try:
           conn, _ = server.accept()
-          conn.settimeout(max(deadline - time.monotonic(), 0.01))
-          joined[int(conn.makefile().readline())] = conn
-        except (socket.timeout, ValueError):
+        except socket.timeout:
           continue
+        # A process sends its id at once; a connection that sends nothing (a port probe) held
+        # the roll call until its deadline.
+        conn.settimeout(min(_ID_SECONDS, max(deadline - time.monotonic(), 0.01)))
+        try:
+          joined[_process_id(conn.makefile().readline(), num_processes)] = conn
+        except (OSError, ValueError):
+          conn.close()
       missing = sorted(set(range(1, num_processes)) - set(joined))
       for conn in joined.values():
         if not missing:
@@ -106,8 +121,8 @@ def _roll_call(address: str, num_processes: int, process_id: int, timeout: float
         conn.sendall(f'{process_id}\n'.encode())
         if conn.makefile().readline().strip() == 'go':
           return
-        last = 'it ended the roll call without starting the job'
-        break
+        last = 'it closed the roll call without starting the job'  # its deadline, or not ours
+      time.sleep(0.5)
     except socket.timeout:
       break  # the deadline
     except OSError as e:  # not listening yet, or its name not resolvable yet (a pod starting)
