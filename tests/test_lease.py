@@ -69,6 +69,27 @@ def test_a_live_holder_on_this_host_keeps_it_until_it_is_killed(tmp_path):
   assert not (tmp_path / FILE).exists()
 
 
+RACE = ('import os, sys, time; from disttrain.errors import ConfigError; '
+        'from disttrain.operating.lease import Lease\n'
+        'while not os.path.exists(sys.argv[2]): time.sleep(0.001)\n'
+        'try:\n  Lease(sys.argv[1], 60).acquire(); print("held", flush=True); time.sleep(1)\n'
+        'except ConfigError: print("refused", flush=True)')
+
+
+def test_two_launches_at_the_same_moment_get_one_lease(tmp_path):
+  """Both read "no lease" and both wrote one (17 of 30 pairs in a review): the workdir's lock
+  makes reading and taking one step."""
+  for trial in range(5):
+    workdir, go = tmp_path / str(trial), tmp_path / f'go{trial}'
+    pair = [subprocess.Popen([sys.executable, '-c', RACE, str(workdir), str(go)], cwd=ROOT,
+                             env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    time.sleep(0.5)  # both started, polling for the signal
+    go.touch()
+    outcomes = sorted(p.communicate(timeout=60)[0].strip() for p in pair)
+    assert outcomes == ['held', 'refused'], (trial, outcomes)
+
+
 def test_a_lease_from_another_host_is_refused_while_refreshed_and_taken_once_expired(tmp_path):
   """4 s leases (refreshed every 1 s): a holder that keeps refreshing is refused within about a
   refresh; one that stopped (a crashed pod, just now) is taken over 4 s after its last refresh."""

@@ -16,6 +16,8 @@ paused past `seconds` and was taken over) stops at once with one line, exit 2, w
 A run releases its lease when it ends, however it ends (short of SIGKILL).
 """
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -28,6 +30,8 @@ from disttrain.exitcodes import Exit
 from disttrain.storage import urls
 
 FILE = 'lease.json'
+# A bucket has no lock: launches that wrote at once read back after this; the last write holds.
+_SETTLE_SECONDS = 1.0
 
 
 def _started(pid: int) -> int | None:
@@ -123,16 +127,39 @@ class Lease:
   def acquire(self) -> None:
     if self.seconds <= 0:
       return
-    holder = self._read()
-    if holder:  # an unreadable one was torn by a crash: nobody refreshes it
-      self._outlive(holder)
     try:
-      self._write()
+      with self._exclusive():  # two launches at once both read "no lease" and both wrote one
+        holder = self._read()
+        if holder:  # an unreadable one was torn by a crash: nobody refreshes it
+          self._outlive(holder)
+        self._write()
     except OSError as e:
       raise ConfigError(f'workdir={self.workdir!r} cannot be used ({e.strerror}); '
                         'pass a writable directory path') from e
+    if urls.is_bucket(self.workdir):  # no lock there: the last writer holds it, the others stop
+      time.sleep(_SETTLE_SECONDS)
+      holder = self._read()
+      if holder and not self._mine(holder):
+        self._refuse(holder)
     self._thread = threading.Thread(target=self._refresh, name='disttrain-lease', daemon=True)
     self._thread.start()
+
+  @contextlib.contextmanager
+  def _exclusive(self):
+    """A local workdir's lock (flock on the directory) around reading and taking the lease."""
+    if urls.is_bucket(self.workdir):
+      yield
+      return
+    os.makedirs(self.workdir, exist_ok=True)
+    fd = os.open(self.workdir, os.O_RDONLY)
+    try:
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+      except OSError:  # a file system without flock (some network mounts): unlocked, as before
+        pass
+      yield
+    finally:
+      os.close(fd)  # releases the lock
 
   def _mine(self, holder: dict) -> bool:
     return all(holder.get(k) == self.me[k] for k in ('host', 'pid', 'pid_start', 'started'))
