@@ -99,9 +99,9 @@ def _in_workdir(cfg, workdir, model, task, devices, tx, train_step, eval_step, t
   # Before anything touches the workdir: another live run there keeps it (operating/lease.py).
   lease = lease_lib.Lease(workdir, cfg.lease_seconds if jax.process_index() == 0 else 0,
                           log.attempt)
-  lease.acquire()
-
   phases = timing.Phases()  # here: an attempt that fails reports its time too (goodput)
+  with phases('setup'):  # waiting out a dead holder's lease (up to lease_seconds) counted nowhere
+    lease.acquire()
 
   def peer_failed(process: int) -> None:  # its exit skips the handlers below: their work here
     if log.started:  # the step reached: goodput divides the step seconds by the steps
