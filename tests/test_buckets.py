@@ -4,6 +4,7 @@ Every test here ends by checking that no client tried a metadata service or a pu
 The 2-process jobs killed and resumed in a bucket are in tests/test_multiprocess.py.
 """
 
+import json
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ import pytest
 
 import disttrain
 from disttrain.errors import ConfigError
-from disttrain.operating import events as events_lib, goodput
+from disttrain.operating import events as events_lib, goodput, metrics
 from disttrain.storage import checkpoint, urls
 from tests import buckets, helpers
 from tests.conftest import ROOT, subprocess_env
@@ -143,6 +144,18 @@ def test_torn_save_in_a_bucket_is_never_restored_and_a_second_run_is_refused(ser
   assert restore['step'] == 10 and 25 <= restore['trained_through'] <= 40, restore
   killed = goodput.report(url)['attempts'][0]
   assert killed['last_step'] >= 20 and killed['lost_steps'] == killed['last_step'] - 10, killed
+
+
+@pytest.mark.slow
+def test_a_killed_attempts_progress_is_counted_by_the_next_attempt_only(servers):
+  """An attempt that resumed and stopped before its first record left the killed attempt's
+  progress.json in place: the next one counted the same lost steps again (goodput above 100%)."""
+  url = servers.bucket('s3', 'progress') + '/run'
+  urls.write_text(url + '/' + metrics.PROGRESS, json.dumps({'step': 40, 'time': 0}))
+  for trained_through in (40, None):  # resumed from step 30 twice
+    writer = metrics.Writer(url, enabled=True)
+    assert writer.start(30) == trained_through
+    writer.close()
 
 
 @pytest.mark.slow

@@ -81,6 +81,8 @@ class Writer:
     progress = _read_step(os.path.join(self.local, PROGRESS))
     if progress is not None and progress > first_step:
       moved.append(progress)
+      # Counted now: an attempt stopped before its first record must not count them again.
+      self._progress(first_step)
     self._jsonl = open(path, 'a', encoding='utf-8')
     # tensorboardX names the file by the second and truncates it: a relaunch in the same second
     # erased the last attempt's events. Nanoseconds keep names unique and in order (purges).
@@ -112,11 +114,16 @@ class Writer:
       if name not in ('step', 'split') and isinstance(value, (int, float)):
         self._tb.add_scalar(f'{record["split"]}/{name}', value, record['step'])
     self._tb.flush()
-    if self._mirror is not None and self._mirror.bucket and record['split'] == 'train':
-      with open(os.path.join(self.local, PROGRESS), 'w', encoding='utf-8') as f:
-        json.dump({'step': record['step'], 'time': round(time.time(), 3)}, f)  # one small write
-      self._mirror.push(names=(PROGRESS,))
+    if record['split'] == 'train':
+      self._progress(record['step'])
     self.sync(force=False)
+
+  def _progress(self, step: int) -> None:
+    """A bucket workdir's progress marker: this attempt trained through `step`."""
+    if self._mirror is not None and self._mirror.bucket:
+      with open(os.path.join(self.local, PROGRESS), 'w', encoding='utf-8') as f:
+        json.dump({'step': step, 'time': round(time.time(), 3)}, f)  # one small write
+      self._mirror.push(names=(PROGRESS,))
 
   def print(self, line: str) -> None:
     if self.enabled:
