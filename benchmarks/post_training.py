@@ -54,8 +54,8 @@ def rows(n: int, pairs: int) -> list[dict]:
   from disttrain import data  # pylint: disable=g-import-not-at-top
   from disttrain.parallel.step import Variant  # pylint: disable=g-import-not-at-top
   from disttrain.training import memory, setup as run_lib  # pylint: disable=g-import-not-at-top
-  mesh = {'mesh.data': 1} if n == 1 else {'mesh.data': 2, 'mesh.fsdp': n // 2,
-                                           'sharding': 'fsdp'}
+  mesh = ({'mesh.data': 1} if n == 1 else {'mesh.data': 2} if n < 4 else
+          {'mesh.data': 2, 'mesh.fsdp': n // 2, 'sharding': 'fsdp'})
   out, runs = [], []
   for name, overrides in _SETTINGS:
     cfg = recipes.config('llama', 'tiny', {**_MODEL, **mesh, **overrides})

@@ -144,6 +144,16 @@ def test_a_run_saved_with_fields_it_did_not_use_still_loads():
   cfg = trained._config({'lora': {'alpha': 32.0}, 'dpo': {'beta': 0.5},  # pylint: disable=protected-access
                          'data': {'eval_harness_limit': 5, 'mixture_exhausted': 'stop'}}, None)
   assert (cfg.lora.alpha, cfg.dpo.beta, cfg.data.eval_harness_limit) == (16.0, 0.1, 0)
+  # Built otherwise, refused since: gpt's rotary fields, Gemma's norm, a name's rules after the
+  # first (the last held). Each must build the model the run trained.
+  cfg = trained._config({'model': {'name': 'gpt', 'rope_theta': 5e5, 'head_dim': 8,  # pylint: disable=protected-access
+                                   'rope_scaling': {'kind': 'linear', 'factor': 2.0}},
+                         'logical_rules': [['mlp', 'tensor'], ['mlp', None]]}, None)
+  disttrain.models.build(cfg.model)
+  assert (cfg.model.rope_theta, cfg.model.rope_scaling.kind) == (1e4, '')
+  assert cfg.logical_rules == (('mlp', None),)
+  gemma = trained._config({'model': {'name': 'gemma2', 'norm': 'layernorm'}}, None)  # pylint: disable=protected-access
+  disttrain.models.build(gemma.model)
 
 
 @pytest.mark.parametrize('command,args,message', [

@@ -237,8 +237,9 @@ class Parallelism:
       raise ConfigError(
           f'mesh.{TENSOR_AXIS}={ways} splits no parameter: no param_rules or logical_rules '
           f"entry puts a dimension it divides on '{TENSOR_AXIS}', so each group of {ways} "
-          f"devices would compute the same; map one, e.g. --config.logical_rules=\"(('mlp', "
-          f"'{TENSOR_AXIS}'),)\", or give those devices to mesh.data")
+          f'devices would compute the same; map one (logical_rules by a logical axis name the '
+          f"model gives, e.g. ('mlp', '{TENSOR_AXIS}'); param_rules by path for models without, "
+          f"e.g. ('Dense_0/kernel', (None, '{TENSOR_AXIS}'))), or give those devices to mesh.data")
 
   def check_model(self, model, tokens: int) -> None:
     """The expert, stage and context axes fit the model: a number of experts the expert axis

@@ -98,10 +98,11 @@ def abstract_params(model, spec: dict, cfg: Config, mesh: Mesh) -> Any:
                       shapes, specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def layout(model, tx, spec: dict, cfg: Config, mesh: Mesh) -> Layout:
+def layout(model, tx, spec: dict, cfg: Config, mesh: Mesh, check: bool = True) -> Layout:
   """Shardings for every leaf of the state, derived from abstract shapes and the rules.
 
-  `spec`: a one-example batch as jax.ShapeDtypeStructs (disttrain.data.element_spec).
+  `spec`: a one-example batch as jax.ShapeDtypeStructs (disttrain.data.element_spec). `check`:
+  refuse a mesh.tensor that splits nothing (a run; reading a saved one lays out what it saved).
   """
   abstract = jax.eval_shape(_init_fn(model, tx, spec, cfg.seed))
   param_specs, replicated = params_specs(model, abstract.params, spec, cfg, mesh)
@@ -112,8 +113,9 @@ def layout(model, tx, spec: dict, cfg: Config, mesh: Mesh) -> Layout:
     logical = (model.logical_specs(spec) or {}).get(FROZEN)
     mutable_specs = {**mutable_specs, FROZEN: sharding_lib.specs_for(
         abstract.mutable[FROZEN], cfg, mesh, logical=logical)[0]}
-  Parallelism(mesh).check_splits(sharding_lib.split_summary(
-      {'params': param_specs, **mutable_specs}, mesh)['axes'])
+  if check:
+    Parallelism(mesh).check_splits(sharding_lib.split_summary(
+        {'params': param_specs, **mutable_specs}, mesh)['axes'])
   replicate = NamedSharding(mesh, P())
   param_shardings = sharding_lib.named(mesh, param_specs)
   opt_shardings = _follow_params(abstract.opt_state, abstract.params, param_shardings, replicate)

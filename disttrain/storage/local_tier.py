@@ -162,7 +162,7 @@ class LocalTier:
     try:
       with zipfile.ZipFile(self.dir / str(step) / name) as z:
         return z.testzip() is None
-    except (OSError, zipfile.BadZipFile):
+    except Exception:  # pylint: disable=broad-except  (a damaged header: EOFError, ValueError, ...)
       return False
 
   def _info(self, step: int) -> dict | None:
