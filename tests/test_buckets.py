@@ -147,6 +147,32 @@ def test_torn_save_in_a_bucket_is_never_restored_and_a_second_run_is_refused(ser
 
 
 @pytest.mark.slow
+def test_a_resume_from_the_fast_tier_keeps_every_record_in_the_bucket(servers, tmp_path):
+  """Records reach the bucket every 30 s and with each persistent save, not with fast-tier saves:
+  killed at step 44 and resumed from the fast tier's 40, the bucket's metrics.jsonl lacked
+  steps 1-40 for good (they are never trained again)."""
+  url = servers.bucket('s3', 'fast') + '/run'
+  command = [a if not a.startswith('--config=') else f'--config={ROOT}/tests/configs/ops.py'
+             for a in LAUNCH] + [
+      f'--workdir={url}', '--config.local_checkpoint_every_steps=5', '--config.eval_every_steps=0',
+      f'--config.local_checkpoint_dir={tmp_path}', '--config.checkpoint_every_steps=1000']
+  env = {**_env(), 'SLOW_READS': '0.2'}  # 0.2 s a step: 44 steps, well inside the 30 s
+  first = subprocess.Popen(command + ['--config.num_train_steps=1000'], env=env, cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  for line in first.stdout:
+    if line.startswith('train step 44/'):  # step 40's upload had 0.8 s
+      first.send_signal(signal.SIGKILL)
+      break
+  first.communicate(timeout=60)
+  again = subprocess.run(command + ['--config.num_train_steps=50'], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=180, check=False)
+  assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+  assert f'resumed from step 40: the fast tier in {tmp_path}' in again.stdout, again.stdout
+  steps = [r['step'] for r in helpers.metrics_records(url)]
+  assert steps == list(range(1, 51)), steps
+
+
+@pytest.mark.slow
 def test_a_killed_attempts_progress_is_counted_by_the_next_attempt_only(servers):
   """An attempt that resumed and stopped before its first record left the killed attempt's
   progress.json in place: the next one counted the same lost steps again (goodput above 100%)."""

@@ -298,6 +298,7 @@ class Saver:
       self.check_finite(step_no, exported)
       if not due:  # the fast tier only: each process's own disk (storage/local_tier.py)
         self.ckpt.save_local(step_no, exported, self.batches.get_state(), self.meta(step_no))
+        self.sync()  # a resume from it keeps the bucket's records, which must reach its step
         return exported
       self.ckpt.save(step_no, exported, self.batches.get_state(), self.meta(step_no),
                      metrics=evals)
