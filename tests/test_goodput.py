@@ -91,6 +91,26 @@ def test_an_attempt_dead_in_set_up_and_a_preempted_one_are_costed_as_they_went(t
   assert abs(sum(s.values()) - report['wall_seconds']) < 1e-6
 
 
+def test_a_killed_attempt_is_costed_at_most_as_long_as_it_lasted(tmp_path):
+  """Attempt 1 trains 1620 steps and is killed at 12 s; attempt 2 resumes from 1600, trains one
+  slow step (0.5 s) and is preempted. Its mean step priced attempt 1's 1600 kept steps at 800 s:
+  goodput far above 100%. Now at most attempt 1's 12 s; the categories add up to the wall time."""
+  log = [{'time': 0.0, 'event': 'start', 'attempt': 1},
+         {'time': 1.0, 'event': 'training', 'attempt': 1},
+         {'time': 12.0, 'event': 'start', 'attempt': 2},
+         {'time': 13.0, 'event': 'restore', 'attempt': 2, 'step': 1600, 'trained_through': 1620},
+         {'time': 14.0, 'event': 'training', 'attempt': 2},
+         {'time': 15.0, 'event': 'end', 'attempt': 2, 'step': 1601, 'error': 'Preempted',
+          'breakdown': _breakdown(3.0, setup=1.0, compile=1.0, step=0.5, checkpoint=0.5)}]
+  (tmp_path / 'events.jsonl').write_text(''.join(json.dumps(e) + '\n' for e in log))
+  report = goodput.report(str(tmp_path))
+  s = report['seconds']
+  assert s['productive'] + s['lost_steps'] <= 12.0 + 0.5, s  # attempt 1's 12 s, attempt 2's step
+  assert abs(sum(s.values()) - report['wall_seconds']) < 1e-3, (s, report['wall_seconds'])
+  assert s['lost_steps'] == round(20 / 1620 * 12.0, 3) and s['productive'] == round(
+      1600 / 1620 * 12.0 + 0.5, 3), s  # attempt 1's 12 s shared as its steps were
+
+
 def test_the_command_prints_the_table_and_writes_json(tmp_path):
   _log(tmp_path)
   # '~/run' as a script quotes it: the table reads the directory the path resolves to.

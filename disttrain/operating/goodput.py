@@ -93,11 +93,13 @@ def report(workdir: str) -> dict:
     if i + 1 < len(runs) and a.ended is not None:
       seconds['idle_between_attempts'] += max(runs[i + 1].started - a.ended, 0.0)
     lost = a.lost_steps * per_step
-    seconds['lost_steps'] += lost
     if a.time:
       t = {k: v['seconds'] for k, v in a.time.items() if isinstance(v, dict)}
       # GRPO's sampling makes the batches it learns from: productive, like the step.
-      seconds['productive'] += t['step'] + t.get('sample', 0.0) + t.get('records', 0.0) - lost
+      made = t['step'] + t.get('sample', 0.0) + t.get('records', 0.0)
+      lost = min(lost, made)  # priced at the mean step: at most what its own steps took
+      seconds['lost_steps'] += lost
+      seconds['productive'] += made - lost
       seconds['startup_and_compile'] += t['setup'] + t['compile']
       for name in ('checkpoint', 'data', 'eval'):
         seconds[name] += t[name]
@@ -108,8 +110,15 @@ def report(workdir: str) -> dict:
       after = [b for b in runs[i + 1:] if b.trained is not False]
       kept = max(after[0].first_step - a.first_step, 0) * per_step \
           if after and a.trained is not False else 0.0
+      span = max(a.ended - a.started, 0.0)
+      if kept + lost > span:  # priced at the timed attempts' mean step (a resume's few slow
+        # steps): never more than the attempt lasted (productive time was 17 times the wall)
+        kept, lost = kept * span / (kept + lost), lost * span / (kept + lost)
+      seconds['lost_steps'] += lost
       seconds['productive'] += kept
-      seconds['killed_other'] += max(a.ended - a.started - kept - lost, 0.0)
+      seconds['killed_other'] += span - kept - lost
+    else:
+      seconds['lost_steps'] += lost
   last = runs[-1]
   wall = (last.ended if last.ended is not None else last.started) - runs[0].started
   stragglers = [{k: e.get(k, 'stalled' if k == 'cause' else None)  # logs before causes: stalls
