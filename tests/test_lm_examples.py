@@ -51,3 +51,8 @@ def test_pretrain_export_import_finetune_and_sample(tmp_path):
   records = [json.loads(l) for l in open(tmp_path / 'runs/llama_sft/metrics.jsonl')]
   train_losses = [r['loss'] for r in records if r['split'] == 'train']
   assert train_losses[-1] < train_losses[0]
+  # docs/post-training.md's LoRA run: its samples read the base merged with the adapters (they
+  # read the adapters alone as the model's parameters: exit 2 after training).
+  out = _run(tmp_path, train, f'--config={configs / "llama_sft.py"}', '--workdir=runs/llama_lora',
+             *short, '--config.lora.rank=16', '--config.lora.alpha=32')
+  assert out.count('sample: ') == 2 and 'adapters' in out, out[-2000:]

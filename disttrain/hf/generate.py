@@ -131,10 +131,16 @@ class SampleAtEnd:
     self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
     self.prompts, self.max_new_tokens = prompts, max_new_tokens
     self.context = self.model.cfg.learned_positions or cfg.model.max_seq_len or cfg.row_tokens
+    self.lora_scale = cfg.lora.alpha / cfg.lora.rank if cfg.lora.rank else 0.0
 
   def on_end(self, result) -> None:
     prompts = [self.tokenizer.encode(p) for p in self.prompts]
-    out = generate(self.model, result.state.params, prompts,
+    params = result.state.params
+    if self.lora_scale:  # a LoRA run's params are its adapters; the base is frozen beside them
+      from disttrain.models import lora  # pylint: disable=g-import-not-at-top
+      from disttrain.parallel.state import FROZEN  # pylint: disable=g-import-not-at-top
+      params = lora.merge(result.state.mutable[FROZEN], params, self.lora_scale)
+    out = generate(self.model, params, prompts,
                    max_new_tokens=self.max_new_tokens,
                    eos_id=self.tokenizer.stop_ids(self.model.cfg.vocab_size), context=self.context)
     if jax.process_index() == 0:
