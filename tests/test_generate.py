@@ -75,6 +75,9 @@ def test_greedy_decoding_with_the_cache_equals_the_full_forward_argmax(run_dir):
 
 
 def test_sampling_settings(run_dir):
+  # --mesh=data=-1 (the docs' advice for other devices) kept the run's fsdp=8: refused on 2.
+  assert dict(trained.load(workdir=str(run_dir), devices=devices(2), mesh='data=-1').mesh.shape)[
+      'data'] == 2
   lm = trained.load(workdir=str(run_dir), devices=devices(1), mesh={'fsdp': 1})
   prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
   run = lambda **kw: disttrain.generate(lm.model, lm.params, prompts, max_new_tokens=16,

@@ -313,7 +313,8 @@ if __name__ == '__main__':
   flags.DEFINE_integer('batch_size', 32, 'Rows per scoring batch (split over the batch axes).')
   flags.DEFINE_integer('max_length', None, "Tokens per scoring window (default: the model's "
                        'context).')
-  flags.DEFINE_string('mesh', '', "Mesh axis sizes instead of the run's, e.g. data=-1.")
+  flags.DEFINE_string('mesh', '', "A mesh instead of the run's (axes not named are 1), e.g. "
+                      'data=-1.')
   flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
   flags.DEFINE_string('output', '', "Write lm-eval's results (metrics, versions, configs) as "
                       'JSON here.')

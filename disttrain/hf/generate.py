@@ -239,8 +239,8 @@ if __name__ == '__main__':
   flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
   flags.DEFINE_string('tokenizer', None, "Tokenizer file (default: the run's data.tokenizer).")
   flags.DEFINE_bool('ema', False, 'Sample from the moving average of the parameters.')
-  flags.DEFINE_string('mesh', '', "Mesh axis sizes instead of the run's, e.g. data=-1 or "
-                      'fsdp=8,data=1.')
+  flags.DEFINE_string('mesh', '', "A mesh instead of the run's (axes not named are 1), e.g. "
+                      'data=-1 or fsdp=8.')
   flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
   flags.DEFINE_bool('chat', False, "Each prompt is a user turn, rendered by the tokenizer's own "
                     'chat template with its generation prompt.')

@@ -48,8 +48,9 @@ def _config(tree: dict, mesh: dict | None) -> Config:
       cd[group].update({k: v for k, v in fields.items() if k in cd[group]})
     elif group in cd:
       cd[group] = tuple(tuple(r) for r in fields) if group.endswith('_rules') else fields
-  if mesh:
-    cd.mesh.update(mesh)
+  if mesh:  # the whole layout: axes it does not name are 1 (data=-1 kept the run's fsdp x tensor)
+    cd.mesh.update({axis: mesh.get(axis, 1) for axis in mesh_lib.AXES})
+    cd.dcn_mesh.update(config_lib.defaults().dcn_mesh.to_dict())
   return config_lib.from_config_dict(_unused_cleared(cd))
 
 
@@ -101,7 +102,8 @@ def load(*, workdir: str = '', hf_dir: str = '', step: int | None = None, device
          mesh: dict | str | None = None, tokenizer: str | None = None, ema: bool = False,
          compute_dtype: str | None = None) -> Trained:
   """The model of `workdir` (latest checkpoint, or `step`) or of `hf_dir`, on a mesh of `devices`
-  with the run's mesh and rules (`mesh` overrides axis sizes, e.g. {'data': -1} or 'data=-1')."""
+  with the run's mesh and rules (`mesh` replaces the mesh: axes it does not name are 1, e.g.
+  {'data': -1} or 'data=-1' for data parallelism over the devices present)."""
   mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
   if bool(workdir) == bool(hf_dir):
     raise ConfigError('pass --workdir=RUN_DIR (a run with a checkpoint) or --hf_dir=DIR, one')
