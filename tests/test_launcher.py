@@ -145,6 +145,9 @@ BAD_INPUTS = [
     ('check_batch_split', ['--check', '--config.global_batch_size=8',
                            '--config.grad_accum_steps=3'],  # 'ok', then refused by train
      ['global_batch_size=8 does not split into grad_accum_steps=3'], r'use a multiple of 3'),
+    ('check_filled_batch_split', ['--check', '--fake_devices=8', '--config.global_batch_size=100'],
+     ['global_batch_size=100 is not divisible by the 8 devices'],  # data=-1 fills 8 here
+     r'use a multiple of 8'),
     ('finder_flag_in_train', ['--memory_limit=1000'],  # ignored: no limit was applied
      ['--memory_limit applies to `disttrain batch-size`'], r'--config\.memory_limit_bytes'),
     ('check_eval_tasks', ['--check', "--config.data.eval_tasks=a=x.jsonl;a=y.jsonl"],

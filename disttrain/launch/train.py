@@ -12,6 +12,7 @@ objects without editing disttrain.
 Bad input (config, flags, data) exits with status 2 and one line naming the value and the fix.
 """
 
+import math
 import os
 import re
 import runpy
@@ -89,7 +90,11 @@ def _check_specs(cfg) -> None:
   from disttrain.data import mixture  # pylint: disable=g-import-not-at-top
   from disttrain.evaluation import tasks  # pylint: disable=g-import-not-at-top
   from disttrain.parallel import mesh  # pylint: disable=g-import-not-at-top
-  mesh.check_batch_split(cfg, mesh.known_batch_ways(cfg))  # the axes' sizes the config fixes
+  ways = mesh.known_batch_ways(cfg)  # the axes' sizes the config fixes
+  if _FAKE_DEVICES.value and cfg.dcn_mesh.granules == 1:  # the devices known: the run's sizes
+    sizes = dict(zip(mesh.AXES, mesh.resolve_shape(cfg.mesh, _FAKE_DEVICES.value)))
+    ways = math.prod(sizes[axis] for axis in mesh.BATCH_AXES)
+  mesh.check_batch_split(cfg, ways)
   if cfg.data.eval_tasks:
     tasks.pairs(cfg.data.eval_tasks)
   if cfg.data.mixture:
