@@ -362,6 +362,11 @@ def test_a_flagfile_gives_the_config_and_its_overrides(tmp_path, launcher):
   assert result.returncode == 0, result.stderr
   assert result.stdout.startswith(f'ok: --config={CONFIG} builds a valid config'), result.stdout
   assert '3 steps' in result.stdout, result.stdout
+  # A process of a 2 x 4 cluster checks the mesh over the job's 8 devices, not its own 4.
+  result = launcher.run(f'--flagfile={flagfile}', f'--workdir={tmp_path}', '--check',
+                        '--fake_devices=4', '--num_processes=2', '--config.mesh.data=2',
+                        '--config.mesh.fsdp=4')
+  assert result.returncode == 0, result.stderr
 
 
 def test_a_malformed_process_count_in_the_environment_is_one_line(tmp_path, launcher):

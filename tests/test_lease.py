@@ -90,6 +90,32 @@ def test_two_launches_at_the_same_moment_get_one_lease(tmp_path):
     assert outcomes == ['held', 'refused'], (trial, outcomes)
 
 
+def test_the_lock_is_waited_for_with_a_deadline_and_shared_mounts_are_read_back(tmp_path,
+                                                                                monkeypatch):
+  """A launch stopped (Ctrl-Z) while holding the workdir's lock kept every later one waiting,
+  silently, for ever. NFS and FUSE mounts lock this host only: their leases are read back."""
+  from disttrain.operating import lease as lease_lib  # pylint: disable=g-import-not-at-top
+  hold = ('import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); '
+          'fcntl.flock(fd, fcntl.LOCK_EX); print("locked", flush=True); time.sleep(60)')
+  holder = subprocess.Popen([sys.executable, '-c', hold, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'locked'
+    monkeypatch.setattr(lease_lib, '_LOCK_MARGIN_SECONDS', 1.0)
+    with pytest.raises(ConfigError, match=f'another launch into {tmp_path} has held its lease '
+                                          r'lock for 1s \(stopped, or on a hung mount\)'):
+      Lease(str(tmp_path), 0.1).acquire()
+  finally:
+    holder.kill()
+    holder.wait()
+  table = tmp_path / 'mounts'
+  table.write_text('/dev/vda / ext4 rw 0 0\nfiler:/export /mnt/shared nfs4 rw 0 0\n'
+                   'runs /mnt/bucket fuse.gcsfuse rw 0 0\n')
+  assert [lease_lib._shared_mount(p, str(table))  # pylint: disable=protected-access
+          for p in ('/mnt/shared/run', '/mnt/bucket/x', '/mnt/sharedx', '/tmp')] == [
+              True, True, False, False]
+
+
 def test_waiting_out_a_dead_hosts_lease_is_start_up_time_in_goodput(tmp_path):
   """The wait (lease_seconds, here 2) fell in no category: goodput's categories came short of
   its wall time by it (4.0 of 7.9 s unaccounted in a review)."""

@@ -70,7 +70,7 @@ def _unused_cleared(cd):
   return cd
 
 
-def _mesh(cfg: Config, devices):
+def _mesh(cfg: Config, devices, given: bool = False):
   mesh, dcn = cfg.mesh, cfg.dcn_mesh
   if jax.process_count() == 1 and dcn.granules > 1:  # one process: the whole layout, flat
     mesh = dataclasses.replace(mesh, **{a: getattr(mesh, a) * getattr(dcn, a) for a in
@@ -79,9 +79,10 @@ def _mesh(cfg: Config, devices):
   try:
     return mesh_lib.build(mesh, devices, dcn)
   except ConfigError as e:
-    raise ConfigError(f'{e} (the run was laid out on mesh {dict(vars(cfg.mesh))}): pass '
-                      '--fake_devices=N to match it on CPU, or --mesh=data=-1 to lay the '
-                      'model out on the devices present') from None
+    whose = 'the --mesh given' if given else 'the run was laid out on mesh'
+    raise ConfigError(f'{e} ({whose} {dict(vars(cfg.mesh))}): pass --fake_devices=N to match '
+                      'it on CPU, or --mesh=data=-1 to lay the model out on the devices '
+                      'present') from None
 
 
 def parse_mesh(text: str) -> dict[str, int] | None:
@@ -131,7 +132,7 @@ def load(*, workdir: str = '', hf_dir: str = '', step: int | None = None, device
   if not hasattr(model, 'family'):
     raise ConfigError(f'model.name={cfg.model.name!r} is not a language model; sampling and '
                       "export take a language model (llama, qwen2, qwen3, gpt)")
-  mesh_ = _mesh(cfg, devices)
+  mesh_ = _mesh(cfg, devices, given=bool(mesh))
   context = model.cfg.learned_positions or cfg.model.max_seq_len or cfg.row_tokens
   spec = {'tokens': jax.ShapeDtypeStruct((1, cfg.data.seq_len), np.int32)}
   abstract = state_lib.abstract_params(model, spec, cfg, mesh_)

@@ -92,7 +92,8 @@ def _check_specs(cfg) -> None:
   from disttrain.parallel import mesh  # pylint: disable=g-import-not-at-top
   ways = mesh.known_batch_ways(cfg)  # the axes' sizes the config fixes
   if _FAKE_DEVICES.value and cfg.dcn_mesh.granules == 1:  # the devices known: the run's sizes
-    sizes = dict(zip(mesh.AXES, mesh.resolve_shape(cfg.mesh, _FAKE_DEVICES.value)))
+    devices = _FAKE_DEVICES.value * (_NUM_PROCESSES.value or 1)  # a cluster's: every process's
+    sizes = dict(zip(mesh.AXES, mesh.resolve_shape(cfg.mesh, devices)))
     ways = math.prod(sizes[axis] for axis in mesh.BATCH_AXES)
   mesh.check_batch_split(cfg, ways)
   if cfg.data.eval_tasks:

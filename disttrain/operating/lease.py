@@ -32,6 +32,7 @@ from disttrain.storage import urls
 FILE = 'lease.json'
 # A bucket has no lock: launches that wrote at once read back after this; the last write holds.
 _SETTLE_SECONDS = 1.0
+_LOCK_MARGIN_SECONDS = 10.0  # beyond twice lease_seconds, a launch holding the lock is stuck
 
 
 def _started(pid: int) -> int | None:
@@ -66,6 +67,22 @@ def _alive(holder: dict) -> bool:
   except PermissionError:  # exists, owned by someone else
     return True
   return True
+
+
+def _shared_mount(path: str, table: str = '/proc/mounts') -> bool:
+  """`path` is on a network or FUSE file system (NFS, gcsfuse, ...), per the mount table."""
+  try:
+    with open(table, encoding='utf-8') as f:
+      mounts = [line.split() for line in f]
+  except OSError:
+    return False
+  real, best, kind = os.path.realpath(path), '', ''
+  for fields in mounts:
+    point = fields[1] if len(fields) > 2 else ''
+    if point and (real == point or real.startswith(point.rstrip('/') + '/')) and \
+        len(point) >= len(best):
+      best, kind = point, fields[2]
+  return kind.startswith(('nfs', 'fuse', 'cifs', 'smb', 'ceph', 'lustre', 'gpfs', '9p'))
 
 
 class Lease:
@@ -136,7 +153,8 @@ class Lease:
     except OSError as e:
       raise ConfigError(f'workdir={self.workdir!r} cannot be used ({e.strerror}); '
                         'pass a writable directory path') from e
-    if urls.is_bucket(self.workdir):  # no lock there: the last writer holds it, the others stop
+    if urls.is_bucket(self.workdir) or _shared_mount(self.workdir):
+      # No lock across hosts there (NFS and FUSE lock this host only): the last writer holds it.
       time.sleep(_SETTLE_SECONDS)
       holder = self._read()
       if holder and not self._mine(holder):
@@ -152,11 +170,22 @@ class Lease:
       return
     os.makedirs(self.workdir, exist_ok=True)
     fd = os.open(self.workdir, os.O_RDONLY)
+    # Its holder waits out at most a dead lease: longer, it was stopped (Ctrl-Z) or hangs.
+    wait = 2 * self.seconds + _LOCK_MARGIN_SECONDS
+    deadline = time.monotonic() + wait
     try:
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-      except OSError:  # a file system without flock (some network mounts): unlocked, as before
-        pass
+      while True:
+        try:
+          fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+          break
+        except BlockingIOError:
+          if time.monotonic() > deadline:
+            raise ConfigError(f'another launch into {self.workdir} has held its lease lock for '
+                              f'{wait:.0f}s (stopped, or on a hung mount); end it, or pass '
+                              'another --workdir') from None
+          time.sleep(0.1)
+        except OSError:  # a file system without flock: unlocked, as before
+          break
       yield
     finally:
       os.close(fd)  # releases the lock
