@@ -153,6 +153,30 @@ def test_conversational_preference_pairs_are_the_templates_rows(tokenizer_dirs, 
     assert rows['loss_mask'][0, k, :n].tolist() == mask[1:]
 
 
+# Llama 3.1's tool-call test and Qwen3's reasoning field, as their published templates read them.
+FIELDS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+          "{% if 'tool_calls' in m %}{{ m.tool_calls|length }} calls{% endif %}"
+          "{% if m.reasoning_content is string %}<think>{{ m.reasoning_content }}</think>"
+          "{% endif %}{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}")
+
+
+def test_messages_reach_the_template_as_transformers_passes_them(tokenizer_dirs):
+  """Fields set to null (an OpenAI export's "tool_calls": null) crashed a template that tests for
+  them, a TypeError traceback; a trace under 'reasoning' or 'thinking' (vLLM's, gpt-oss's names)
+  was dropped, so SFT trained an empty think block."""
+  from transformers import PreTrainedTokenizerFast  # pylint: disable=g-import-not-at-top
+  folder = tokenizer_dirs['chatml']
+  hf = PreTrainedTokenizerFast(tokenizer_file=str(folder / 'tokenizer.json'), eos_token='<|im_end|>')
+  template = chat.ChatTemplate(FIELDS, 'fields', chat.special_tokens(str(folder / 'tokenizer.json')))
+  for field in ('reasoning', 'thinking', 'reasoning_content'):
+    conversation = [{'role': 'user', 'content': 'What is 2 + 2?', 'name': None},
+                    {'role': 'assistant', 'content': 'It is 4.', 'tool_calls': None,
+                     field: 'two and two'}]
+    want = hf.apply_chat_template(conversation, chat_template=FIELDS, tokenize=False)
+    assert '<think>two and two</think>' in want and ' calls' not in want
+    assert template.render(conversation) == want, field
+
+
 @pytest.mark.slow  # a launcher subprocess
 def test_a_template_that_fails_is_one_line_naming_the_example(tokenizer_dirs, tmp_path):
   """Gemma's template refuses a system turn: the run stops in one line, exit 2."""

@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import re
+from typing import Any
 
 from disttrain.errors import DataError
 
@@ -105,6 +106,20 @@ def _environment():
   return env
 
 
+_REASONING = ('reasoning_content', 'thinking', 'reasoning')  # transformers' aliases, in order
+
+
+def _normalized(message: Any) -> Any:
+  """A message as transformers' apply_chat_template passes it: fields set to null dropped (an
+  OpenAI export's "tool_calls": null crashed Llama 3.1's template) and a reasoning trace under
+  any of its names given under reasoning_content and thinking (Qwen3's and gpt-oss's names)."""
+  if not isinstance(message, dict):
+    return message
+  message = {k: v for k, v in message.items() if v is not None}
+  trace = next((message[k] for k in _REASONING if k in message), None)
+  return message if trace is None else {**message, 'reasoning_content': trace, 'thinking': trace}
+
+
 class ChatTemplate:
   """One tokenizer's template: render(messages) -> text; pieces(messages) -> [(text, trained)]."""
 
@@ -130,11 +145,12 @@ class ChatTemplate:
     """The template's text for `messages` (marks of generation blocks removed unless raw)."""
     import jinja2  # pylint: disable=g-import-not-at-top
     try:
-      text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   tools=None, documents=None, **self.special)
-    except jinja2.TemplateError as e:
+      text = self._template.render(messages=[_normalized(m) for m in messages],
+                                   add_generation_prompt=add_generation_prompt, tools=None,
+                                   documents=None, **self.special)
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
       raise DataError(f'{example or "the conversation"}: the chat template in {self.where} fails '
-                      f'to render it: {e}') from e
+                      f'to render it: {type(e).__name__}: {e}') from e
     return text if raw else text.replace(_OPEN, '').replace(_CLOSE, '')
 
   def pieces(self, messages: list, example: str) -> list[tuple[str, bool]]:
