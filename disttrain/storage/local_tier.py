@@ -85,8 +85,8 @@ class LocalTier:
 
   def __init__(self, root: str, workdir: str):
     self.n, self.p = jax.process_count(), jax.process_index()
-    self.root = Path(os.path.abspath(os.path.expanduser(root))) if root else Path(
-        default_root(workdir))  # ~/fast went to ./~/fast: a relaunch elsewhere missed it
+    # As every local path (~/fast went to ./~/fast: a relaunch elsewhere missed it).
+    self.root = Path(urls.resolve(root) if root else default_root(workdir))
     self.dir = self.root / f'process_{self.p}'
     self.marker = progress.local_marker(workdir)
     self.run = self._run_id()
