@@ -30,7 +30,8 @@ from disttrain.exitcodes import Exit
 from disttrain.storage import urls
 
 FILE = 'lease.json'
-# A bucket has no lock: launches that wrote at once read back after this; the last write holds.
+# A bucket, NFS or FUSE has no lock across hosts: launches that wrote at once read back after
+# this; the last write holds.
 _SETTLE_SECONDS = 1.0
 _LOCK_MARGIN_SECONDS = 10.0  # beyond twice lease_seconds, a launch holding the lock is stuck
 
