@@ -4,7 +4,8 @@
            plan(): its steps over abstract state; run.json
   memory   the memory pre-flight: each step variant's memory, refused over the limit
   batch_size  the largest micro-batch per device whose train step passes the pre-flight
-  actions  the loop's periodic actions: TrainRecords, Evaluator, Saver, Stopper, Profiler
+  train_records  step metrics fetched one step late, checked finite, written as train records
+  actions  the loop's other periodic actions: Evaluator, Saver, Stopper, Profiler
   loop     train() and evaluate(): build the run, then the list of what happens each step
 `disttrain.train` is training.loop.train.
 """

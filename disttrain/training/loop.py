@@ -21,7 +21,7 @@ from disttrain.parallel import distributed, failures, mesh as mesh_lib
 from disttrain.parallel import sharding as sharding_lib
 from disttrain.parallel import state as state_lib
 from disttrain.storage import checkpoint, urls
-from disttrain.training import actions, memory, setup as run_lib
+from disttrain.training import actions, memory, setup as run_lib, train_records
 from disttrain.training.setup import Setup, setup
 
 __all__ = ['Result', 'Setup', 'evaluate', 'setup', 'train']
@@ -273,9 +273,10 @@ def _restore_or_init(ckpt, run: Setup, batches, hooks, writer, before_weights=la
 
 @dataclasses.dataclass
 class _Actions:
-  """The periodic actions of one run (training/actions.py), in the order the loop calls them."""
-  out: actions.Output
-  records: actions.TrainRecords
+  """The periodic actions of one run (training/train_records.py, actions.py), in the order the
+  loop calls them."""
+  out: train_records.Output
+  records: train_records.TrainRecords
   evaluator: actions.Evaluator
   stopper: actions.Stopper
   saver: actions.Saver
@@ -286,10 +287,10 @@ class _Actions:
   def build(cls, run: Setup, *, workdir, ckpt, batches, signals, hooks, writer, phases,
             throughput, hf_saves) -> '_Actions':
     cfg = run.cfg
-    out = actions.Output(writer, [], hooks)
-    records = actions.TrainRecords(cfg, out, phases, run.lr_schedule, throughput,
-                                   lambda: saver.last_saved(),
-                                   getattr(run.train_data, 'shares', None))
+    out = train_records.Output(writer, [], hooks)
+    records = train_records.TrainRecords(cfg, out, phases, run.lr_schedule, throughput,
+                                         lambda: saver.last_saved(),
+                                         getattr(run.train_data, 'shares', None))
     saver = actions.Saver(cfg, ckpt, run.steps, batches, hooks, phases,
                           lambda at: {**_meta(cfg, run.mesh, at, hooks),
                                       'train_window': records.state(),
