@@ -1,7 +1,7 @@
 """Chat templates (disttrain/data/chat.py) against `transformers`' apply_chat_template.
 
-Three template styles as the models ship them (ChatML as Qwen's, Llama 3's headers, Gemma's
-turns), each written twice: plain, as published, and with `{% generation %}` blocks around the
+Four template styles as the models ship them (ChatML as Qwen's, Llama 3's headers, Gemma's
+turns, Phi-3's closing EOS), each written twice: plain, as published, and with `{% generation %}` blocks around the
 assistant text and its end token, which transformers reads as the assistant mask. The reference
 is transformers on the marked template (tokens and `assistant_masks`); disttrain renders the plain
 one and must find the same tokens and the same trained tokens by itself, through the SFT data
@@ -40,16 +40,28 @@ GEMMA = ("{{ bos_token }}{% for m in messages %}"
          "[[{{ m['content'] | trim + '<end_of_turn>' }}]]{{ '\\n' }}"
          "{% else %}{{ m['content'] | trim + '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
          "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
-STYLES = {'chatml': CHATML, 'llama3': LLAMA3, 'gemma': GEMMA}
+# Phi-3.5's: the conversation closes with EOS when no generation prompt follows, so a turn rendered
+# alone ends differently from the same turn with more after it.
+PHI3 = ("{% for m in messages %}{% if m['role'] == 'system' and m['content'] %}"
+        "{{ '<|system|>\\n' + m['content'] + '<|end|>\\n' }}{% elif m['role'] == 'user' %}"
+        "{{ '<|user|>\\n' + m['content'] + '<|end|>\\n' }}{% elif m['role'] == 'assistant' %}"
+        "{{ '<|assistant|>\\n' }}[[{{ m['content'] + '<|end|>' }}]]{{ '\\n' }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+        "{% else %}{{ eos_token }}{% endif %}")
+STYLES = {'chatml': CHATML, 'llama3': LLAMA3, 'gemma': GEMMA, 'phi3': PHI3}
 SPECIAL = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|begin_of_text|>',
            '<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>', '<bos>', '<eos>',
-           '<start_of_turn>', '<end_of_turn>']
+           '<start_of_turn>', '<end_of_turn>', '<s>', '<|system|>', '<|user|>', '<|assistant|>',
+           '<|end|>']
 CONVERSATIONS = [
     [{'role': 'user', 'content': 'What is 2 + 2?'}, {'role': 'assistant', 'content': 'It is 4.'}],
     [{'role': 'user', 'content': ' Tell me  a story '},
      {'role': 'assistant', 'content': 'Once upon a time, théré was a dragon.\n'},
      {'role': 'user', 'content': 'And then?'},
      {'role': 'assistant', 'content': 'It slept. 🐉 The end.'}],
+    # Private-use characters in the data: no marks of ours to be mistaken for.
+    [{'role': 'user', 'content': 'Echo \ue000 this'},
+     {'role': 'assistant', 'content': '\ue001 echoed \ue000'}],
 ]
 
 
@@ -77,7 +89,7 @@ def tokenizer_dirs(tmp_path_factory):
     folder = tmp_path_factory.mktemp(style)
     tok.save(str(folder / 'tokenizer.json'))
     bos, eos = {'chatml': (None, '<|im_end|>'), 'llama3': ('<|begin_of_text|>', '<|eot_id|>'),
-                'gemma': ('<bos>', '<eos>')}[style]
+                'gemma': ('<bos>', '<eos>'), 'phi3': ('<s>', '<|endoftext|>')}[style]
     (folder / 'tokenizer_config.json').write_text(json.dumps({
         'bos_token': bos, 'eos_token': eos, 'chat_template': plain(style),
         'tokenizer_class': 'PreTrainedTokenizerFast'}))

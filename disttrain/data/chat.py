@@ -11,7 +11,8 @@ What is trained: the assistant turns, each with its end-of-turn token. A templat
 them with `{% generation %}` blocks (transformers' assistant-mask extension) is read as marked;
 otherwise each assistant turn is what rendering the conversation through it adds to rendering the
 turns before it with the generation prompt, less trailing whitespace (ChatML's and Gemma's
-newline after the end token). A template that renders an earlier turn differently once later
+newline after the end token) and less what the template closes a whole conversation with (Phi-3's
+EOS after the last turn: the end of rendering no turns at all). A template that renders an earlier turn differently once later
 turns follow (some drop earlier reasoning) cannot be split this way and is refused, naming the
 example: mark its assistant turns with generation blocks.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 from disttrain.errors import DataError
 
-_OPEN, _CLOSE = '\ue000', '\ue001'  # private-use marks around {% generation %} output
+_MARKS = '_disttrain_generation_marks'  # the render variable: (open, close) around generation
 
 
 class Rendered(list):
@@ -86,10 +87,11 @@ def _environment():
     def parse(self, parser):
       lineno = next(parser.stream).lineno
       body = parser.parse_statements(('name:endgeneration',), drop_needle=True)
-      return nodes.CallBlock(self.call_method('_mark'), [], [], body).set_lineno(lineno)
+      return nodes.CallBlock(self.call_method('_mark', [nodes.Name(_MARKS, 'load')]), [], [],
+                             body).set_lineno(lineno)
 
-    def _mark(self, caller):
-      return _OPEN + caller() + _CLOSE
+    def _mark(self, marks, caller):
+      return marks[0] + caller() + marks[1]
 
   def raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
@@ -132,6 +134,7 @@ class ChatTemplate:
       raise DataError(f'the chat template in {where} does not parse ({e}, line '
                       f'{getattr(e, "lineno", "?")}); fix it or set data.sft.chat_template=plain'
                       ) from e
+    self._closing = None  # rendered for no turns, on first need
     self.marked = re.search(r'\{%-?\s*generation\s*-?%\}', source) is not None
 
   def __getstate__(self) -> dict:
@@ -140,31 +143,57 @@ class ChatTemplate:
   def __setstate__(self, state: dict) -> None:
     self.__init__(state['source'], state['where'], state['special'])
 
-  def render(self, messages: list, add_generation_prompt: bool = False, *, raw: bool = False,
-             example: str = '') -> str:
-    """The template's text for `messages` (marks of generation blocks removed unless raw)."""
+  def render(self, messages: list, add_generation_prompt: bool = False, *,
+             marks: tuple[str, str] = ('', ''), example: str = '') -> str:
+    """The template's text for `messages`, `marks` around its generation blocks' output."""
     import jinja2  # pylint: disable=g-import-not-at-top
     try:
-      text = self._template.render(messages=[_normalized(m) for m in messages],
+      return self._template.render(messages=[_normalized(m) for m in messages],
                                    add_generation_prompt=add_generation_prompt, tools=None,
-                                   documents=None, **self.special)
+                                   documents=None, **self.special, **{_MARKS: marks})
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
       raise DataError(f'{example or "the conversation"}: the chat template in {self.where} fails '
                       f'to render it: {type(e).__name__}: {e}') from e
-    return text if raw else text.replace(_OPEN, '').replace(_CLOSE, '')
+
+  def _free_marks(self, messages: list) -> tuple[str, str]:
+    """Two private-use characters that neither the conversation nor the template holds, so
+    the marks found after rendering are the generation blocks' and no text of the data."""
+    seen = set(json.dumps(messages, ensure_ascii=False, default=str) + self.source +
+               ''.join(self.special.values()))
+    free = (c for c in map(chr, range(0xE000, 0xF900)) if c not in seen)
+    return next(free), next(free)
+
+  def _turn_end(self, text: str, through: str) -> int | None:
+    """Where the conversation rendered through a turn ends that turn in the whole text: less the
+    template's closing (what it renders for no turns, Phi-3's EOS) where it ends the text there,
+    less the longest end of it where the text goes on past the turn; None where it does not."""
+    if self._closing is None:
+      try:
+        self._closing = self.render([])
+      except DataError:  # a template that needs a turn: no closing we can tell
+        self._closing = ''
+    closing = self._closing
+    if text.startswith(through):
+      return len(through) - len(closing) if closing and through.endswith(closing) else len(through)
+    for k in range(len(closing), 0, -1):  # longest first: '<|endoftext|>', not 'xt|>'
+      tail = closing[-k:]
+      if through.endswith(tail) and text.endswith(tail) and text.startswith(through[:-k]):
+        return len(through) - k
+    return None
 
   def pieces(self, messages: list, example: str) -> list[tuple[str, bool]]:
     """The conversation's text in order, as (text, trained) pieces: assistant turns trained."""
     if self.marked:
-      raw, spans, at = self.render(messages, raw=True, example=example), [], 0
-      for part in re.split(f'([{_OPEN}{_CLOSE}])', raw):
-        if part == _OPEN:
+      marks = self._free_marks(messages)
+      raw, spans, at = self.render(messages, marks=marks, example=example), [], 0
+      for part in re.split(f'([{marks[0]}{marks[1]}])', raw):
+        if part == marks[0]:
           start = at
-        elif part == _CLOSE:
+        elif part == marks[1]:
           spans.append((start, at))
         else:
           at += len(part)
-      text = raw.replace(_OPEN, '').replace(_CLOSE, '')
+      text = raw.replace(marks[0], '').replace(marks[1], '')
     else:
       text, spans = self.render(messages, example=example), []
       for i, turn in enumerate(messages):
@@ -172,12 +201,13 @@ class ChatTemplate:
           continue
         before = self.render(messages[:i], True, example=example)
         through = self.render(messages[:i + 1], example=example)
-        if not (text.startswith(through) and through.startswith(before)):
+        end = self._turn_end(text, through)
+        if end is None or not through.startswith(before) or end < len(before):
           raise DataError(f'{example}: the chat template in {self.where} renders turn {i + 1} '
                           'differently once later turns follow, so its assistant text cannot be '
                           'told apart; mark assistant turns with {% generation %} blocks or set '
                           'data.sft.chat_template=plain')
-        spans.append((len(before), len(through.rstrip())))
+        spans.append((len(before), len(through[:end].rstrip())))
     out, at = [], 0
     for start, end in spans:
       out += [(text[at:start], False), (text[start:end], True)]
