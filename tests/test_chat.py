@@ -276,16 +276,19 @@ def test_generate_chat_prompts_are_the_templates_generation_prompt(tokenizer_dir
 
 
 PAIRS = [{'prompt': 'Q: x = f(', 'completion': 'y) means?\nA: a call'},
-         {'prompt': 'Tell me a story.', 'completion': ' Once upon a time, théré was a dragon.'}]
+         {'prompt': 'Tell me a story.', 'completion': ' Once upon a time, théré was a dragon.'},
+         # Characters no tokenizer below trained on: SentencePiece spells them in byte tokens.
+         {'prompt': 'Name it:', 'completion': ' 🦞Ω!'}]
 
 
 @pytest.fixture(scope='module')
 def sentencepiece_dirs(tmp_path_factory):
   """Llama 2 / Mistral style tokenizers trained here: a tokenizer.json with a Metaspace
-  pre-tokenizer and a SentencePiece .model, both prefixing words with '▁'."""
+  pre-tokenizer and a SentencePiece .model with byte fallback, both prefixing words with '▁'."""
   import sentencepiece as spm  # pylint: disable=g-import-not-at-top
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
-  texts = [m['content'] for c in CONVERSATIONS for m in c] + [v for p in PAIRS for v in p.values()]
+  texts = [m['content'] for c in CONVERSATIONS for m in c] + [v for p in PAIRS[:2]
+                                                              for v in p.values()]
   metaspace = tmp_path_factory.mktemp('metaspace')
   tok = Tokenizer(models.BPE(unk_token='<unk>'))
   tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme='first')
@@ -297,8 +300,8 @@ def sentencepiece_dirs(tmp_path_factory):
       'bos_token': '<s>', 'eos_token': '</s>', 'tokenizer_class': 'PreTrainedTokenizerFast'}))
   model = tmp_path_factory.mktemp('spm')
   spm.SentencePieceTrainer.train(sentence_iterator=iter(texts * 20), model_prefix=str(
-      model / 'tokenizer'), vocab_size=120, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
-      hard_vocab_limit=False, minloglevel=2)
+      model / 'tokenizer'), vocab_size=400, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+      hard_vocab_limit=False, byte_fallback=True, minloglevel=2)  # as Llama 2's
   return {'metaspace': metaspace, 'sentencepiece': model / 'tokenizer.model'}
 
 

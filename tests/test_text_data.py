@@ -106,6 +106,39 @@ def test_a_tokenizer_that_appends_eos_itself_gets_one_eos_per_document(corpus, t
   assert ids == raw.encode('Q: 2+2? A: 4').ids and mask[-1] == 1 and len(mask) == len(ids)
 
 
+def test_a_tokenizer_saved_with_truncation_and_padding_encodes_whole_documents(corpus, tmp_path):
+  """tokenizer.json keeps truncation and padding settings: every document was cut to 8 ids and
+  short ones padded with EOS ids (so no EOS was added). transformers turns both off per call."""
+  from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+  raw = Tokenizer.from_file(str(corpus / 'tokenizer.json'))
+  raw.enable_truncation(8)
+  raw.enable_padding(pad_id=0, pad_token='<|endoftext|>', length=8)
+  (tmp_path / 'cut').mkdir()
+  raw.save(str(tmp_path / 'cut' / 'tokenizer.json'))
+  whole = Tokenizer.from_file(str(corpus / 'tokenizer.json'))
+  tok = tokenizer_lib.load(str(tmp_path / 'cut'))
+  docs = ['def f(x):\n    return x + 1  # a document longer than eight ids', 'hi']
+  want = [whole.encode(doc).ids + [0] for doc in docs]  # each document, then its EOS
+  assert [ids for ids, _ in packing._encode(docs, 0, 2, tok, sft=False)] == want  # pylint: disable=protected-access
+  assert len(want[0]) > 8 and len(want[1]) < 8  # longer than the cut, shorter than the padding
+
+
+def test_a_conversion_that_fails_midway_leaves_no_token_file(corpus, tmp_path):
+  """train.bin was opened first and written as it went: a bad line later left a partial file
+  that packing=concat reads without complaint. Now it is renamed into place when whole."""
+  from disttrain.data.records import Slice  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'd.jsonl').write_text('{"text": "one"}\n{"text": "two"}\n{"text": oops}\n')
+  docs = text.Documents([str(tmp_path / 'd.jsonl')])
+  tok = tokenizer_lib.load(str(corpus / 'tokenizer.json'))
+  with pytest.raises(DataError, match='d.jsonl line 3 is not JSON'):
+    packing.tokenize(docs, tok, 'train', 1024, str(tmp_path / 'train.bin'), verbose=False)
+  assert [p.name for p in tmp_path.iterdir()] == ['d.jsonl']
+  written = packing.tokenize(Slice(docs, 0, 2), tok, 'train', 1024, str(tmp_path / 'train.bin'),
+                             verbose=False)
+  assert written.tokens(1)[0].tolist() == tok.encode('two') + [tok.eos_id]
+  assert {p.name for p in tmp_path.iterdir()} == {'d.jsonl', 'train.bin', 'train.bin.docs.npy'}
+
+
 def test_documents_from_txt_jsonl_and_parquet(tmp_path):
   import pyarrow as pa  # pylint: disable=g-import-not-at-top  (the text extra)
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
@@ -141,6 +174,21 @@ def test_bad_json_lines_name_the_file_and_line(tmp_path):
   with pytest.raises(DataError, match=r'p.jsonl line 2 is not UTF-8 \(invalid continuation '
                      r'byte at byte 15\); re-encode'):
     list(formats.json_lines([str(tmp_path / 'p.jsonl')], 'prompts'))
+  # A lone surrogate escape is valid JSON and no text: every tokenizer raised its own traceback.
+  (tmp_path / 'u.jsonl').write_text('{"text": "ok"}\n{"text": "half \\ud83d of an emoji"}\n')
+  with pytest.raises(DataError, match=r'u.jsonl line 2 holds a lone UTF-16 surrogate escape'):
+    text.Documents([str(tmp_path / 'u.jsonl')])[1]  # pylint: disable=expression-not-assigned
+  with pytest.raises(DataError, match=r'u.jsonl line 2 holds a lone UTF-16 surrogate escape'):
+    list(formats.json_lines([str(tmp_path / 'u.jsonl')], 'prompts'))
+  # A BOM (Windows editors) before the first line, read alike by every JSON-lines reader; and
+  # overlapping globs read each file once (they read it twice).
+  (tmp_path / 'b.jsonl').write_bytes(b'\xef\xbb\xbf{"prompt": "a", "text": "t"}\n')
+  assert [v for _, v in formats.json_lines([str(tmp_path / 'b.jsonl')], 'x')] == [
+      {'prompt': 'a', 'text': 't'}]
+  assert text.Documents(formats.resolve_files(f'{tmp_path}/b.jsonl,{tmp_path}/b*.jsonl', 'f'))[
+      0] == 't'
+  assert formats.resolve_files(f'{tmp_path}/b.jsonl,{tmp_path}/b*.jsonl', 'f') == [
+      str(tmp_path / 'b.jsonl')]
   # A conversation with no assistant turn trained its EOS alone: 'stop after the user'.
   (tmp_path / 's.jsonl').write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
   with pytest.raises(DataError, match=r"s.jsonl line 1: 'messages' has no assistant turn, so "

@@ -85,8 +85,8 @@ def _npz() -> dict:
 
 # An earlier conversion's files in --out, by format: a split, shard or side file not written
 # again would be read beside the new ones (the printed shard glob, an eval split, a loss mask).
-_EARLIER = {'tokens': [f'{split}.bin{side}' for split in ('train', 'eval')
-                       for side in ('', '.docs.npy', '.mask.bin')],
+_EARLIER = {'tokens': [f'{split}.bin{side}{partial}' for split in ('train', 'eval')
+                       for side in ('', '.docs.npy', '.mask.bin') for partial in ('', '.partial')],
             'array_record': ['train-*-of-*.array_record', 'eval-*-of-*.array_record'],
             'jsonl': ['train.jsonl', 'eval.jsonl']}
 

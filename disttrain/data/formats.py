@@ -11,6 +11,7 @@
 import glob
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 
 import grain
@@ -90,15 +91,16 @@ def write_array_record(prefix: str, examples: Iterable[dict], num_shards: int = 
 
 
 def resolve_files(patterns: str, field: str) -> list[str]:
-  """Sorted files of comma-separated globs; each glob must match at least one file, and no
-  directory."""
-  paths = []
+  """Sorted files of comma-separated globs, each file once where globs overlap (a union, as
+  'a.jsonl,a*.jsonl' means); each glob must match at least one file, and no directory."""
+  paths, seen = [], set()
   for pattern in (p.strip() for p in patterns.split(',') if p.strip()):
     matched = sorted(glob.glob(os.path.expanduser(pattern)))
     if not matched:
       raise DataError(f'{field}={pattern!r} matches no file; pass a glob of existing files (e.g. '
                       'data/train-*.array_record, written by disttrain convert)')
-    paths += matched
+    paths += [p for p in matched if p not in seen]
+    seen.update(matched)
   if not paths:
     raise DataError(f'{field} is empty; pass a glob of the data files')
   folders = [p for p in paths if os.path.isdir(p)]
@@ -117,18 +119,35 @@ def json_lines(paths: Sequence[str], what: str) -> Iterable[tuple[str, object]]:
       raise DataError(f'{path}: {what}')
     with open(path, 'rb') as f:  # bytes: a line that is not UTF-8 is named like a bad one
       for number, raw in enumerate(f, 1):
-        where = f'{path} line {number}'
-        try:
-          line = raw.decode('utf-8')
-        except UnicodeDecodeError as e:
-          raise DataError(f'{where} is not UTF-8 ({e.reason} at byte {e.start}); re-encode the '
-                          'file as UTF-8') from None
-        if not line.strip():
-          continue
-        try:
-          yield where, json.loads(line)
-        except json.JSONDecodeError as e:
-          raise DataError(f'{where} is not JSON ({e.msg}); fix the line') from None
+        if raw.strip():
+          where = f'{path} line {number}'
+          yield where, json_line(raw, where)
+
+
+_SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F]')
+
+
+def json_line(raw: bytes, where: str) -> object:
+  """One JSON line's value, or one line naming it: not UTF-8, not JSON, or holding a lone
+  surrogate escape ("\\ud83d" without its pair: JSON reads it, no tokenizer can encode it).
+  A BOM before it is dropped, as editors on Windows save the first line."""
+  try:
+    line = raw.decode('utf-8-sig')
+  except UnicodeDecodeError as e:
+    raise DataError(f'{where} is not UTF-8 ({e.reason} at byte {e.start}); re-encode the file '
+                    'as UTF-8') from None
+  try:
+    value = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise DataError(f'{where} is not JSON ({e.msg}); fix or remove that line') from None
+  if _SURROGATE_ESCAPE.search(raw):  # rare: only then the check that costs a second pass
+    try:
+      json.dumps(value, ensure_ascii=False).encode('utf-8')
+    except UnicodeEncodeError:
+      raise DataError(f'{where} holds a lone UTF-16 surrogate escape (such as "\\ud83d" '
+                      'without its pair), which is no text; replace it (e.g. with "\\ufffd") '
+                      'or remove that line') from None
+  return value
 
 
 def array_record_source(paths: str | Sequence[str]) -> grain.MapDataset:

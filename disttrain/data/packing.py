@@ -30,6 +30,9 @@ from disttrain.errors import DataError
 _ENCODE_BATCH = 512  # documents per tokenizer call (tokenizers encodes a batch on every core)
 
 
+_PARTIAL = '.partial'
+
+
 def tokenize(docs, tokenizer, name: str, vocab_size: int, path: str,
              verbose: bool = True) -> 'TokenFileDocuments':
   """Tokenizes every document once, into a token file and its document index, and opens them.
@@ -50,21 +53,34 @@ def tokenize(docs, tokenizer, name: str, vocab_size: int, path: str,
   sft = len(docs) > 0 and not isinstance(docs[0], str)
   starts, at = np.zeros(len(docs), np.int64), 0
   start = last = time.monotonic()
-  with open(path, 'wb') as ids_file, open(path + '.mask.bin', 'wb') if sft else _Null() as masks:
-    for lo in range(0, len(docs), _ENCODE_BATCH):
-      hi = min(lo + _ENCODE_BATCH, len(docs))
-      for i, (ids, mask) in zip(range(lo, hi), _encode(docs, lo, hi, tokenizer, sft)):
-        starts[i] = at
-        at += len(ids)
-        ids_file.write(np.asarray(ids, dtype).tobytes())
-        masks.write(np.asarray(mask, np.uint8).tobytes())
-      now = time.monotonic()
-      if verbose and (now - last >= 5 or (hi == len(docs) and now - start >= 5)):
-        rate = hi / (now - start)
-        print(f'tokenizing the {name} documents: {hi:,}/{len(docs):,}, {rate:,.0f} documents/s, '
-              f'ETA {(len(docs) - hi) / rate:.0f}s', file=sys.stderr, flush=True)
-        last = now
-  np.save(path + '.docs.npy', starts)
+  # Written under .partial names and renamed when whole (the .bin last): a conversion that stops
+  # midway leaves no token file that a run would read as the whole corpus.
+  sides = ('.mask.bin', '.docs.npy', '') if sft else ('.docs.npy', '')
+  try:
+    with (open(path + _PARTIAL, 'wb') as ids_file,
+          open(path + '.mask.bin' + _PARTIAL, 'wb') if sft else _Null() as masks):
+      for lo in range(0, len(docs), _ENCODE_BATCH):
+        hi = min(lo + _ENCODE_BATCH, len(docs))
+        for i, (ids, mask) in zip(range(lo, hi), _encode(docs, lo, hi, tokenizer, sft)):
+          starts[i] = at
+          at += len(ids)
+          ids_file.write(np.asarray(ids, dtype).tobytes())
+          masks.write(np.asarray(mask, np.uint8).tobytes())
+        now = time.monotonic()
+        if verbose and (now - last >= 5 or (hi == len(docs) and now - start >= 5)):
+          rate = hi / (now - start)
+          print(f'tokenizing the {name} documents: {hi:,}/{len(docs):,}, {rate:,.0f} '
+                f'documents/s, ETA {(len(docs) - hi) / rate:.0f}s', file=sys.stderr, flush=True)
+          last = now
+    with open(path + '.docs.npy' + _PARTIAL, 'wb') as f:
+      np.save(f, starts)
+  except BaseException:
+    for side in sides:
+      if os.path.exists(path + side + _PARTIAL):
+        os.remove(path + side + _PARTIAL)
+    raise
+  for side in sides:
+    os.replace(path + side + _PARTIAL, path + side)
   return TokenFileDocuments([path], np.dtype(dtype).name, vocab_size)
 
 

@@ -13,13 +13,12 @@ one ('<|role|>\\n' + content + '\\n'): the assistant's content and its end are t
 other piece is prompt.
 """
 
-import json
 import os
 from typing import Any
 
 import numpy as np
 
-from disttrain.data.formats import resolve_files
+from disttrain.data.formats import json_line, resolve_files
 from disttrain.errors import DataError, first_line
 
 SUFFIXES = ('.txt', '.jsonl', '.json', '.parquet')
@@ -67,10 +66,7 @@ class _Lines:
       f.seek(int(self.starts[i]))
       raw = f.read(int(self.ends[i] - self.starts[i]))
     where = f'{self.path} line {int(self.line_numbers[i])}'
-    try:
-      record = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-      raise DataError(f'{where} is not JSON ({e}); fix or remove that line') from None
+    record = json_line(raw, where)
     if not isinstance(record, dict) or not any(k in record for k in field_names):
       found = sorted(record) if isinstance(record, dict) else type(record).__name__
       raise DataError(f'{where} has no field {" or ".join(map(repr, field_names))} (it has '

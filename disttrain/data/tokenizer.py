@@ -51,6 +51,9 @@ class Tokenizer:
       tokenizers = _need('tokenizers')
       try:
         self._impl = tokenizers.Tokenizer.from_file(self.file)
+        # A file saved with them on would cut and pad every document; transformers turns both off.
+        self._impl.no_truncation()
+        self._impl.no_padding()
       except Exception as e:  # pylint: disable=broad-except  (the Rust side's own errors)
         raise DataError(f'data.tokenizer={self.path!r}: {self.file} is not a tokenizer.json '
                         f'({str(e)[:200]}); pass a Hugging Face tokenizer.json') from e
@@ -168,13 +171,17 @@ class Tokenizer:
     counts = np.concatenate([[0], np.cumsum(trained)])
     if self.kind == 'hf':
       encoding = self._impl.encode(text, add_special_tokens=special)
-      ids, offsets = list(encoding.ids), encoding.offsets
-    else:  # character offsets, as tokenizers gives (sentencepiece >= 0.2.2)
-      encoding = self._impl.encode(text, return_type='offset_mapping')
-      ids, offsets = list(encoding['ids']), encoding['offsets']
-      if special and self.bos_id is not None:
-        ids, offsets = [self.bos_id] + ids, [(0, 0)] + list(offsets)
-    return ids, [int(counts[end] > counts[start]) for start, end in offsets]
+      return list(encoding.ids), [int(counts[end] > counts[start])
+                                  for start, end in encoding.offsets]
+    # Character offsets, as tokenizers gives (sentencepiece >= 0.2.2); byte fallback spells a
+    # character outside the vocabulary as byte tokens, all but the last with an empty span at it.
+    encoding = self._impl.encode(text, return_type='offset_mapping')
+    ids = list(encoding['ids'])
+    mask = [int(trained[start] if start == end else counts[end] > counts[start])
+            for start, end in encoding['offsets']]
+    if special and self.bos_id is not None:
+      ids, mask = [self.bos_id] + ids, [0] + mask
+    return ids, mask
 
   def decode(self, ids: list[int]) -> str:
     ids = [int(i) for i in ids]
