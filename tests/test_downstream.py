@@ -142,11 +142,20 @@ def test_in_loop_metrics_equal_lm_eval_on_transformers(tmp_path):
   hits = sum(metrics.gsm8k_answer(t) == '4' for t in texts)
   assert gen_record == {'step': 2, 'split': 'gen', 'exact_match': hits / 8, 'num_examples': 8}
 
-  answers = texts[:5] + ['never'] * 3
-  _write(tmp_path / 'gen.jsonl', [{'prompt': p, 'answer': a} for p, a in zip(PROMPTS, answers)])
+  # The sixth line stops at a character of its text (lm-eval's `until`): its answer is the text
+  # before that (inside the text where one character cuts it so, else empty), which the whole
+  # text does not match.
+  cuts = {stop: texts[5].split(stop)[0] for stop in texts[5]}
+  stop = next((stop for stop, cut in cuts.items() if cut.strip()
+               and metrics.gsm8k_answer(cut) != metrics.gsm8k_answer(texts[5])), texts[5][0])
+  assert metrics.gsm8k_answer(cuts[stop]) != metrics.gsm8k_answer(texts[5]), texts[5]
+  answers = texts[:5] + [cuts[stop]] + ['never'] * 2
+  _write(tmp_path / 'gen.jsonl', [{'prompt': p, 'answer': a, **({'until': [stop]} if i == 5
+                                                                 else {})}
+                                  for i, (p, a) in enumerate(zip(PROMPTS, answers))])
   second = disttrain.train(_config(f'mc={mc};gen={gen}'), str(run))
   (again,) = _records(second, 'gen')
-  assert again['exact_match'] == 5 / 8, (texts, again)
+  assert again['exact_match'] == 6 / 8, (texts, stop, again)
   assert _records(second, 'mc')[0]['accuracy'] == choice_record['accuracy']
 
 
@@ -214,11 +223,11 @@ def test_bad_pairs_and_models_are_one_line(tmp_path, monkeypatch):
   mc = _write(tmp_path / 'mc.jsonl', _questions()[:2])
   cfg = helpers.make_config(data__eval_tasks=(('arc', mc),), early_stop__metric='arc/accuracy',
                             eval_every_steps=1)
-  setup_lib._check_metric_names(cfg, {'eval': None})  # a task is a split metrics may name
+  setup_lib._check_metric_names(cfg, {'eval': None}, {'arc'})  # a task: a split to name
   with pytest.raises(ConfigError, match=r"names eval data 'arcx', .* \['arc', 'eval'\]"):
     setup_lib._check_metric_names(helpers.make_config(
         data__eval_tasks=f'arc={mc}', early_stop__metric='arcx/accuracy',
-        eval_every_steps=1), {'eval': None})
+        eval_every_steps=1), {'eval': None}, {'arc'})
   with pytest.raises(ConfigError, match="model.name='mnist_mlp' .* is not one"):
     downstream.Downstream.build(cfg, object(), None)
   with pytest.raises(ConfigError, match="'eval', which is also an eval split"):

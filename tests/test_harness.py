@@ -188,9 +188,17 @@ def test_unknown_task_is_one_line_before_the_model_loads(setup, tmp_path):
 
 
 @pytest.mark.slow  # an 8-device run
-def test_in_the_loop_records_equal_the_hf_backend(setup, tmp_path):
+def test_in_the_loop_records_equal_the_hf_backend(setup, tmp_path, monkeypatch):
   """data.eval_harness in a run fine-tuning the same directory (one SGD step at 1e-12: the
-  parameters do not move in float32) records the hf backend's acc, acc_norm and perplexity."""
+  parameters do not move in float32) records the hf backend's acc, acc_norm and perplexity,
+  sending the watchdog's heartbeat as it goes (it beat only around the whole harness, so an
+  mmlu-sized eval was taken for a hang)."""
+  beats, run = [], harness.run
+  def counted(lm, *args, **kwargs):
+    loop_beat = lm.beat
+    lm.beat = lambda: (beats.append(1), loop_beat())
+    return run(lm, *args, **kwargs)
+  monkeypatch.setattr(harness, 'run', counted)
   cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'hf.py')
   helpers.override(cd, {
       'restore_from': str(setup['hf_dir']), 'data.name': 'text', 'data.text.bytes': 20_000,
@@ -207,6 +215,7 @@ def test_in_the_loop_records_equal_the_hf_backend(setup, tmp_path):
       == (ref['local_mc']['acc,none'], ref['local_mc']['acc_norm,none'], 12)
   assert got['local_rolling']['word_perplexity'] == pytest.approx(
       ref['local_rolling']['word_perplexity,none'], rel=1e-5)
+  assert len(beats) >= 12 + 4, len(beats)  # at least each question's and text's encoding
 
 
 @pytest.mark.slow  # the module's setup runs both backends (18 s): 27 s of the quick tier
@@ -230,8 +239,25 @@ def test_a_harness_task_generating_a_whole_row_is_refused_at_setup(setup, tmp_pa
   helpers.override(cd, {'data.seq_len': 32, 'data.eval_harness': 'local_group',
                         'data.eval_tasks': f'local_mc={mc}'})
   with pytest.raises(ConfigError, match="data.eval_harness writes records named 'local_mc' \\(a "
-                                        'task of one of its groups\\)'):
+                                        'task of one of its groups or tags\\)'):
     disttrain.setup(disttrain.from_config_dict(cd), devices=helpers.devices(1))
+  # A tag (ai2_arc, mmlu's *_tasks are tags) lists its tasks apart from a group's: they were not
+  # seen, so a tagged task generating a whole row passed setup, and best_metric had to name the
+  # tag, which writes no record, and could not name its tasks, which do.
+  (setup['task_dir'] / 'local_tagged.yaml').write_text(
+      TASKS['gen'].replace('DIR', str(setup['task_dir'])).replace(
+          'task: local_gen', 'task: local_tagged\ntag: [local_tag]'))
+  helpers.override(cd, {'data.seq_len': 10, 'data.eval_harness': 'local_tag',
+                        'data.eval_tasks': ''})
+  with pytest.raises(ConfigError, match=r"data.eval_harness task 'local_tagged' generates 10 "):
+    disttrain.setup(disttrain.from_config_dict(cd), devices=helpers.devices(1))
+  helpers.override(cd, {'data.seq_len': 32, 'best_metric': 'local_tag/exact_match'})
+  with pytest.raises(ConfigError, match=r"best_metric='local_tag/exact_match' names eval data "
+                                        r"'local_tag', but the run evaluates \['eval', "
+                                        r"'local_tagged'\]"):
+    disttrain.setup(disttrain.from_config_dict(cd), devices=helpers.devices(1))
+  helpers.override(cd, {'best_metric': 'local_tagged/exact_match'})
+  disttrain.setup(disttrain.from_config_dict(cd), devices=helpers.devices(1))
   cd = disttrain.config.defaults()  # an MLP: the message named data.eval_tasks, not set here
   cd.data.eval_harness = 'local_mc'
   with pytest.raises(ConfigError, match=r'data.eval_harness scores a language model, .* or '

@@ -43,6 +43,7 @@ class Downstream:
                                  self.tokenizer.stop_ids(self.vocab))
     self.tasks, self.extract = tasks, extract or metrics.gsm8k_answer
     self.inputs = {task.name: self._encode(task) for task in tasks}
+    self.record_names = set(self.inputs)  # splits of its records; build adds the harness's
     self.harness_tasks = harness_names(cfg)
     self.harness_limit = cfg.data.eval_harness_limit or None
     if self.harness_tasks:  # lm-evaluation-harness's tasks, answered by the same scorer
@@ -97,13 +98,14 @@ class Downstream:
                         f'room for a prompt in the {row} tokens a row holds (data.seq_len); '
                         'generate fewer tokens or raise data.seq_len')
     made = cls(cfg, model, batch_sharding, tasks, extract)
-    if made.harness_tasks:  # a group's tasks write records too (arc_easy under ai2_arc)
+    if made.harness_tasks:  # a group's or tag's tasks write records (arc_easy under ai2_arc)
       reached = harness.record_names(made.manager, made.harness_tasks)
       clash = sorted(reached & {*names, 'train', *eval_splits})
       if clash:
         raise ConfigError(f'data.eval_harness writes records named {clash[0]!r} (a task of one '
-                          'of its groups), as a data.eval_tasks task or an eval split of the run '
-                          'does; rename the task or the split')
+                          'of its groups or tags), as a data.eval_tasks task or an eval split of '
+                          'the run does; rename the task or the split')
+      made.record_names |= reached
     return made
 
   def _encode(self, task: Task) -> list:
@@ -148,7 +150,8 @@ class Downstream:
       if task.kind == GENERATION:
         progress = _Progress(task, len(inputs), say, beat)
         new = self.scorer.greedy(state.params, state.mutable, inputs, self.max_new, progress)
-        texts = [self.tokenizer.decode(ids) for ids in new]
+        texts = [harness.cut(self.tokenizer.decode(ids), example.until)
+                 for ids, example in zip(new, task.examples)]
         results[task.name] = metrics.generation(texts, task.examples, self.extract)
       else:
         flat = [request for question in inputs for request in question]
@@ -159,6 +162,7 @@ class Downstream:
       progress.finish()
     if self.harness_tasks:
       self.harness.params, self.harness.mutable = state.params, state.mutable
+      self.harness.beat = beat
       beat()
       results.update(harness.records(harness.run(self.harness, self.harness_tasks, self.manager,
                                                  limit=self.harness_limit)))

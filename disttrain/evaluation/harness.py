@@ -59,6 +59,15 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
       self.eos, self.scorer = eos, scorer
       self.max_length, self.max_gen_toks = scorer.max_len, max_gen_toks
       self.params, self.mutable = None, {}
+      self.beat = lambda: None  # the in-loop watchdog's heartbeat, at every batch and encoding
+
+    def _progress(self, what: str, rows: int, quiet: bool):
+      shown = None if quiet else _Progress(what, rows)
+      def done(n: int) -> None:
+        self.beat()
+        if shown is not None:
+          shown(n)
+      return done
 
     @property
     def eot_token_id(self) -> int:
@@ -74,6 +83,7 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
       if add_special_tokens is None:  # the tokenizer's default, but one BOS (TemplateLM's rule)
         prefix = self.tokenizer_.id_to_token(self.prefix_token_id)  # '<s>': decode drops it
         add_special_tokens = not (prefix and string.startswith(prefix))
+      self.beat()
       return self.tokenizer_.encode(string, special=add_special_tokens)
 
     def tok_decode(self, tokens) -> str:
@@ -82,9 +92,8 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
       del kwargs
       pairs = [(context, continuation) for _, context, continuation in requests]
-      progress = None if disable_tqdm else _Progress('loglikelihood', len(pairs))
-      return self.scorer.loglikelihoods(self.params, self.mutable, pairs,
-                                        progress or (lambda n: None))
+      return self.scorer.loglikelihoods(self.params, self.mutable, pairs, self._progress(
+          'loglikelihood', len(pairs), disable_tqdm))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
       from lm_eval import utils  # pylint: disable=g-import-not-at-top
@@ -95,9 +104,8 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
             max_seq_len=self.max_length, context_len=1):
           windows.append(utils.make_disjoint_window(window))
           owners.append(i)
-      progress = None if disable_tqdm else _Progress('loglikelihood_rolling', len(windows))
-      scored = self.scorer.loglikelihoods(self.params, self.mutable, windows,
-                                          progress or (lambda n: None))
+      scored = self.scorer.loglikelihoods(self.params, self.mutable, windows, self._progress(
+          'loglikelihood_rolling', len(windows), disable_tqdm))
       totals = [0.0] * len(requests)
       for owner, (ll, _) in zip(owners, scored):
         totals[owner] += ll
@@ -118,11 +126,10 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
       for (new, until), indices in groups.items():
         prompts = [self.tok_encode(requests[i].args[0]) or [self.prefix_token_id]
                    for i in indices]
-        progress = None if disable_tqdm else _Progress('generate_until', len(prompts))
-        texts = self.scorer.greedy(self.params, self.mutable, prompts, new,
-                                   progress or (lambda n: None))
+        texts = self.scorer.greedy(self.params, self.mutable, prompts, new, self._progress(
+            'generate_until', len(prompts), disable_tqdm))
         for i, ids in zip(indices, texts):
-          out[i] = _cut(self.tok_decode(ids), until)
+          out[i] = cut(self.tok_decode(ids), until)
       return out
 
   return DisttrainLM()
@@ -144,7 +151,7 @@ def generation(kwargs: dict, default: int) -> tuple[int, list[str], bool]:
   return int(new), until, bool(sample)
 
 
-def _cut(text: str, until) -> str:
+def cut(text: str, until) -> str:
   """The text before the first stop string (lm-eval's postprocessing for `until`)."""
   for stop in until:
     if stop:
@@ -177,31 +184,39 @@ def task_manager(tasks: list[str], include_path: str | None = None):
 
 
 def _walk(manager, tasks: list[str]):
-  """(name, its YAML config) of `tasks` and, groups expanded, every task under them, as
-  lm-eval's task index describes them without loading them (None: not in the index)."""
+  """(name, its YAML config, whether it is a tag) of `tasks` and, groups and tags expanded, of
+  every task under them, as lm-eval's task index describes them without loading them (config
+  None: not in the index, or a tag). A tag (ai2_arc, mmlu's *_tasks) lists its tasks in the
+  entry's `tags`; a group lists them in its config's `task`, by name or inline as {'task': ...}."""
   index, todo, seen = getattr(manager, 'task_index', {}), list(tasks), set()
   while todo:
     name = todo.pop()
     if name in seen:
       continue
     seen.add(name)
-    cfg = getattr(index.get(name), 'cfg', None)
-    yield name, cfg if isinstance(cfg, dict) else None
-    if isinstance(cfg, dict) and 'group' in cfg and isinstance(cfg.get('task'), list):
-      todo += [t for t in cfg['task'] if isinstance(t, str)]
+    entry = index.get(name)
+    cfg = getattr(entry, 'cfg', None)
+    tag = getattr(getattr(entry, 'kind', None), 'name', '') == 'TAG'
+    yield name, cfg if isinstance(cfg, dict) else None, tag
+    if tag:
+      todo += sorted(getattr(entry, 'tags', None) or ())
+    elif isinstance(cfg, dict) and 'group' in cfg and isinstance(cfg.get('task'), list):
+      todo += [t['task'] if isinstance(t, dict) else t for t in cfg['task']
+               if isinstance(t, str) or isinstance(t, dict) and isinstance(t.get('task'), str)]
 
 
 def record_names(manager, tasks: list[str]) -> set[str]:
-  """The names `tasks` write records under: each task, and every task of a group."""
-  return {name for name, _ in _walk(manager, tasks)}
+  """The names `tasks` write records under: each task and group, and every task of a group or
+  tag (a tag writes none of its own)."""
+  return {name for name, _, tag in _walk(manager, tasks) if not tag}
 
 
 def generation_lengths(manager, tasks: list[str], default: int) -> dict[str, int]:
-  """{task: max_gen_toks} of the generate_until tasks among `tasks` (groups expanded) that
+  """{task: max_gen_toks} of the generate_until tasks among `tasks` (groups, tags expanded) that
   lm-eval's task index describes without loading them (a type from an included YAML is not
   seen here: the backend checks it when the task runs)."""
   return {name: generation(cfg.get('generation_kwargs') or {}, default)[0]
-          for name, cfg in _walk(manager, tasks)
+          for name, cfg, _ in _walk(manager, tasks)
           if cfg is not None and cfg.get('output_type') == 'generate_until'}
 
 

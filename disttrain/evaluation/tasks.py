@@ -6,7 +6,9 @@
 A file is one kind, decided by the keys of its first line:
   multiple choice  {"context": str, "choices": [str, ...], "answer": int}  each choice is a
                    continuation appended to the context as written; `answer` is its index
-  generation       {"prompt": str, "answer": str}  the model continues the prompt greedily
+  generation       {"prompt": str, "answer": str, "until": [str, ...] (optional)}  the model
+                   continues the prompt greedily; the text is cut at the first stop string, as
+                   lm-eval's `until` (its gsm8k: ["Question:", "</s>", "<|im_end|>"])
 Every line is read and checked when the run is set up; bad input is one ConfigError (the pairs)
 or DataError (the files) line naming the file, the line and the fix, and the launcher exits 2.
 Task names become record splits (`arc/accuracy`), so they are plain words without '/'.
@@ -37,9 +39,11 @@ class Question:
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-  """A generation example: `prompt`, greedily continued, should give `answer`."""
+  """A generation example: `prompt`, greedily continued and cut at the first of `until`,
+  should give `answer`."""
   prompt: str
   answer: str
+  until: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +162,13 @@ def _example(row: dict, kind: str, path: str, number: int) -> Question | Prompt:
                     f'its first line is) needs {fields}')
   where = f'{path}, line {number}'
   if kind == GENERATION:
-    return Prompt(_text(row['prompt'], 'prompt', where), _text(row['answer'], 'answer', where,
-                                                                 empty=True))
+    until = row.get('until', [])
+    until = [until] if isinstance(until, str) else until
+    if not isinstance(until, list):
+      raise DataError(f'{where}: "until" is {until!r}; give a stop string or a list of them')
+    return Prompt(_text(row['prompt'], 'prompt', where),
+                  _text(row['answer'], 'answer', where, empty=True),
+                  tuple(_text(u, 'a stop string', where) for u in until))
   context = _text(row['context'], 'context', where)
   choices = row['choices']
   if not isinstance(choices, list) or len(choices) < 2:

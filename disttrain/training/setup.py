@@ -22,7 +22,7 @@ from disttrain.data.batches import element_spec
 from disttrain.data.workers import check_workers
 from disttrain.data.records import Records
 from disttrain.errors import ConfigError, DataError, first_line
-from disttrain.evaluation import downstream as downstream_lib, tasks as tasks_lib
+from disttrain.evaluation import downstream as downstream_lib
 from disttrain.hf import config as hf_config
 from disttrain.models import grpo, lora, pipeline, preference
 from disttrain.operating import metrics
@@ -91,9 +91,9 @@ def setup(cfg: Config, model: Any = None, task: Any = None,
     if records.spec.keys() != train.spec.keys():
       raise ConfigError(f'the {records.name} data has fields {sorted(records.spec)} but the train '
                         f'data has {sorted(train.spec)}; give both the same fields')
-  _check_metric_names(cfg, evals)
   model, task = _objective(cfg, model, task)
   tasks = downstream_lib.Downstream.build(cfg, model, batch_sharding, evals, eval_extract)
+  _check_metric_names(cfg, evals, tasks.record_names if tasks else set())
   config_tx, lr_schedule = optim.build(cfg)  # the schedule is what records log as learning_rate
   tx = tx or config_tx
   spec, sampler = element_spec(train), None
@@ -151,10 +151,10 @@ def _tokens(model, spec: dict) -> int:
   return count(spec) if count is not None and getattr(model, 'splits_sequence', False) else 0
 
 
-def _check_metric_names(cfg: Config, evals: dict[str, Records]) -> None:
-  """best_metric / early_stop.metric name an eval source or task that exists ('split/name')."""
-  evals = {**evals, **dict.fromkeys(tasks_lib.names(cfg.data.eval_tasks)),  # data.eval_tasks
-           **dict.fromkeys(downstream_lib.harness_names(cfg))}  # and data.eval_harness
+def _check_metric_names(cfg: Config, evals: dict[str, Records], tasks: set[str]) -> None:
+  """best_metric / early_stop.metric name an eval source or task that writes records
+  ('split/name'); `tasks`: those of data.eval_tasks and data.eval_harness (a tag's tasks)."""
+  evals = {**evals, **dict.fromkeys(sorted(tasks))}
   for field, metric in (('best_metric', cfg.best_metric), ('early_stop.metric',
                                                            cfg.early_stop.metric)):
     if not metric:
