@@ -129,8 +129,11 @@ def test_gemma3_local_rope_scaling_is_refused(tmp_path):
     {'local_rope_theta': 1e4, 'rope_scaling': RopeScalingConfig(kind='llama3', factor=8.0,
                                                                original_max_len=16)},
     {'local_rope_theta': 1e4, 'sliding_window_pattern': 0},
-    {'local_rope_theta': 1e3}], ids=['linear_local_0', 'llama3', 'every_layer_local',
-                                     'local_base_is_global'])
+    {'local_rope_theta': 1e3},
+    # No window: transformers' Gemma builds the windowed mask all the same (sliding_window null
+    # was a ValueError at its forward); every layer full_attention reads back as no window.
+    {'local_rope_theta': 1e4, 'sliding_window': 0, 'sliding_window_pattern': 0}],
+    ids=['linear_local_0', 'llama3', 'every_layer_local', 'local_base_is_global', 'no_window'])
 def test_gemma3_exports_the_rotation_its_layers_were_built_with(tmp_path, fields):
   """A run's Gemma 3 written for transformers: local layers scaled as the global ones (local 0),
   llama3 scaling, every layer windowed on the global base. The export wrote the local layers
@@ -154,6 +157,8 @@ def test_gemma3_exports_the_rotation_its_layers_were_built_with(tmp_path, fields
   np.testing.assert_allclose(_logits(model, params, tokens), want, rtol=1e-4, atol=1e-4)
   if fields.get('local_rope_theta') == 0.0:  # the export reads back as the run's model
     assert hf_round_trip.load(str(tmp_path)).cfg.model.local_rope_theta == 0.0
+  if 'sliding_window' in fields:
+    assert hf_round_trip.load(str(tmp_path)).cfg.model.sliding_window == 0
   hf_config.check(str(tmp_path), 'gemma3', cfg, model.cfg)  # the run restores its own export
 
 

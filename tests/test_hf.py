@@ -228,14 +228,18 @@ def test_keys_a_config_json_leaves_out_are_transformers_defaults():
 def test_exports_no_hugging_face_model_builds_are_refused():
   """What the family's transformers model would compute otherwise: a window on a family
   without one, RMSNorm in GPT-2, an attention cap in Gemma 3 (transformers applies none),
-  unnormalised top-k gates in Mixtral (transformers always renormalises)."""
+  unnormalised top-k gates in Mixtral (transformers always renormalises), a fractional Gemma
+  query_pre_attn_scalar."""
   cases = [(_model_config('llama', 2, sliding_window=8), 'model.sliding_window=8'),
            (_model_config('qwen3', 2, sliding_window=8), 'the qwen3 Hugging Face model'),
            (_model_config('gpt', norm='rmsnorm'), "model.norm='rmsnorm'"),
            (_model_config('gemma3', 2, head_dim=16, attn_softcap=50.0),
             'model.attn_softcap=50.0'),
            (_model_config('mixtral', 2, num_experts=4, experts_per_token=2, moe_norm_topk=False),
-            'model.moe_norm_topk=False')]
+            'model.moe_norm_topk=False'),
+           # transformers' Gemma holds an integer: 20.5 was written as 20 (logits 3e-2 off)
+           (_model_config('gemma2', 2, head_dim=16, query_pre_attn_scalar=20.5),
+            'model.query_pre_attn_scalar=20.5')]
   for cfg, message in cases:
     with pytest.raises(ConfigError, match=re.escape(message)):
       exported_config.check_exportable(models.build(cfg, 'float32', 16), 'the run')
@@ -344,6 +348,20 @@ def test_import_export_import_is_bitwise(tmp_path, name):
     np.testing.assert_array_equal(exported.read(tensor), original.read(tensor))
 
 
+def test_an_export_over_an_earlier_one_leaves_only_its_own_weights(tmp_path):
+  """Sharded files, then one file, into the same directory (and back): the other layout's files
+  stayed, and disttrain (index first) and transformers (model.safetensors first) read different
+  models."""
+  tensors = lambda value: [(f't{i}', (64,), np.float32, lambda: np.full(64, value, np.float32))
+                           for i in range(4)]
+  out = str(tmp_path)
+  for value, shard_bytes in ((1.0, 300), (2.0, 2**30), (3.0, 300)):
+    names = tensorfiles.write(out, tensors(value), max_shard_bytes=shard_bytes)
+    assert sorted(os.listdir(out)) == sorted(names + ([tensorfiles.INDEX] if len(names) > 1
+                                                      else [])), os.listdir(out)
+    assert tensorfiles.Reader(out).read('t3')[0] == value
+
+
 def test_bad_hugging_face_directories_are_one_line_errors(tmp_path):
   """Every damaged directory of LAUNCHER_CASES, and configs that contradict config.json, in
   process (the launcher cases check the exit status too)."""
@@ -366,6 +384,12 @@ def test_bad_hugging_face_directories_are_one_line_errors(tmp_path):
     with pytest.raises((CheckpointError, ConfigError), match=re.escape(message)) as e:
       _load(str(out), config)
     assert '\n' not in str(e.value)
+  # transformers loads a tied model whose file holds lm_head.weight too (the head is the
+  # embedding): it was refused as a tensor the config has no parameter for.
+  _damaged(path, tmp_path / 'tied_head', 'tied_head')
+  for a, b in zip(jax.tree.leaves(_load(str(tmp_path / 'tied_head'), cfg)[1]),
+                  jax.tree.leaves(_load(path, cfg)[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _damaged(path: str, out, case: str) -> None:
@@ -378,11 +402,20 @@ def _damaged(path: str, out, case: str) -> None:
     os.remove(out / 'config.json')
   elif case == 'no_weights':
     os.remove(out / 'model.safetensors')
+  elif case == 'truncated':  # a download cut short: a numpy reshape error named no file
+    with open(out / 'model.safetensors', 'r+b') as f:
+      f.truncate(os.path.getsize(out / 'model.safetensors') - 1000)
+  elif case == 'no_key':  # a hand-written config.json: a bare KeyError
+    config = json.loads((out / 'config.json').read_text())
+    del config['intermediate_size']
+    (out / 'config.json').write_text(json.dumps(config))
   elif case == 'architecture':
     (out / 'config.json').write_text(json.dumps({'architectures': ['BertModel']}))
-  elif case in ('missing_tensor', 'tensor_shape', 'memory'):
+  elif case in ('missing_tensor', 'tensor_shape', 'memory', 'tied_head'):
     if case == 'missing_tensor':
       tensors.pop(name)
+    elif case == 'tied_head':  # a tied model's save that writes the head too
+      tensors['lm_head.weight'] = tensors['model.embed_tokens.weight']
     else:
       tensors[name] = tensors[name][:, :32]
     tensorfiles.write(str(out), [(k, v.shape, v.dtype, lambda v=v: v) for k, v in tensors.items()])
@@ -392,6 +425,8 @@ LAUNCHER_CASES = [
     ('architecture', [], "architectures ['BertModel'] are none of"),
     ('no_config', [], 'config.json cannot be read'),
     ('no_weights', [], 'has no *.safetensors weights'),
+    ('truncated', [], 'the file is truncated or corrupt, re-download or re-export it'),
+    ('no_key', [], "config.json has no 'intermediate_size', which a LlamaForCausalLM needs"),
     ('field', ['--config.model.norm_eps=1e-6'],
      'config.json rms_norm_eps=1e-05 but model.norm_eps=1e-06; set --config.model.norm_eps=1e-05'),
     ('missing_tensor', [], 'has no tensor model.layers.1.mlp.up_proj.weight'),

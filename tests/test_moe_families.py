@@ -11,6 +11,7 @@ lengths. On fsdp x expert x tensor (8 devices) one step of each equals 1 device.
 """
 
 import dataclasses
+import gc
 import types
 
 import numpy as np
@@ -97,6 +98,27 @@ def test_moe_family_on_fsdp_expert_tensor_equals_one_device(family):
   assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'{family} gradient and update')
 
 
+def test_an_expert_split_import_reads_each_device_only_its_experts(tmp_path, monkeypatch):
+  """Mixtral onto expert x tensor: the parameters are 1 device's bit for bit, and no
+  device ever holds more than its final share. Each expert's tensor was placed whole on every
+  device and then stacked: 8 experts of Qwen3-30B on every GPU at once."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from disttrain.hf import tensorfiles, trained  # pylint: disable=g-import-not-at-top
+  path = _save(tmp_path, 'mixtral')
+  one = hf_round_trip.load(path)
+  first = jax.devices()[0]  # what arrays on the 8-device mesh hold on it
+  on_first = lambda arrays: sum(s.data.nbytes for a in arrays if len(a.sharding.device_set) == 8
+                                for s in a.addressable_shards if s.device == first)
+  held, read = [], tensorfiles.Reader.read
+  monkeypatch.setattr(tensorfiles.Reader, 'read', lambda self, name: (
+      gc.collect(), held.append(on_first(jax.live_arrays())), read(self, name))[2])
+  split = trained.load(hf_dir=path, devices=jax.devices(), compute_dtype='float32',
+                       mesh={'expert': 4, 'tensor': 2})
+  assert split.params['blocks']['moe']['gate'].sharding.spec[1] == 'expert'
+  assert_trees_close(split.params, one.params, 0, 0, 'mixtral on expert x tensor')
+  assert 0 < max(held) <= on_first(jax.tree.leaves(split.params)), held
+
+
 def test_qwen3_moe_with_dense_layers_among_the_experts_is_refused_naming_the_field(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
   from disttrain.errors import CheckpointError  # pylint: disable=g-import-not-at-top
@@ -112,6 +134,14 @@ def test_qwen3_moe_with_dense_layers_among_the_experts_is_refused_naming_the_fie
   fields = hf_config.model_fields(null, 'qwen3_moe')
   cfg = ModelConfig(**{**fields, 'rope_scaling': RopeScalingConfig(**fields['rope_scaling'])})
   hf_config._check_rotary(path, 'qwen3_moe', null, cfg)  # pylint: disable=protected-access
+  # transformers 5's own layout, all experts fused in one tensor: named, with how to save it
+  (tmp_path / 'qwen3_moe' / 'config.json').write_text(json.dumps(config))
+  fused = str(tmp_path / 'fused')
+  transformers.AutoModelForCausalLM.from_pretrained(path).save_pretrained(
+      fused, save_original_format=False)
+  with pytest.raises(CheckpointError, match=r"fused expert tensors \(model.layers.0.mlp.experts."
+                                            r'gate_up_proj\), .*save_original_format=True'):
+    hf_round_trip.load(fused)
 
 
 def test_the_balancing_loss_is_imported_where_transformers_adds_it(tmp_path):

@@ -66,6 +66,11 @@ def read(directory: str) -> tuple[dict, str]:
   if family is None:
     raise CheckpointError(f'{path}: architectures {archs} are none of {sorted(ARCHITECTURES)}, '
                           'the Hugging Face models disttrain maps; use one of them')
+  try:
+    _hf_values(config, family)
+  except KeyError as e:  # a key transformers' config class has no default for here
+    raise CheckpointError(f'{path} has no {e.args[0]!r}, which a {FAMILIES[family]} needs; add '
+                          "it from the model's published config.json") from None
   return config, family
 
 
@@ -90,8 +95,7 @@ def _hf_values(config: dict, family: str) -> dict:
                               else ('norm_topk_prob (always, in Mixtral)', True)}
     return {'width': ('hidden_size', config['hidden_size']),
             'head_dim': ('head_dim', head_dim),
-            'sliding_window': ('sliding_window', (_get(config, family, 'sliding_window') or 0)
-                               if family in ('mistral', 'mixtral', *GEMMA) else 0),
+            'sliding_window': ('sliding_window', _window(config, family)),
             'num_layers': ('num_hidden_layers', config['num_hidden_layers']),
             'num_heads': ('num_attention_heads', heads),
             'num_kv_heads': ('num_key_value_heads', config.get('num_key_value_heads') or heads),
@@ -264,6 +268,17 @@ def model_fields(config: dict, family: str) -> dict:
   return fields
 
 
+def _window(config: dict, family: str) -> int:
+  """The attention window, 0 where no layer has one (a Gemma whose layer_types are all
+  full_attention: transformers needs a sliding_window there all the same)."""
+  if family not in ('mistral', 'mixtral', *GEMMA):
+    return 0
+  types = config.get('layer_types')
+  if family in GEMMA and types and all(t == 'full_attention' for t in types):
+    return 0
+  return _get(config, family, 'sliding_window') or 0
+
+
 def _gemma_pattern(config: dict, family: str) -> int:
   """Every Nth layer global: from layer_types (a list of sliding_attention / full_attention),
   or sliding_window_pattern, or the family's published pattern (which layer_types of fewer layers
@@ -300,8 +315,8 @@ def _gemma_fields(config: dict, family: str) -> dict:
   local = 0.0 if _local_as_global(config) else (params.get('sliding_attention') or {}).get(
       'rope_theta') or config.get('rope_local_base_freq') or (
           10_000.0 if family == 'gemma3' else 0.0)
-  return {'sliding_window_pattern': _gemma_pattern(config, family) if _get(
-              config, family, 'sliding_window') else 0,
+  return {'sliding_window_pattern': _gemma_pattern(config, family) if _window(
+              config, family) else 0,
           'local_rope_theta': float(local) if family == 'gemma3' else 0.0,
           'query_pre_attn_scalar': float(config.get('query_pre_attn_scalar') or 256),
           # transformers' Gemma 3 attention applies no cap whatever the key says (5.x).

@@ -35,6 +35,11 @@ def check_exportable(model, where: str) -> None:
   if family == 'gpt' and cfg.norm != 'layernorm':
     raise ConfigError(f"{where} uses model.norm={cfg.norm!r}; GPT-2's Hugging Face model has "
                       'LayerNorm only; export a gpt model trained with model.norm=layernorm')
+  scalar = round(cfg.query_scale ** -2, 6) if cfg.query_scale else 0  # query_pre_attn_scalar
+  if family in hf_config.GEMMA and scalar != round(scalar):
+    raise ConfigError(f'{where} scales attention by model.query_pre_attn_scalar={scalar:g}, and '
+                      "transformers' Gemma config holds an integer; export a model trained with "
+                      f'a whole number (e.g. {round(scalar)})')
   if family == 'gemma3' and cfg.attn_softcap:
     raise ConfigError(f"{where} caps attention logits (model.attn_softcap={cfg.attn_softcap}), "
                       "which transformers' Gemma 3 does not apply; export a model trained with "
@@ -93,7 +98,10 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
     config.update(model_type=hf_config.GEMMA_TYPES[family],
                   hidden_activation='gelu_pytorch_tanh',
                   query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or decoder.head_dim),
-                  sliding_window=decoder.sliding_window or None, layer_types=types,
+                  # transformers' Gemma builds the windowed mask whatever layer_types say: a
+                  # model without a window gets one no full_attention layer uses
+                  sliding_window=decoder.sliding_window or config['max_position_embeddings'],
+                  layer_types=types,
                   attn_logit_softcapping=cfg.attn_softcap or None,
                   final_logit_softcapping=cfg.final_softcap or None)
     if family == 'gemma3':

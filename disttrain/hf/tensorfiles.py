@@ -27,6 +27,7 @@ DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dt
           'BOOL': np.bool_}
 _CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 INDEX = 'model.safetensors.index.json'
+SINGLE = 'model.safetensors'
 
 
 def _header(path: str) -> tuple[dict, int]:
@@ -47,7 +48,9 @@ class Reader:
 
   def __init__(self, directory: str):
     index = os.path.join(directory, INDEX)
-    if os.path.isfile(index):
+    if os.path.isfile(os.path.join(directory, SINGLE)):  # transformers' order: it, the index
+      files = [SINGLE]
+    elif os.path.isfile(index):
       with open(index, encoding='utf-8') as f:
         weight_map = json.load(f)['weight_map']
       files = sorted(set(weight_map.values()))
@@ -62,7 +65,16 @@ class Reader:
       if not os.path.isfile(path):
         raise CheckpointError(f'{index} names {name}, which is missing from {directory}')
       header, start = _header(path)
+      size = os.path.getsize(path)
       for tensor, entry in header.items():
+        begin, end = entry.get('data_offsets', (0, -1))
+        dtype = DTYPES.get(entry.get('dtype'))
+        if not 0 <= begin <= end <= size - start or dtype is not None and end - begin != int(
+            np.prod(entry.get('shape', ()))) * np.dtype(dtype).itemsize:
+          raise CheckpointError(f'{path}: tensor {tensor} takes bytes {begin}..{end} of the '
+                                f'{size - start} the file holds for {entry.get("shape")} '
+                                f'{entry.get("dtype")}; the file is truncated or corrupt, '
+                                're-download or re-export it')
         self._where[tensor] = (path, entry, start)
     self._maps: dict[str, np.memmap] = {}
 
@@ -87,7 +99,7 @@ class Reader:
 
 def write(directory: str, tensors: Iterable[tuple[str, tuple, np.dtype, Callable[[], np.ndarray]]],
           max_shard_bytes: int = 2 * 2**30, metadata: dict | None = None,
-          file_name: str = 'model.safetensors') -> list[str]:
+          file_name: str = SINGLE) -> list[str]:
   """Writes (name, shape, dtype, produce) tensors in order, each produced when written.
 
   Files hold at most `max_shard_bytes` (one tensor larger than that gets a file of its own);
@@ -112,6 +124,12 @@ def write(directory: str, tensors: Iterable[tuple[str, tuple, np.dtype, Callable
     weight_map = {t[0]: name for name, shard in zip(names, shards) for t in shard}
     urls.write_text(urls.join(directory, INDEX), json.dumps(
         {'metadata': {'total_size': progress.total}, 'weight_map': weight_map}, indent=2))
+  if file_name == SINGLE:  # an earlier export's other layout: readers would pick one of the two
+    kept = {*names, *([INDEX] if len(shards) > 1 else [])}
+    for stale in [*urls.path(directory).glob('model*.safetensors'),
+                  urls.path(urls.join(directory, INDEX))]:
+      if stale.name not in kept and stale.exists():
+        stale.unlink()
   return names
 
 

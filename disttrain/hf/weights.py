@@ -11,13 +11,12 @@ tensor at a time onto its sharding, so host memory holds one tensor, not the mod
 is read and checked by disttrain/hf/config.py, written by disttrain/hf/exported_config.py.
 """
 
+import itertools
 import os
 from collections.abc import Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from disttrain import models
 from disttrain.config import ModelConfig
@@ -77,27 +76,29 @@ def load_params(directory: str, family: str, decoder: DecoderConfig, abstract_pa
   used, leaves = set(), {}
   for entry, path, leaf in _entries(family, abstract_params):
     lead = _lead(entry)
-    shape = leaf.shape[lead:]
-    spec = tuple(leaf.sharding.spec) + (None,) * (len(leaf.shape) - len(leaf.sharding.spec))
-    piece_sharding = NamedSharding(leaf.sharding.mesh, P(*spec[lead:]))
-    pieces = []
+    shape = tuple(leaf.shape[lead:])
+    expected = entry.hf_shape(shape, decoder.vocab_size)
+    hf_names = {}  # index over the stacked (layer, expert) axes -> its tensor
     for index in np.ndindex(leaf.shape[:lead]):
       name = entry.hf.format(i=index[0] if lead else 0, j=index[1] if lead > 1 else 0)
       name = name.removeprefix('transformer.') if prefixed else name
       if name not in names:
-        raise CheckpointError(f'{directory} has no tensor {name} (for {path} {tuple(shape)}); '
-                              'the weights do not match config.json, re-export them')
-      expected = entry.hf_shape(tuple(shape), decoder.vocab_size)
+        fused = next((n for n in sorted(names) if '.experts.gate_up_proj' in n), None)
+        raise CheckpointError(
+            f'{directory} has no tensor {name} (for {path} {shape}); ' + (
+                f"it holds transformers' fused expert tensors ({fused}), a layout disttrain "
+                'does not read: save the model again with save_pretrained(save_original_format='
+                'True), one tensor per expert' if fused else
+                'the weights do not match config.json, re-export them'))
       if reader.shape(name) != expected:
         raise CheckpointError(f'{directory}: tensor {name} has shape {reader.shape(name)} but the '
                               f'config expects {expected}; use the config of that model')
-      value = entry.to_ours(reader.read(name), tuple(shape))
-      pieces.append(jax.make_array_from_callback(value.shape, piece_sharding,
-                                                 lambda index, v=value: v[index]))
-      used.add(name)
-    leaves[path] = (jax.jit(lambda *xs: jnp.stack(xs).reshape(leaf.shape),
-                            out_shardings=leaf.sharding)(*pieces) if lead else pieces[0])
-  extra = sorted(n for n in names - used if not n.endswith(_BUFFERS))
+      hf_names[index] = name
+    used.update(hf_names.values())
+    leaves[path] = _placed(reader, entry, hf_names, leaf, lead, shape)
+  extra = sorted(n for n in names - used if not n.endswith(_BUFFERS)
+                 # a tied model's head is the embedding, whatever else a save wrote for it
+                 and not (decoder.tied_embeddings and n.endswith('lm_head.weight')))
   if extra:
     raise CheckpointError(f'{directory} has tensor {extra[0]} that the config has no parameter '
                           f'for (e.g. an untied lm_head with model.tied_embeddings=True); use the '
@@ -105,6 +106,24 @@ def load_params(directory: str, family: str, decoder: DecoderConfig, abstract_pa
   flat = jax.tree_util.tree_flatten_with_path(abstract_params)
   return jax.tree_util.tree_unflatten(
       flat[1], [leaves[sharding_lib.path_str(p)] for p, _ in flat[0]])
+
+
+def _placed(reader, entry: Tensor, hf_names: dict, leaf, lead: int, shape: tuple) -> jax.Array:
+  """The leaf on its sharding, each device's block read from only the tensors it holds: a
+  layer- or expert-split leaf never has all its layers or experts on one device."""
+  blocks = {}  # devices holding the same block (replicas) share one read
+
+  def block(index: tuple) -> np.ndarray:
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    if key not in blocks:
+      stacked = [range(*s.indices(n)) for s, n in zip(index[:lead], leaf.shape[:lead])]
+      parts = [entry.to_ours(reader.read(hf_names[at]), shape)[index[lead:]]
+               for at in itertools.product(*stacked)]
+      blocks[key] = np.stack(parts).reshape(
+          tuple(map(len, stacked)) + parts[0].shape) if lead else parts[0]
+    return blocks[key]
+
+  return jax.make_array_from_callback(leaf.shape, leaf.sharding, block)
 
 
 def export_tensors(family: str, decoder: DecoderConfig, params,
