@@ -189,6 +189,13 @@ def test_bad_json_lines_name_the_file_and_line(tmp_path):
       0] == 't'
   assert formats.resolve_files(f'{tmp_path}/b.jsonl,{tmp_path}/b*.jsonl', 'f') == [
       str(tmp_path / 'b.jsonl')]
+  # A .json file of one array (Alpaca's data) was 'line 1 is not JSON; fix the line'.
+  (tmp_path / 'alpaca.json').write_text('[\n  {"text": "a"},\n  {"text": "b"}\n]\n')
+  with pytest.raises(DataError, match=r"alpaca.json line 1 opens a JSON array; .* jq -c"):
+    text.Documents([str(tmp_path / 'alpaca.json')])[0]  # pylint: disable=expression-not-assigned
+  (tmp_path / 'one.json').write_text('[{"prompt": "a"}, {"prompt": "b"}]\n')
+  with pytest.raises(DataError, match=r"one.json line 1 is a JSON array; .* jq -c"):
+    list(formats.json_lines([str(tmp_path / 'one.json')], 'prompts'))
   # A conversation with no assistant turn trained its EOS alone: 'stop after the user'.
   (tmp_path / 's.jsonl').write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
   with pytest.raises(DataError, match=r"s.jsonl line 1: 'messages' has no assistant turn, so "

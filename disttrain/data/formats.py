@@ -128,8 +128,9 @@ _SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F]')
 
 
 def json_line(raw: bytes, where: str) -> object:
-  """One JSON line's value, or one line naming it: not UTF-8, not JSON, or holding a lone
-  surrogate escape ("\\ud83d" without its pair: JSON reads it, no tokenizer can encode it).
+  """One JSON line's value, or one line naming it: not UTF-8, not JSON, an array (a .json file of
+  one array, not JSON lines), or holding a lone surrogate escape ("\\ud83d" without its pair:
+  JSON reads it, no tokenizer can encode it).
   A BOM before it is dropped, as editors on Windows save the first line."""
   try:
     line = raw.decode('utf-8-sig')
@@ -139,7 +140,13 @@ def json_line(raw: bytes, where: str) -> object:
   try:
     value = json.loads(line)
   except json.JSONDecodeError as e:
+    if line.lstrip().startswith('['):  # a .json file of one array (Alpaca's), pretty-printed
+      raise DataError(f'{where} opens a JSON array; these files are JSON lines, one object per '
+                      "line: convert it with jq -c '.[]' FILE > FILE.jsonl") from None
     raise DataError(f'{where} is not JSON ({e.msg}); fix or remove that line') from None
+  if isinstance(value, list):
+    raise DataError(f'{where} is a JSON array; these files are JSON lines, one object per line: '
+                    "convert it with jq -c '.[]' FILE > FILE.jsonl")
   if _SURROGATE_ESCAPE.search(raw):  # rare: only then the check that costs a second pass
     try:
       json.dumps(value, ensure_ascii=False).encode('utf-8')
