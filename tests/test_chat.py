@@ -1,11 +1,11 @@
 """Chat templates (disttrain/data/chat.py) against `transformers`' apply_chat_template.
 
-Four template styles as the models ship them (ChatML as Qwen's, Llama 3's headers, Gemma's
-turns, Phi-3's closing EOS), each written twice: plain, as published, and with `{% generation %}` blocks around the
-assistant text and its end token, which transformers reads as the assistant mask. The reference
-is transformers on the marked template (tokens and `assistant_masks`); disttrain renders the plain
-one and must find the same tokens and the same trained tokens by itself, through the SFT data
-pipeline (data.name=sft, the template in the tokenizer directory's tokenizer_config.json).
+Four template styles as the models ship them (ChatML as Qwen's, Llama 3's headers, Gemma's turns,
+Phi-3's closing EOS), each written twice: plain, as published, and with `{% generation %}` blocks
+around the assistant text and its end token, which transformers reads as the assistant mask. The
+reference is transformers on the marked template (tokens and `assistant_masks`); disttrain renders
+the plain one and must find the same tokens and the same trained tokens by itself, through the SFT
+data pipeline (data.name=sft, the template in the tokenizer directory's tokenizer_config.json).
 """
 
 import dataclasses
@@ -48,7 +48,8 @@ PHI3 = ("{% for m in messages %}{% if m['role'] == 'system' and m['content'] %}"
         "{{ '<|assistant|>\\n' }}[[{{ m['content'] + '<|end|>' }}]]{{ '\\n' }}{% endif %}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
         "{% else %}{{ eos_token }}{% endif %}")
-STYLES = {'chatml': CHATML, 'llama3': LLAMA3, 'gemma': GEMMA, 'phi3': PHI3}
+STYLES = {'chatml': CHATML, 'llama3': LLAMA3, 'gemma': GEMMA, 'phi3': PHI3,
+          'phi3small': '{{ bos_token }}' + PHI3}  # its BOS is its EOS: not part of the closing
 SPECIAL = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|begin_of_text|>',
            '<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>', '<bos>', '<eos>',
            '<start_of_turn>', '<end_of_turn>', '<s>', '<|system|>', '<|user|>', '<|assistant|>',
@@ -89,7 +90,8 @@ def tokenizer_dirs(tmp_path_factory):
     folder = tmp_path_factory.mktemp(style)
     tok.save(str(folder / 'tokenizer.json'))
     bos, eos = {'chatml': (None, '<|im_end|>'), 'llama3': ('<|begin_of_text|>', '<|eot_id|>'),
-                'gemma': ('<bos>', '<eos>'), 'phi3': ('<s>', '<|endoftext|>')}[style]
+                'gemma': ('<bos>', '<eos>'), 'phi3': ('<s>', '<|endoftext|>'),
+                'phi3small': ('<|endoftext|>', '<|endoftext|>')}[style]
     (folder / 'tokenizer_config.json').write_text(json.dumps({
         'bos_token': bos, 'eos_token': eos, 'chat_template': plain(style),
         'tokenizer_class': 'PreTrainedTokenizerFast'}))

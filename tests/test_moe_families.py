@@ -98,25 +98,38 @@ def test_moe_family_on_fsdp_expert_tensor_equals_one_device(family):
   assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'{family} gradient and update')
 
 
-def test_an_expert_split_import_reads_each_device_only_its_experts(tmp_path, monkeypatch):
-  """Mixtral onto expert x tensor: the parameters are 1 device's bit for bit, and no
-  device ever holds more than its final share. Each expert's tensor was placed whole on every
-  device and then stacked: 8 experts of Qwen3-30B on every GPU at once."""
+def test_a_split_import_reads_each_tensor_once_into_each_devices_share(tmp_path, monkeypatch):
+  """Mixtral's weights onto experts over 4 devices and the last axis of every leaf over 2 (as
+  fsdp splits a training run's): the parameters are 1 device's bit for bit, each tensor is read
+  and converted once, and no device ever holds more than its final share. Each tensor was placed
+  whole on every device and then stacked (8 experts of Qwen3-30B on every GPU at once), and
+  converted again for every device block it touched."""
   import jax  # pylint: disable=g-import-not-at-top
-  from disttrain.hf import tensorfiles, trained  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from disttrain.hf import tensorfiles, weights  # pylint: disable=g-import-not-at-top
   path = _save(tmp_path, 'mixtral')
   one = hf_round_trip.load(path)
+  mesh = jax.make_mesh((4, 2), ('expert', 'fsdp'), devices=jax.devices())
+  def spec(key, leaf):
+    axes = [None] * leaf.ndim
+    if 'moe' in jax.tree_util.keystr(key) and leaf.ndim == 4:
+      axes[1] = 'expert'
+    if leaf.shape[-1] % 2 == 0:
+      axes[-1] = 'fsdp'
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, P(*axes)))
+  abstract = jax.tree_util.tree_map_with_path(spec, one.params)
   first = jax.devices()[0]  # what arrays on the 8-device mesh hold on it
   on_first = lambda arrays: sum(s.data.nbytes for a in arrays if len(a.sharding.device_set) == 8
                                 for s in a.addressable_shards if s.device == first)
-  held, read = [], tensorfiles.Reader.read
+  live = lambda: (gc.collect(), on_first(jax.live_arrays()))[1]
+  held, names, read, before = [], [], tensorfiles.Reader.read, live()  # before: other tests'
   monkeypatch.setattr(tensorfiles.Reader, 'read', lambda self, name: (
-      gc.collect(), held.append(on_first(jax.live_arrays())), read(self, name))[2])
-  split = trained.load(hf_dir=path, devices=jax.devices(), compute_dtype='float32',
-                       mesh={'expert': 4, 'tensor': 2})
-  assert split.params['blocks']['moe']['gate'].sharding.spec[1] == 'expert'
-  assert_trees_close(split.params, one.params, 0, 0, 'mixtral on expert x tensor')
-  assert 0 < max(held) <= on_first(jax.tree.leaves(split.params)), held
+      held.append(live()), names.append(name), read(self, name))[2])
+  split = weights.load_params(path, 'mixtral', one.model.cfg, abstract)
+  assert split['blocks']['moe']['gate'].sharding.spec == P(None, 'expert', None, 'fsdp')
+  assert_trees_close(split, one.params, 0, 0, 'mixtral on expert x fsdp')
+  assert 0 < max(held) - before <= on_first(jax.tree.leaves(split)), (held, before)
+  assert len(names) == len(set(names)), names
 
 
 def test_qwen3_moe_with_dense_layers_among_the_experts_is_refused_naming_the_field(tmp_path):

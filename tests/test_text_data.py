@@ -175,7 +175,12 @@ def test_bad_json_lines_name_the_file_and_line(tmp_path):
                      r'byte at byte 15\); re-encode'):
     list(formats.json_lines([str(tmp_path / 'p.jsonl')], 'prompts'))
   # A lone surrogate escape is valid JSON and no text: every tokenizer raised its own traceback.
-  (tmp_path / 'u.jsonl').write_text('{"text": "ok"}\n{"text": "half \\ud83d of an emoji"}\n')
+  (tmp_path / 'u.jsonl').write_text('{"text": "\\ud83d\\ude00"}\n'
+                                    '{"text": "half \\ud83d of an emoji"}\n'
+                                    '{"n": ' + '9' * 5000 + '}\n')
+  assert text.Documents([str(tmp_path / 'u.jsonl')])[0] == '😀'  # a whole escaped pair is text
+  with pytest.raises(DataError, match=r'u.jsonl line 3 is not JSON \(Exceeds the limit'):
+    text.Documents([str(tmp_path / 'u.jsonl')])[2]  # pylint: disable=expression-not-assigned
   with pytest.raises(DataError, match=r'u.jsonl line 2 holds a lone UTF-16 surrogate escape'):
     text.Documents([str(tmp_path / 'u.jsonl')])[1]  # pylint: disable=expression-not-assigned
   with pytest.raises(DataError, match=r'u.jsonl line 2 holds a lone UTF-16 surrogate escape'):

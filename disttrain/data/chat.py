@@ -7,13 +7,13 @@ immutable sandbox, trim_blocks, lstrip_blocks, loop controls, `raise_exception`,
 a `tojson` that keeps non-ASCII, the tokenizer's special tokens as variables), so the text, and
 the tokens of it encoded whole without added specials, equal `apply_chat_template`'s.
 
-What is trained: the assistant turns, each with its end-of-turn token. A template that marks
-them with `{% generation %}` blocks (transformers' assistant-mask extension) is read as marked;
-otherwise each assistant turn is what rendering the conversation through it adds to rendering the
-turns before it with the generation prompt, less trailing whitespace (ChatML's and Gemma's
-newline after the end token) and less what the template closes a whole conversation with (Phi-3's
-EOS after the last turn: the end of rendering no turns at all). A template that renders an earlier turn differently once later
-turns follow (some drop earlier reasoning) cannot be split this way and is refused, naming the
+What is trained: the assistant turns, each with its end-of-turn token. A template that marks them
+with `{% generation %}` blocks (transformers' assistant-mask extension) is read as marked; otherwise
+each assistant turn is what rendering the conversation through it adds to rendering the turns before
+it with the generation prompt, less trailing whitespace (ChatML's and Gemma's newline after the end
+token) and less what the template closes a whole conversation with (Phi-3's EOS after the last turn:
+what it renders for no turns, less an opening BOS). A template that renders an earlier turn differently once
+later turns follow (some drop earlier reasoning) cannot be split this way and is refused, naming the
 example: mark its assistant turns with generation blocks.
 """
 
@@ -168,8 +168,8 @@ class ChatTemplate:
     template's closing (what it renders for no turns, Phi-3's EOS) where it ends the text there,
     less the longest end of it where the text goes on past the turn; None where it does not."""
     if self._closing is None:
-      try:
-        self._closing = self.render([])
+      try:  # less the BOS a template opens with (Phi-3-small's is its EOS too)
+        self._closing = self.render([]).removeprefix(self.special.get('bos_token') or '\0')
       except DataError:  # a template that needs a turn: no closing we can tell
         self._closing = ''
     closing = self._closing

@@ -124,7 +124,9 @@ def json_lines(paths: Sequence[str], what: str) -> Iterable[tuple[str, object]]:
           yield where, json_line(raw, where)
 
 
-_SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F]')
+# A high surrogate escape with no low one after it, or a low one with no high one before it.
+_SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])'
+                               rb'|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]')
 
 
 def json_line(raw: bytes, where: str) -> object:
@@ -139,15 +141,16 @@ def json_line(raw: bytes, where: str) -> object:
                     'as UTF-8') from None
   try:
     value = json.loads(line)
-  except json.JSONDecodeError as e:
+  except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
     if line.lstrip().startswith('['):  # a .json file of one array (Alpaca's), pretty-printed
       raise DataError(f'{where} opens a JSON array; these files are JSON lines, one object per '
                       "line: convert it with jq -c '.[]' FILE > FILE.jsonl") from None
-    raise DataError(f'{where} is not JSON ({e.msg}); fix or remove that line') from None
+    raise DataError(f'{where} is not JSON ({getattr(e, "msg", e)}); fix or remove that '
+                    'line') from None
   if isinstance(value, list):
     raise DataError(f'{where} is a JSON array; these files are JSON lines, one object per line: '
                     "convert it with jq -c '.[]' FILE > FILE.jsonl")
-  if _SURROGATE_ESCAPE.search(raw):  # rare: only then the check that costs a second pass
+  if _SURROGATE_ESCAPE.search(raw):  # rare (paired escapes pass): then the second pass
     try:
       json.dumps(value, ensure_ascii=False).encode('utf-8')
     except UnicodeEncodeError:

@@ -53,8 +53,7 @@ def tokenize(docs, tokenizer, name: str, vocab_size: int, path: str,
   sft = len(docs) > 0 and not isinstance(docs[0], str)
   starts, at = np.zeros(len(docs), np.int64), 0
   start = last = time.monotonic()
-  # Written under .partial names and renamed when whole (the .bin last): a conversion that stops
-  # midway leaves no token file that a run would read as the whole corpus.
+  # Renamed into place when whole (the .bin last): a stopped conversion leaves no corpus to read.
   sides = ('.mask.bin', '.docs.npy', '') if sft else ('.docs.npy', '')
   try:
     with (open(path + _PARTIAL, 'wb') as ids_file,

@@ -173,8 +173,7 @@ class Tokenizer:
       encoding = self._impl.encode(text, add_special_tokens=special)
       return list(encoding.ids), [int(counts[end] > counts[start])
                                   for start, end in encoding.offsets]
-    # Character offsets, as tokenizers gives (sentencepiece >= 0.2.2); byte fallback spells a
-    # character outside the vocabulary as byte tokens, all but the last with an empty span at it.
+    # Character offsets (sentencepiece >= 0.2.2); byte fallback's leading bytes have empty spans.
     encoding = self._impl.encode(text, return_type='offset_mapping')
     ids = list(encoding['ids'])
     mask = [int(trained[start] if start == end else counts[end] > counts[start])

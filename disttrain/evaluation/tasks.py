@@ -162,7 +162,7 @@ def _example(row: dict, kind: str, path: str, number: int) -> Question | Prompt:
                     f'its first line is) needs {fields}')
   where = f'{path}, line {number}'
   if kind == GENERATION:
-    until = row.get('until', [])
+    until = row.get('until') or []  # null or "" as absent
     until = [until] if isinstance(until, str) else until
     if not isinstance(until, list):
       raise DataError(f'{where}: "until" is {until!r}; give a stop string or a list of them')

@@ -98,8 +98,7 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
     config.update(model_type=hf_config.GEMMA_TYPES[family],
                   hidden_activation='gelu_pytorch_tanh',
                   query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or decoder.head_dim),
-                  # transformers' Gemma builds the windowed mask whatever layer_types say: a
-                  # model without a window gets one no full_attention layer uses
+                  # transformers' Gemma needs one; no layer uses it when all are full_attention
                   sliding_window=decoder.sliding_window or config['max_position_embeddings'],
                   layer_types=types,
                   attn_logit_softcapping=cfg.attn_softcap or None,

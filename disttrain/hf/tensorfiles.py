@@ -126,8 +126,8 @@ def write(directory: str, tensors: Iterable[tuple[str, tuple, np.dtype, Callable
         {'metadata': {'total_size': progress.total}, 'weight_map': weight_map}, indent=2))
   if file_name == SINGLE:  # an earlier export's other layout: readers would pick one of the two
     kept = {*names, *([INDEX] if len(shards) > 1 else [])}
-    for stale in [*urls.path(directory).glob('model*.safetensors'),
-                  urls.path(urls.join(directory, INDEX))]:
+    for stale in [*urls.path(directory).glob('model-*-of-*.safetensors'),
+                  urls.path(urls.join(directory, SINGLE)), urls.path(urls.join(directory, INDEX))]:
       if stale.name not in kept and stale.exists():
         stale.unlink()
   return names

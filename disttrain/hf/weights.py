@@ -11,7 +11,6 @@ tensor at a time onto its sharding, so host memory holds one tensor, not the mod
 is read and checked by disttrain/hf/config.py, written by disttrain/hf/exported_config.py.
 """
 
-import itertools
 import os
 from collections.abc import Iterator
 
@@ -109,21 +108,20 @@ def load_params(directory: str, family: str, decoder: DecoderConfig, abstract_pa
 
 
 def _placed(reader, entry: Tensor, hf_names: dict, leaf, lead: int, shape: tuple) -> jax.Array:
-  """The leaf on its sharding, each device's block read from only the tensors it holds: a
-  layer- or expert-split leaf never has all its layers or experts on one device."""
-  blocks = {}  # devices holding the same block (replicas) share one read
-
-  def block(index: tuple) -> np.ndarray:
-    key = tuple((s.start, s.stop, s.step) for s in index)
-    if key not in blocks:
+  """The leaf on its sharding, each tensor converted once into the blocks of the devices that
+  hold part of it: a layer- or expert-split leaf is never whole on one device."""
+  where = leaf.sharding.addressable_devices_indices_map(leaf.shape)
+  key = lambda index: tuple(s.indices(n) for s, n in zip(index, leaf.shape))
+  blocks = {key(index): (index, np.empty([len(range(*k)) for k in key(index)], np.float32))
+            for index in where.values()}  # one per distinct block: replicas share it
+  for at, name in hf_names.items():
+    value = entry.to_ours(reader.read(name), shape)
+    for index, block in blocks.values():
       stacked = [range(*s.indices(n)) for s, n in zip(index[:lead], leaf.shape[:lead])]
-      parts = [entry.to_ours(reader.read(hf_names[at]), shape)[index[lead:]]
-               for at in itertools.product(*stacked)]
-      blocks[key] = np.stack(parts).reshape(
-          tuple(map(len, stacked)) + parts[0].shape) if lead else parts[0]
-    return blocks[key]
-
-  return jax.make_array_from_callback(leaf.shape, leaf.sharding, block)
+      if all(a in r for a, r in zip(at, stacked)):
+        block[tuple(r.index(a) for a, r in zip(at, stacked))] = value[index[lead:]]
+  return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, [
+      jax.device_put(blocks[key(index)][1], device) for device, index in where.items()])
 
 
 def export_tensors(family: str, decoder: DecoderConfig, params,
