@@ -348,11 +348,12 @@ def test_bf16_activations_float32_state_and_first_loss():
 
 @pytest.mark.slow
 def test_bf16_halves_the_activations_kept_for_the_backward_pass():
-  """The GPT config at an activation-dominated batch: bf16 keeps <= 0.66 x the bytes float32
+  """The GPT config at an activation-dominated batch: bf16 keeps <= 0.73 x the bytes float32
   keeps for the backward pass (measured 2026-11-25: jax 0.10 244.7 vs 383.3 MiB = 0.64, jax 0.12
-  228.7 vs 351.3 MiB = 0.651, both smaller; what stays float32 is the attention softmax, computed
-  in float32 on purpose, the norms' float32 inputs and the loss's logits). Raise the bound only
-  with a measurement that says which residual became float32.
+  228.7 vs 351.3 MiB = 0.651; 2026-12-07, jax 0.12.1: 228.2 vs 318.8 MiB = 0.716, bf16 as before
+  and float32 32.5 MiB smaller, so no residual became float32; what stays float32 is the
+  attention softmax, computed in float32 on purpose, the norms' float32 inputs and the loss's
+  logits). Raise the bound only with a measurement that says which residual became float32.
 
   Measured on residuals, not on XLA:CPU's temp bytes: XLA:CPU computes every bf16 dot in float32
   (its compiled HLO converts the operands), so there the step's temporaries do not shrink
@@ -362,7 +363,7 @@ def test_bf16_halves_the_activations_kept_for_the_backward_pass():
       disttrain.setup(_gpt(**_ACTIVATION_HEAVY, **o), devices=devices(1)))
   f32, bf16 = saved(), saved(**BF16)
   assert f32 > 20 * _memory().state_bytes  # activations dominate
-  assert bf16 <= 0.66 * f32, (bf16 / 2**20, f32 / 2**20)
+  assert bf16 <= 0.73 * f32, (bf16 / 2**20, f32 / 2**20)
 
 
 def test_saved_activations_are_one_steps_whatever_steps_per_dispatch():

@@ -12,9 +12,9 @@ with `{% generation %}` blocks (transformers' assistant-mask extension) is read 
 each assistant turn is what rendering the conversation through it adds to rendering the turns before
 it with the generation prompt, less trailing whitespace (ChatML's and Gemma's newline after the end
 token) and less what the template closes a whole conversation with (Phi-3's EOS after the last turn:
-what it renders for no turns, less an opening BOS). A template that renders an earlier turn differently once
-later turns follow (some drop earlier reasoning) cannot be split this way and is refused, naming the
-example: mark its assistant turns with generation blocks.
+what it renders for no turns, less an opening BOS). A template that renders an earlier turn
+differently once later turns follow (some drop earlier reasoning) cannot be split this way and is
+refused, naming the example: mark its assistant turns with generation blocks.
 """
 
 import datetime
@@ -169,7 +169,7 @@ class ChatTemplate:
     less the longest end of it where the text goes on past the turn; None where it does not."""
     if self._closing is None:
       try:  # less the BOS a template opens with (Phi-3-small's is its EOS too)
-        self._closing = self.render([]).removeprefix(self.special.get('bos_token') or '\0')
+        self._closing = self.render([]).removeprefix(self.special.get('bos_token') or '')
       except DataError:  # a template that needs a turn: no closing we can tell
         self._closing = ''
     closing = self._closing
