@@ -23,7 +23,8 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # executable is the one a fresh compile builds, so bitwise comparisons between runs hold; trace
 # counts, which tests assert, are unaffected (tracing still happens). Two workers may write one
 # entry at once (jax writes entries in place, unlocked); an entry read half-written is a warning
-# and a fresh compile in jax's _cache_read, never a failure.
+# and a fresh compile in jax's _cache_read, never a failure. Multi-process CPU jobs turn it off
+# themselves (parallel/distributed.py: with jax 0.12.1 their cached executables deadlocked).
 _XLA_CACHE = tempfile.TemporaryDirectory(prefix='disttrain_tests_xla_cache_')
 os.environ['JAX_COMPILATION_CACHE_DIR'] = _XLA_CACHE.name
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'

@@ -63,9 +63,9 @@ def _env() -> dict:
   return subprocess_env()
 
 
-def _cluster_cmd(*args: str, grace: float = 20) -> list[str]:
+def _cluster_cmd(*args: str, grace: float = 20, timeout: int = JOB_TIMEOUT) -> list[str]:
   return [sys.executable, 'launch/local_cluster.py', '--num_processes=2',
-          '--devices_per_process=4', f'--timeout={JOB_TIMEOUT}', f'--grace={grace}', *args]
+          '--devices_per_process=4', f'--timeout={timeout}', f'--grace={grace}', *args]
 
 
 def _train_flags(overrides: dict, workdir, config: str = CONFIG) -> list[str]:
@@ -166,6 +166,20 @@ def test_two_processes_match_one(runs, case):
   # Every eval example counted once although 297 does not split over 2 processes x 64.
   assert eval_two['num_examples'] == eval_one['num_examples'] == DIGITS_EVAL
   assert abs(eval_two['accuracy'] - eval_one['accuracy']) <= 0.005
+
+
+def test_a_job_run_again_over_a_warm_compilation_cache_finishes_bitwise_equal(tmp_path):
+  """jax 0.12.1's cached CPU executables deadlocked a second 2 x 4 job in its first collective
+  (distributed._no_compilation_cache_across_cpu_processes); the rerun must finish, and equal."""
+  env = {**_env(), 'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'cache')}
+  overrides = {**BASE, 'num_train_steps': 3, 'checkpoint_every_steps': 0}
+  for run in ('first', 'again'):
+    proc = subprocess.run(  # a deadlock is stopped well before JOB_TIMEOUT: the job takes ~8 s
+        _cluster_cmd(*_train_flags(overrides, tmp_path / run), grace=5, timeout=90), cwd=ROOT,
+        env=env, capture_output=True, text=True, timeout=150, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+  assert 'persistent compilation cache' in proc.stdout + proc.stderr
+  assert _losses(tmp_path / 'again') == _losses(tmp_path / 'first')
 
 
 # ----------------------------------------------------------------------------------------------

@@ -129,6 +129,10 @@ _SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F
                                rb'|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]')
 
 
+_JSON_LINES = ("these files are JSON lines, one object per line: convert it with "
+               "jq -c '.[]' FILE > FILE.jsonl")
+
+
 def json_line(raw: bytes, where: str) -> object:
   """One JSON line's value, or one line naming it: not UTF-8, not JSON, an array (a .json file of
   one array, not JSON lines), or holding a lone surrogate escape ("\\ud83d" without its pair:
@@ -143,13 +147,11 @@ def json_line(raw: bytes, where: str) -> object:
     value = json.loads(line)
   except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
     if line.lstrip().startswith('['):  # a .json file of one array (Alpaca's), pretty-printed
-      raise DataError(f'{where} opens a JSON array; these files are JSON lines, one object per '
-                      "line: convert it with jq -c '.[]' FILE > FILE.jsonl") from None
+      raise DataError(f'{where} opens a JSON array; {_JSON_LINES}') from None
     raise DataError(f'{where} is not JSON ({getattr(e, "msg", e)}); fix or remove that '
                     'line') from None
   if isinstance(value, list):
-    raise DataError(f'{where} is a JSON array; these files are JSON lines, one object per line: '
-                    "convert it with jq -c '.[]' FILE > FILE.jsonl")
+    raise DataError(f'{where} is a JSON array; {_JSON_LINES}')
   if _SURROGATE_ESCAPE.search(raw):  # rare (paired escapes pass): then the second pass
     try:
       json.dumps(value, ensure_ascii=False).encode('utf-8')

@@ -57,6 +57,24 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
         f'{coordinator_address}, this is process {process_id}); start every process with the '
         f'same --coordinator_address and --num_processes, or raise --distributed_init_timeout'
     ) from e
+  _no_compilation_cache_across_cpu_processes()
+
+
+def _no_compilation_cache_across_cpu_processes() -> None:
+  """Turns jax's persistent compilation cache off in a multi-process job on CPU.
+
+  With jax 0.12.1 a 2-process CPU job deadlocks in its first cross-process collective once the
+  cache holds its programs: process 0 runs the executable it wrote, the others (whose cache keys
+  differ) compile theirs, and the two never meet in gloo (measured, 2026-12-07). GPU and TPU jobs,
+  where compiles are long, keep the cache (not measured here).
+  """
+  if (jax.process_count() > 1 and jax.default_backend() == 'cpu'
+      and jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
+    jax.config.update('jax_enable_compilation_cache', False)
+    if jax.process_index() == 0:
+      print(f'disttrain: the persistent compilation cache '
+            f'({jax.config.jax_compilation_cache_dir}) is off in this multi-process CPU job: '
+            'its cached executables deadlock in cross-process collectives', flush=True)
 
 
 _ID_SECONDS = 10.0  # for a connection to the roll call to name its process
