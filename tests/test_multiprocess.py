@@ -73,10 +73,13 @@ def _train_flags(overrides: dict, workdir, config: str = CONFIG) -> list[str]:
           *(f'--config.{k}={v}' for k, v in overrides.items())]
 
 
-def _cluster(overrides: dict, workdir) -> str:
-  """Runs a 2 x 4 training job to the end; returns its output."""
-  proc = subprocess.run(_cluster_cmd(*_train_flags(overrides, workdir)), cwd=ROOT, env=_env(),
-                        capture_output=True, text=True, timeout=JOB_TIMEOUT + 60, check=False)
+def _cluster(overrides: dict, workdir, env: dict | None = None, grace: float = 20,
+             timeout: int = JOB_TIMEOUT) -> str:
+  """Runs a 2 x 4 training job to the end (local_cluster stops it after `timeout` s)."""
+  proc = subprocess.run(_cluster_cmd(*_train_flags(overrides, workdir), grace=grace,
+                                     timeout=timeout),
+                        cwd=ROOT, env={**_env(), **(env or {})}, capture_output=True, text=True,
+                        timeout=timeout + 60, check=False)
   out = proc.stdout + proc.stderr
   assert proc.returncode == 0, out[-4000:]
   return out
@@ -171,14 +174,12 @@ def test_two_processes_match_one(runs, case):
 def test_a_job_run_again_over_a_warm_compilation_cache_finishes_bitwise_equal(tmp_path):
   """jax 0.12.1's cached CPU executables deadlocked a second 2 x 4 job in its first collective
   (distributed._no_compilation_cache_across_cpu_processes); the rerun must finish, and equal."""
-  env = {**_env(), 'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'cache')}
+  env = {'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'cache')}
   overrides = {**BASE, 'num_train_steps': 3, 'checkpoint_every_steps': 0}
-  for run in ('first', 'again'):
-    proc = subprocess.run(  # a deadlock is stopped well before JOB_TIMEOUT: the job takes ~8 s
-        _cluster_cmd(*_train_flags(overrides, tmp_path / run), grace=5, timeout=90), cwd=ROOT,
-        env=env, capture_output=True, text=True, timeout=150, check=False)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-  assert 'persistent compilation cache' in proc.stdout + proc.stderr
+  # A deadlock is stopped well before JOB_TIMEOUT: the job takes ~8 s.
+  outs = [_cluster(overrides, tmp_path / run, env, grace=5, timeout=90)
+          for run in ('first', 'again')]
+  assert 'persistent compilation cache' in outs[-1]
   assert _losses(tmp_path / 'again') == _losses(tmp_path / 'first')
 
 
