@@ -17,7 +17,7 @@ import optax
 
 from disttrain.config import Config
 from disttrain.errors import ConfigError
-from disttrain.hf import config as hf_config, tensorfiles, weights as hf
+from disttrain.hf import families, tensorfiles, weights as hf
 from disttrain.models import lora, preference
 from disttrain.parallel import state as state_lib
 from disttrain.storage import checkpoint, urls
@@ -103,7 +103,7 @@ def write_peft(out: str, family: str, cfg: Config, adapters, base_name: str = ''
             'use_rslora': False, 'use_dora': False, 'inference_mode': True,
             'init_lora_weights': True, 'modules_to_save': None,
             'base_model_name_or_path': base_name or cfg.restore_from or None,
-            'auto_mapping': {'base_model_class': hf_config.FAMILIES[family],
+            'auto_mapping': {'base_model_class': families.FAMILIES[family],
                              'parent_library': 'transformers.models'}}
   urls.path(out).mkdir(parents=True, exist_ok=True)
   import ml_dtypes  # pylint: disable=g-import-not-at-top

@@ -1,11 +1,7 @@
-"""config.json of Hugging Face models: read and checked against the run's model fields.
-
-`LlamaForCausalLM` is disttrain's llama family, `Qwen2ForCausalLM` / `Qwen3ForCausalLM` its qwen2
-and qwen3 families, `MistralForCausalLM` its mistral family (all with Llama's config.json keys),
-`MixtralForCausalLM` / `Qwen3MoeForCausalLM` its mixtral and qwen3_moe families (their experts'
-keys too; imported dropless, model.expert_capacity=0),
-`GPT2LMHeadModel` its gpt family. A field that
-differs from the run's config is one line naming both values and the flag that fixes it.
+"""config.json of Hugging Face models: read, checked against the run's model fields, and turned
+into them (model.name='hf'). The families and their defaults are hf/families.py's; Gemma's own
+parts hf/gemma_config.py's. A field that differs from the run's config is one line naming both
+values and the flag that fixes it.
 """
 
 import dataclasses
@@ -16,40 +12,10 @@ import numpy as np
 
 from disttrain.config import Config, ModelConfig, RopeScalingConfig
 from disttrain.errors import CheckpointError, ConfigError
+from disttrain.hf import gemma_config
+from disttrain.hf.families import (ARCHITECTURES, FAMILIES, FIXED, GEMMA, MOE, mismatch, resolved,
+                                   window)
 from disttrain.models.decoder import DecoderConfig
-
-ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2',
-                 'Qwen3ForCausalLM': 'qwen3', 'MistralForCausalLM': 'mistral',
-                 'MixtralForCausalLM': 'mixtral', 'Qwen3MoeForCausalLM': 'qwen3_moe',
-                 'Gemma2ForCausalLM': 'gemma2', 'Gemma3ForCausalLM': 'gemma3',
-                 'GPT2LMHeadModel': 'gpt'}
-GEMMA = ('gemma2', 'gemma3')
-GEMMA_TYPES = {'gemma2': 'gemma2', 'gemma3': 'gemma3_text'}  # model_type in config.json
-MOE = ('mixtral', 'qwen3_moe')  # every feed-forward layer routed experts
-# What each rotary family's config.json must say (its transformers default when absent): the
-# parts the family builds in one way only.
-_FIXED = {'llama': {'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': False},
-          'qwen2': {'hidden_act': 'silu', 'use_sliding_window': False},
-          'qwen3': {'hidden_act': 'silu', 'attention_bias': False, 'use_sliding_window': False},
-          'mistral': {'hidden_act': 'silu'}, 'mixtral': {'hidden_act': 'silu'},
-          'qwen3_moe': {'hidden_act': 'silu', 'attention_bias': False, 'use_sliding_window': False,
-                        'decoder_sparse_step': 1, 'mlp_only_layers': []},
-          'gemma2': {'hidden_activation': 'gelu_pytorch_tanh', 'attention_bias': False},
-          'gemma3': {'hidden_activation': 'gelu_pytorch_tanh', 'attention_bias': False,
-                     'use_bidirectional_attention': False}}
-FAMILIES = {family: arch for arch, family in ARCHITECTURES.items()}
-# transformers' config-class defaults for keys a config.json may leave out, where a family's
-# differ from the common ones (rms_norm_eps 1e-6, rope_theta 1e4, no window, no caps).
-DEFAULTS = {'mixtral': {'rms_norm_eps': 1e-5, 'rope_theta': 1e6},
-            'mistral': {'sliding_window': 4096},
-            'gemma2': {'sliding_window': 4096, 'attn_logit_softcapping': 50.0,
-                       'final_logit_softcapping': 30.0},
-            'gemma3': {'sliding_window': 4096, 'rope_theta': 1e6}}
-
-
-def _get(config: dict, family: str, key: str, common=None):
-  """config.json's value of `key`, else the family's transformers default (null stays None)."""
-  return config.get(key, DEFAULTS.get(family, {}).get(key, common))
 
 
 def read(directory: str) -> tuple[dict, str]:
@@ -95,13 +61,13 @@ def _hf_values(config: dict, family: str) -> dict:
                               else ('norm_topk_prob (always, in Mixtral)', True)}
     return {'width': ('hidden_size', config['hidden_size']),
             'head_dim': ('head_dim', head_dim),
-            'sliding_window': ('sliding_window', _window(config, family)),
+            'sliding_window': ('sliding_window', window(config, family)),
             'num_layers': ('num_hidden_layers', config['num_hidden_layers']),
             'num_heads': ('num_attention_heads', heads),
             'num_kv_heads': ('num_key_value_heads', config.get('num_key_value_heads') or heads),
             'mlp_dim': ('intermediate_size', config['intermediate_size']),
             'vocab_size': ('vocab_size', config['vocab_size']),
-            'norm_eps': ('rms_norm_eps', _get(config, family, 'rms_norm_eps', 1e-6)),
+            'norm_eps': ('rms_norm_eps', resolved(config, family, 'rms_norm_eps', 1e-6)),
             'tied_embeddings': ('tie_word_embeddings',
                                 config.get('tie_word_embeddings', family in GEMMA)),
             **moe}
@@ -124,11 +90,6 @@ _FIELD = {'width': 'model.hidden', 'num_layers': 'model.num_layers',
           'experts_per_token': 'model.experts_per_token', 'moe_norm_topk': 'model.moe_norm_topk'}
 
 
-def _mismatch(where: str, hf_field: str, hf_value, ours: str, value) -> CheckpointError:
-  return CheckpointError(f'{where}: config.json {hf_field}={hf_value!r} but {ours}={value!r}; set '
-                         f'--config.{ours}={hf_value!r} (or use a config of that model)')
-
-
 def check(directory: str, family: str, cfg: ModelConfig, decoder: DecoderConfig) -> dict:
   """config.json against the run's model; returns it. A difference is one line naming both."""
   config, hf_family = read(directory)
@@ -139,7 +100,7 @@ def check(directory: str, family: str, cfg: ModelConfig, decoder: DecoderConfig)
     value = getattr(decoder, field)
     if not (np.isclose(value, hf_value, rtol=1e-6, atol=0) if isinstance(value, float)
             else value == hf_value):
-      raise _mismatch(directory, hf_field, hf_value, _FIELD[field], value)
+      raise mismatch(directory, hf_field, hf_value, _FIELD[field], value)
   if family not in MOE and decoder.num_experts:
     raise CheckpointError(f'{directory}: config.json describes a dense {family} (no experts) but '
                           f'model.num_experts={decoder.num_experts}; set '
@@ -157,7 +118,7 @@ def check(directory: str, family: str, cfg: ModelConfig, decoder: DecoderConfig)
                           f'{config.get("scale_attn_by_inverse_layer_idx", False)}; the gpt family '
                           'scales attention by 1/sqrt(head size) only (True, False)')
   elif decoder.norm != 'layernorm':
-    raise _mismatch(directory, 'model_type', 'gpt2 (LayerNorm)', 'model.norm', decoder.norm)
+    raise mismatch(directory, 'model_type', 'gpt2 (LayerNorm)', 'model.norm', decoder.norm)
   return config
 
 
@@ -171,57 +132,40 @@ def rope(config: dict, family: str) -> tuple[float, dict]:
   if isinstance(params, dict) and 'rope_theta' in params:
     kind = params.get('rope_type', params.get('type', 'default'))
     return float(params['rope_theta']), (params if kind != 'default' else {})
-  return float(_get(config, family, 'rope_theta', 1e4)), config.get('rope_scaling') or {}
+  return float(resolved(config, family, 'rope_theta', 1e4)), config.get('rope_scaling') or {}
 
 
 def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -> None:
-  for key, value in _FIXED[family].items():
+  for key, value in FIXED[family].items():
     if config.get(key, value) != value and not (value == [] and config[key] is None):
       raise CheckpointError(f'{directory}: config.json {key}={config[key]!r}; the {family} family '
                             f'has {key}={value!r}')
   local = (config.get('rope_parameters') or {}).get('sliding_attention') or {}
-  if local.get('rope_type', 'default') != 'default' and not _local_as_global(config):
+  if local.get('rope_type', 'default') != 'default' and not gemma_config.local_as_global(config):
     raise CheckpointError(f"{directory}: rope_parameters.sliding_attention rope_type "
                           f"{local['rope_type']!r}; the local layers rotate without scaling here")
   theta, scaling = rope(config, family)
   if not np.isclose(theta, cfg.rope_theta, rtol=1e-6):
-    raise _mismatch(directory, 'rope_theta', theta, 'model.rope_theta', cfg.rope_theta)
+    raise mismatch(directory, 'rope_theta', theta, 'model.rope_theta', cfg.rope_theta)
   kind = scaling.get('rope_type', scaling.get('type', '')) if scaling else ''
   if kind not in ('', 'default', 'llama3', 'linear'):
     raise CheckpointError(f'{directory}: rope_scaling type {kind!r} is not supported (llama3, '
                           'linear or none)')
   if family in GEMMA:
-    fields = _gemma_fields(config, family)
-    pattern, window, n = fields.pop('sliding_window_pattern'), cfg.sliding_window, cfg.num_layers
-    if layer_types(pattern, window, n) != layer_types(cfg.sliding_window_pattern, window, n):
-      raise CheckpointError(f'{directory}: config.json layer_types make every {pattern}th layer '
-                            f'global but model.sliding_window_pattern='
-                            f'{cfg.sliding_window_pattern}; set '
-                            f'--config.model.sliding_window_pattern={pattern}')
-    local = fields.pop('local_rope_theta')
-    for key, value in fields.items():
-      if not np.isclose(getattr(cfg, key), value, rtol=1e-6):
-        raise _mismatch(directory, key, value, f'model.{key}', getattr(cfg, key))
-    # Unscaled, local_rope_theta 0 rotates the windowed layers on rope_theta: the same model;
-    # pattern 0 has no local layer of ours (every layer on the global base).
-    base = lambda v: v or cfg.rope_theta if not cfg.rope_scaling.kind else v
-    if cfg.sliding_window and cfg.sliding_window_pattern and not np.isclose(
-        base(cfg.local_rope_theta), base(local), rtol=1e-6):
-      raise _mismatch(directory, 'local_rope_theta', local, 'model.local_rope_theta',
-                      cfg.local_rope_theta)
+    gemma_config.check(directory, family, config, cfg)
   if kind == 'linear' and not (cfg.rope_scaling.kind == 'linear' and np.isclose(
       scaling['factor'], cfg.rope_scaling.factor)):
-    raise _mismatch(directory, 'rope_scaling', scaling, 'model.rope_scaling', vars(cfg.rope_scaling))
+    raise mismatch(directory, 'rope_scaling', scaling, 'model.rope_scaling', vars(cfg.rope_scaling))
   if (kind == 'llama3') != (cfg.rope_scaling.kind == 'llama3') or (
       kind in ('', 'default') and cfg.rope_scaling.kind):
-    raise _mismatch(directory, 'rope_scaling.rope_type', kind if kind != 'default' else '',
+    raise mismatch(directory, 'rope_scaling.rope_type', kind if kind != 'default' else '',
                     'model.rope_scaling.kind', cfg.rope_scaling.kind)
   if kind == 'llama3':
     for hf_key, ours in (('factor', 'factor'), ('low_freq_factor', 'low_freq_factor'),
                          ('high_freq_factor', 'high_freq_factor'),
                          ('original_max_position_embeddings', 'original_max_len')):
       if not np.isclose(scaling[hf_key], getattr(cfg.rope_scaling, ours), rtol=1e-6):
-        raise _mismatch(directory, f'rope_scaling.{hf_key}', scaling[hf_key],
+        raise mismatch(directory, f'rope_scaling.{hf_key}', scaling[hf_key],
                         f'model.rope_scaling.{ours}', getattr(cfg.rope_scaling, ours))
 
 
@@ -247,7 +191,7 @@ def model_fields(config: dict, family: str) -> dict:
                 rope_theta=rope(config, family)[0],
                 max_seq_len=int(config.get('max_position_embeddings', 0)))
   if family in GEMMA:
-    fields.update(_gemma_fields(config, family))
+    fields.update(gemma_config.fields(config, family))
   if family in MOE:  # routed as transformers routes: every choice kept
     fields.update(num_experts=values['num_experts'],
                   experts_per_token=values['experts_per_token'],
@@ -266,63 +210,6 @@ def model_fields(config: dict, family: str) -> dict:
                               'high_freq_factor': float(scaling['high_freq_factor']),
                               'original_max_len': int(scaling['original_max_position_embeddings'])}
   return fields
-
-
-def _window(config: dict, family: str) -> int:
-  """The attention window, 0 where no layer has one (a Gemma whose layer_types are all
-  full_attention: transformers needs a sliding_window there all the same)."""
-  if family not in ('mistral', 'mixtral', *GEMMA):
-    return 0
-  types = config.get('layer_types')
-  if family in GEMMA and types and all(t == 'full_attention' for t in types):
-    return 0
-  return _get(config, family, 'sliding_window') or 0
-
-
-def _gemma_pattern(config: dict, family: str) -> int:
-  """Every Nth layer global: from layer_types (a list of sliding_attention / full_attention),
-  or sliding_window_pattern, or the family's published pattern (which layer_types of fewer layers
-  than it, all local, keep)."""
-  types = config.get('layer_types')
-  published = int(config.get('sliding_window_pattern') or (2 if family == 'gemma2' else 6))
-  if not types:
-    return published
-  for pattern in (published, *range(1, len(types) + 2)):
-    if all((t == 'full_attention') == ((i + 1) % pattern == 0) for i, t in enumerate(types)):
-      return pattern
-  raise CheckpointError(f'config.json layer_types {types} is not every Nth layer global, the '
-                        'pattern disttrain builds; use a config of that form')
-
-
-def layer_types(pattern: int, window: int, num_layers: int) -> list[str]:
-  """config.json's layer_types of our Gemma layers (pattern 0 with a window: all local)."""
-  return ['sliding_attention' if window and (not pattern or (i + 1) % pattern)
-          else 'full_attention' for i in range(num_layers)]
-
-
-def _local_as_global(config: dict) -> bool:
-  """Gemma 3's windowed layers rotate as the global ones with their scaling (local_rope_theta 0;
-  unscaled, the local base is the global one either way)."""
-  params = config.get('rope_parameters') or {}
-  local = params.get('sliding_attention')
-  return bool(local) and local == params.get('full_attention') and local.get(
-      'rope_type', 'default') != 'default'
-
-
-def _gemma_fields(config: dict, family: str) -> dict:
-  """model.* fields of Gemma's parts: the layer pattern, local rotary base, scale and caps."""
-  params = config.get('rope_parameters') or {}
-  local = 0.0 if _local_as_global(config) else (params.get('sliding_attention') or {}).get(
-      'rope_theta') or config.get('rope_local_base_freq') or (
-          10_000.0 if family == 'gemma3' else 0.0)
-  return {'sliding_window_pattern': _gemma_pattern(config, family) if _window(
-              config, family) else 0,
-          'local_rope_theta': float(local) if family == 'gemma3' else 0.0,
-          'query_pre_attn_scalar': float(config.get('query_pre_attn_scalar') or 256),
-          # transformers' Gemma 3 attention applies no cap whatever the key says (5.x).
-          'attn_softcap': float(_get(config, family, 'attn_logit_softcapping') or 0.0)
-                          if family == 'gemma2' else 0.0,
-          'final_softcap': float(_get(config, family, 'final_logit_softcapping') or 0.0)}
 
 
 FROM_DIRECTORY = 'hf'  # model.name: the family and fields of restore_from's config.json

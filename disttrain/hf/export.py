@@ -33,7 +33,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
   import jax  # pylint: disable=g-import-not-at-top
   # pylint: disable-next=g-import-not-at-top
   from disttrain.errors import ConfigError
-  from disttrain.hf import adapters, config as hf_config, exported_config, saves, trained
+  from disttrain.hf import adapters, exported_config, families, saves, trained
   from disttrain.parallel import mesh
   start = time.perf_counter()
   lm = trained.load(workdir=workdir, step=step, devices=jax.devices()[:1], ema=ema,
@@ -50,7 +50,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = 'float3
             f'{time.perf_counter() - start:.1f}s')
   files, size, copied = saves.write(out, family, lm.cfg.model, lm.model.cfg, lm.params,
                                     lm.tokenizer, lm.context, dtype, max_shard_bytes)
-  return (f'exported {lm.source} ({hf_config.FAMILIES[family]}, {dtype}'
+  return (f'exported {lm.source} ({families.FAMILIES[family]}, {dtype}'
           f'{", EMA" if ema else ""}) to {out}: {len(files)} safetensors file(s), '
           f'{size / 2**20:,.1f} MiB, tokenizer {copied or "none (bytes)"}, in '
           f'{time.perf_counter() - start:.1f}s')

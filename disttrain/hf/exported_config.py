@@ -7,7 +7,7 @@ each explicitly (a window, caps, rotary scaling), never left to a family default
 
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
-from disttrain.hf import config as hf_config
+from disttrain.hf import families, gemma_config
 from disttrain.models.decoder import DecoderConfig
 
 
@@ -15,14 +15,14 @@ def check_exportable(model, where: str) -> None:
   """Refuses what no Hugging Face layout here holds (before any time is spent)."""
   if not hasattr(model, 'family'):
     raise ConfigError(f'{where}: a Hugging Face directory holds a language model '
-                      f'({", ".join(sorted(hf_config.FAMILIES))}), not this model')
-  if model.cfg.num_experts and model.family not in hf_config.MOE:
+                      f'({", ".join(sorted(families.FAMILIES))}), not this model')
+  if model.cfg.num_experts and model.family not in families.MOE:
     raise ConfigError(f'{where} holds a mixture-of-experts model (model.num_experts='
                       f'{model.cfg.num_experts}), which the {model.family} Hugging Face layout '
                       f'has no place for; export a dense model (model.num_experts=0) or train '
-                      f'a mixture-of-experts family ({", ".join(hf_config.MOE)})')
+                      f'a mixture-of-experts family ({", ".join(families.MOE)})')
   cfg, family = model.cfg, model.family
-  if cfg.sliding_window and family not in ('mistral', 'mixtral', *hf_config.GEMMA):
+  if cfg.sliding_window and family not in ('mistral', 'mixtral', *families.GEMMA):
     raise ConfigError(f'{where} attends to a sliding window (model.sliding_window='
                       f'{cfg.sliding_window}), which the {family} Hugging Face model does not '
                       'build (it would attend to every position); export a model trained with '
@@ -36,7 +36,7 @@ def check_exportable(model, where: str) -> None:
     raise ConfigError(f"{where} uses model.norm={cfg.norm!r}; GPT-2's Hugging Face model has "
                       'LayerNorm only; export a gpt model trained with model.norm=layernorm')
   scalar = round(cfg.query_scale ** -2, 6) if cfg.query_scale else 0  # query_pre_attn_scalar
-  if family in hf_config.GEMMA and scalar != round(scalar):
+  if family in families.GEMMA and scalar != round(scalar):
     raise ConfigError(f'{where} scales attention by model.query_pre_attn_scalar={scalar:g}, and '
                       "transformers' Gemma config holds an integer; export a model trained with "
                       f'a whole number (e.g. {round(scalar)})')
@@ -49,7 +49,7 @@ def check_exportable(model, where: str) -> None:
 def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str,
               special: dict) -> dict:
   """config.json of the exported model; `special`: bos/eos token ids where known."""
-  common = {'architectures': [hf_config.FAMILIES[family]], 'vocab_size': decoder.vocab_size,
+  common = {'architectures': [families.FAMILIES[family]], 'vocab_size': decoder.vocab_size,
             'tie_word_embeddings': decoder.tied_embeddings, 'torch_dtype': dtype, **special}
   if family == 'gpt':
     return {**common, 'model_type': 'gpt2', 'n_embd': decoder.width,
@@ -89,13 +89,13 @@ def for_export(family: str, cfg: ModelConfig, decoder: DecoderConfig, dtype: str
             'max_position_embeddings': cfg.max_seq_len or 2048}
   if family == 'qwen2':  # its query, key and value biases are not a setting
     del config['attention_bias']
-  if family in hf_config.GEMMA:
+  if family in families.GEMMA:
     del config['hidden_act'], config['mlp_bias']
     if family == 'gemma3' or scaling is None:  # Gemma 3's is in rope_parameters, global layers'
       del config['rope_scaling']
-    types = hf_config.layer_types(cfg.sliding_window_pattern, decoder.sliding_window,
-                                  decoder.num_layers)
-    config.update(model_type=hf_config.GEMMA_TYPES[family],
+    types = gemma_config.layer_types(cfg.sliding_window_pattern, decoder.sliding_window,
+                                     decoder.num_layers)
+    config.update(model_type=families.GEMMA_TYPES[family],
                   hidden_activation='gelu_pytorch_tanh',
                   query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or decoder.head_dim),
                   # transformers' Gemma needs one; no layer uses it when all are full_attention
