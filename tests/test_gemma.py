@@ -26,7 +26,7 @@ import transformers
 from disttrain import models
 from disttrain.config import ModelConfig, RopeScalingConfig
 from disttrain.errors import CheckpointError, ConfigError
-from disttrain.hf import config as hf_config, exported_config
+from disttrain.hf import config as hf_config, exported_config, gemma_config
 from disttrain.models.decoder import Decoder
 from tests import hf_round_trip, test_llama
 from tests.helpers import assert_trees_close
@@ -55,6 +55,8 @@ def _save(tmp_path, family: str) -> str:
     for name, p in model.named_parameters():
       if 'norm' in name:
         p.copy_(torch.randn_like(p) * 0.5)
+      if 'q_proj' in name or 'k_proj' in name:  # scores of a few units: the cap of 1.0 bites
+        p.mul_(8.0)
   path = str(tmp_path / family)
   model.save_pretrained(path)
   return path
@@ -81,6 +83,10 @@ def test_gemma_imports_exports_and_decodes_as_transformers(tmp_path, family):
   every_layer_global = dataclasses.replace(lm.model, module=Decoder(dataclasses.replace(
       lm.model.cfg, layer_windows=(), sliding_window=0)))
   assert np.abs(_logits(every_layer_global, lm.params, tokens) - want).max() > 1e-3
+  # Gemma 2 caps its attention scores (transformers' Gemma 3 does not, whatever config.json says).
+  other_cap = dataclasses.replace(lm.model, module=Decoder(dataclasses.replace(
+      lm.model.cfg, attn_softcap=0.0 if family == 'gemma2' else 1.0)))
+  assert np.abs(_logits(other_cap, lm.params, tokens) - want).max() > 1e-3
 
   hf_round_trip.assert_exports_reimports_and_decodes(
       lm, path, tmp_path, tokens, ours, [[5, 17, 3, 99, 42], [8, 1, 64, 23, 7, 90, 11, 2, 36]])
@@ -203,7 +209,7 @@ def test_layer_patterns_read_and_written_as_transformers_lists_them():
                                 ('gemma2', transformers.Gemma2Config, 4)):
     hf = make(num_hidden_layers=layers_, **small).to_dict()
     fields = hf_config.model_fields(hf, family)
-    assert hf_config.layer_types(fields['sliding_window_pattern'], 4, layers_) == \
+    assert gemma_config.layer_types(fields['sliding_window_pattern'], 4, layers_) == \
         hf['layer_types'], (family, layers_)
   cfg = ModelConfig(name='gemma3', hidden=32, num_layers=3, num_heads=2, num_kv_heads=1,
                     head_dim=16, mlp_dim=48, vocab_size=VOCAB, sliding_window=4,
