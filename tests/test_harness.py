@@ -23,7 +23,7 @@ import transformers
 import disttrain
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.errors import ConfigError, DataError
-from disttrain.evaluation import harness, scoring
+from disttrain.evaluation import harness, harness_tasks, scoring
 from disttrain.hf import trained as trained_lib
 from disttrain.parallel import mesh as mesh_lib
 from tests import helpers
@@ -106,7 +106,7 @@ def setup(tmp_path_factory):
   for name, yaml in TASKS.items():
     (task_dir / f'{name}.yaml').write_text(yaml.replace('DIR', str(task_dir)))
   names = ['local_mc', 'local_rolling', 'local_gen']
-  manager = harness.task_manager(names, str(task_dir))
+  manager = harness_tasks.task_manager(names, str(task_dir))
   reference = lm_eval.simple_evaluate(
       model='hf', model_args=f'pretrained={hf_dir},dtype=float32,max_length={MAX_LENGTH}',
       tasks=names, task_manager=manager, batch_size=4, log_samples=True, bootstrap_iters=0,
@@ -123,7 +123,7 @@ def test_generation_kwargs_read_as_lm_eval_normalizes_them():
                  {'max_tokens': 7, 'max_completion_tokens': 9}, {'temperature': 0.5},
                  {'do_sample': True, 'max_gen_toks': 3, 'max_new_tokens': 4}, {}]:
     ref = normalize_gen_kwargs(kwargs, 11)
-    assert harness.generation(kwargs, 11) == (ref['max_gen_toks'], ref['until'],
+    assert harness_tasks.generation(kwargs, 11) == (ref['max_gen_toks'], ref['until'],
                                               ref['do_sample']), kwargs
 
 
@@ -157,9 +157,9 @@ def test_same_scores_as_the_hf_backend(setup):
 def test_unknown_task_is_one_line_before_the_model_loads(setup, tmp_path):
   with pytest.raises(ConfigError, match=r"lm-eval knows no task 'local_mcq' \(its own tasks and "
                      r'those in .*\); list them with `lm_eval ls tasks`'):
-    harness.task_manager(['local_mcq'], str(setup['task_dir']))
+    harness_tasks.task_manager(['local_mcq'], str(setup['task_dir']))
   with pytest.raises(ConfigError, match=r"the include path '.*/nodir' is not a directory"):
-    harness.task_manager(['arc_easy'], str(tmp_path / 'nodir'))  # lm-eval skipped it silently
+    harness_tasks.task_manager(['arc_easy'], str(tmp_path / 'nodir'))  # lm-eval skipped it silently
   env = subprocess_env()
   proc = subprocess.run(
       [sys.executable, '-m', 'disttrain', 'lm-eval', f'--hf_dir={tmp_path}/missing',

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from disttrain.config import Config
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.errors import ConfigError, DataError
-from disttrain.evaluation import harness, metrics, scoring, tasks as tasks_lib
+from disttrain.evaluation import harness, harness_tasks, metrics, scoring, tasks as tasks_lib
 from disttrain.evaluation.tasks import GENERATION, Task
 from disttrain.operating.metrics import format_eta
 
@@ -47,11 +47,11 @@ class Downstream:
     self.harness_tasks = harness_names(cfg)
     self.harness_limit = cfg.data.eval_harness_limit or None
     if self.harness_tasks:  # lm-evaluation-harness's tasks, answered by the same scorer
-      self.manager = harness.task_manager(self.harness_tasks,
+      self.manager = harness_tasks.task_manager(self.harness_tasks,
                                           cfg.data.eval_harness_include or None)
       room = ('generate fewer tokens (the task\'s max_gen_toks, else data.eval_max_new_tokens) '
               'or raise data.seq_len')
-      for task, new in harness.generation_lengths(self.manager, self.harness_tasks,
+      for task, new in harness_tasks.generation_lengths(self.manager, self.harness_tasks,
                                                   self.max_new).items():
         if new >= self.max_len:  # found before the first step, not at the first eval
           raise ConfigError(f'data.eval_harness task {task!r} generates {new} tokens, which '
@@ -99,7 +99,7 @@ class Downstream:
                         'generate fewer tokens or raise data.seq_len')
     made = cls(cfg, model, batch_sharding, tasks, extract)
     if made.harness_tasks:  # a group's or tag's tasks write records (arc_easy under ai2_arc)
-      reached = harness.record_names(made.manager, made.harness_tasks)
+      reached = harness_tasks.record_names(made.manager, made.harness_tasks)
       clash = sorted(reached & {*names, 'train', *eval_splits})
       if clash:
         raise ConfigError(f'data.eval_harness writes records named {clash[0]!r} (a task of one '
@@ -172,7 +172,7 @@ class Downstream:
 
 def harness_names(cfg: Config) -> list[str]:
   """data.eval_harness's task names."""
-  return harness.names(cfg.data.eval_harness)
+  return harness_tasks.names(cfg.data.eval_harness)
 
 
 def _row_tokens(cfg: Config, lm) -> int:

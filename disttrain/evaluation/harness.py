@@ -14,28 +14,19 @@ continuation); loglikelihood_rolling: disjoint windows of max_length tokens afte
 token; generate_until: greedy KV-cache decoding of max_gen_toks tokens (or an alias lm-eval
 accepts: max_new_tokens, ...), the text cut at the first stop string (end of text included).
 Sampling (do_sample=True, or a temperature > 0 without do_sample) is refused.
-`lm_eval` is not a dependency of disttrain: pip install lm_eval.
+Tasks by name, before any model loads: evaluation/harness_tasks.py. `lm_eval` is not a
+dependency of disttrain: pip install lm_eval.
 """
 
-import os
 import time
 from typing import Any
 
 from disttrain.errors import ConfigError
-from disttrain.evaluation import scoring
+from disttrain.evaluation import harness_tasks, scoring
 from disttrain.operating.metrics import format_eta
 from disttrain.parallel import mesh as mesh_lib
 
 PROGRESS_SECONDS = 10.0
-
-
-def _lm_eval():
-  try:
-    import lm_eval  # pylint: disable=g-import-not-at-top
-    from lm_eval.api import model as api_model  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ConfigError(f'lm-evaluation-harness is not installed ({e}); pip install lm_eval') from e
-  return lm_eval, api_model
 
 
 def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: int = 256,
@@ -43,7 +34,7 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
   """A DisttrainLM answering with `scorer` (its batch, mesh and window length); set its `params`
   (and `mutable`: a LoRA run's frozen base) before each evaluation. `room`: the fix for a task
   that generates a whole window."""
-  _, api_model = _lm_eval()
+  _, api_model = harness_tasks.package()
 
   class DisttrainLM(api_model.TemplateLM):
     """lm_eval's model interface answered by scoring.Scorer (module doc)."""
@@ -114,7 +105,7 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
       groups: dict[tuple, list[int]] = {}  # (max_gen_toks, stop strings) -> request indices
       for i, req in enumerate(requests):
-        new, until, sample = generation(req.args[1], self.max_gen_toks)
+        new, until, sample = harness_tasks.generation(req.args[1], self.max_gen_toks)
         if sample:
           raise ConfigError(f'task {req.task_name!r} samples (do_sample / temperature > 0); '
                             'the disttrain backend generates greedily only')
@@ -135,22 +126,6 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
   return DisttrainLM()
 
 
-def generation(kwargs: dict, default: int) -> tuple[int, list[str], bool]:
-  """(max_gen_toks, stop strings, samples?) of a task's generation_kwargs, read as lm-eval's
-  normalize_gen_kwargs reads them: the first of max_gen_toks, max_new_tokens, max_tokens,
-  max_completion_tokens; do_sample=False is greedy whatever the temperature, and without
-  do_sample a temperature > 0 samples."""
-  kwargs = kwargs or {}
-  until = kwargs.get('until') or []
-  until = [until] if isinstance(until, str) else list(until)
-  new = next((kwargs[k] for k in ('max_gen_toks', 'max_new_tokens', 'max_tokens',
-                                  'max_completion_tokens') if kwargs.get(k) is not None), default)
-  sample = kwargs.get('do_sample')
-  if sample is None:
-    sample = float(kwargs.get('temperature') or 0.0) > 0.0
-  return int(new), until, bool(sample)
-
-
 def cut(text: str, until) -> str:
   """The text before the first stop string (lm-eval's postprocessing for `until`)."""
   for stop in until:
@@ -159,73 +134,12 @@ def cut(text: str, until) -> str:
   return text
 
 
-def names(text: str) -> list[str]:
-  """'arc_easy, hellaswag' -> the task names (--tasks, data.eval_harness)."""
-  return [t.strip() for t in text.split(',') if t.strip()]
-
-
-def task_manager(tasks: list[str], include_path: str | None = None):
-  """lm_eval's TaskManager (with the YAML tasks under include_path); a task it does not know is
-  one ConfigError naming it."""
-  _lm_eval()
-  given, include_path = include_path, include_path and os.path.expanduser(include_path)
-  if include_path and not os.path.isdir(include_path):  # lm-eval skips it
-    raise ConfigError(f'the include path {given!r} is not a directory; pass the directory '
-                      'of your YAML tasks')
-  from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
-  manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-  unknown = [t for t in tasks if t not in set(manager.all_tasks)]
-  if unknown or not tasks:
-    raise ConfigError((f'lm-eval knows no task {unknown[0]!r}' if unknown else 'no task given')
-                      + (f' (its own tasks and those in {include_path})' if include_path else '')
-                      + '; list them with `lm_eval ls tasks`, or pass --include_path=DIR of '
-                      'your YAML tasks')
-  return manager
-
-
-def _walk(manager, tasks: list[str]):
-  """(name, its YAML config, whether it is a tag) of `tasks` and, groups and tags expanded, of
-  every task under them, as lm-eval's task index describes them without loading them (config
-  None: not in the index, or a tag). A tag (ai2_arc, mmlu's *_tasks) lists its tasks in the
-  entry's `tags`; a group lists them in its config's `task`, by name or inline as {'task': ...}."""
-  index, todo, seen = getattr(manager, 'task_index', {}), list(tasks), set()
-  while todo:
-    name = todo.pop()
-    if name in seen:
-      continue
-    seen.add(name)
-    entry = index.get(name)
-    cfg = getattr(entry, 'cfg', None)
-    tag = getattr(getattr(entry, 'kind', None), 'name', '') == 'TAG'
-    yield name, cfg if isinstance(cfg, dict) else None, tag
-    if tag:
-      todo += sorted(getattr(entry, 'tags', None) or ())
-    elif isinstance(cfg, dict) and 'group' in cfg and isinstance(cfg.get('task'), list):
-      todo += [t['task'] if isinstance(t, dict) else t for t in cfg['task']
-               if isinstance(t, str) or isinstance(t, dict) and isinstance(t.get('task'), str)]
-
-
-def record_names(manager, tasks: list[str]) -> set[str]:
-  """The names `tasks` write records under: each task and group, and every task of a group or
-  tag (a tag writes none of its own)."""
-  return {name for name, _, tag in _walk(manager, tasks) if not tag}
-
-
-def generation_lengths(manager, tasks: list[str], default: int) -> dict[str, int]:
-  """{task: max_gen_toks} of the generate_until tasks among `tasks` (groups, tags expanded) that
-  lm-eval's task index describes without loading them (a type from an included YAML is not
-  seen here: the backend checks it when the task runs)."""
-  return {name: generation(cfg.get('generation_kwargs') or {}, default)[0]
-          for name, cfg, _ in _walk(manager, tasks)
-          if cfg is not None and cfg.get('output_type') == 'generate_until'}
-
-
 def evaluate(trained, tasks: list[str], *, batch_size: int = 32, limit: int | None = None,
              include_path: str | None = None, max_length: int | None = None,
              num_fewshot: int | None = None, log_samples: bool = False, manager=None) -> dict:
   """lm_eval.simple_evaluate of `tasks` with the disttrain backend over `trained`
   (hf.trained.Trained: model, parameters on its mesh, tokenizer, context)."""
-  manager = manager or task_manager(tasks, include_path)
+  manager = manager or harness_tasks.task_manager(tasks, include_path)
   window = min(max_length or trained.context, trained.context)
   vocab = trained.model.cfg.vocab_size
   scorer = scoring.Scorer(trained.model, mesh_lib.batch_sharding(trained.mesh), batch_size,
@@ -238,7 +152,7 @@ def evaluate(trained, tasks: list[str], *, batch_size: int = 32, limit: int | No
 def run(lm, tasks: list[str], manager, limit: int | None = None, num_fewshot: int | None = None,
         log_samples: bool = False) -> dict:
   """lm_eval.simple_evaluate with a backend whose parameters are set."""
-  lm_eval, _ = _lm_eval()
+  lm_eval, _ = harness_tasks.package()
   return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
                                  num_fewshot=num_fewshot, log_samples=log_samples,
                                  bootstrap_iters=0)
@@ -269,13 +183,14 @@ def main(argv) -> None:
   if len(argv) > 1:
     raise ConfigError(f'unexpected arguments {argv[1:]}; pass --tasks=a,b')
   f = flags.FLAGS
-  tasks = names(f.tasks)
+  tasks = harness_tasks.names(f.tasks)
   for flag, low in (('batch_size', 1), ('max_length', 2), ('limit', 1), ('num_fewshot', 0)):
     if getattr(f, flag) is not None and getattr(f, flag) < low:
       raise ConfigError(f'--{flag}={getattr(f, flag)} must be >= {low}; pass one, or leave it '
                         'out for the default')
   mesh = trained_lib.parse_mesh(f.mesh)
-  manager = task_manager(tasks, f.include_path)  # before the model loads: a typo fails at once
+  # Before the model loads: a task's typo fails at once.
+  manager = harness_tasks.task_manager(tasks, f.include_path)
   if f.fake_devices:
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', f.fake_devices)
