@@ -1,10 +1,11 @@
 """The package layout holds: each module imports only from its own layer or lower ones, no
-import cycle, every module has a layer, and the architecture page draws every package.
+import cycle, every module has a layer, and the architecture page draws every package and module.
 
 Read from the source (every import statement, also inside functions), so it costs no import."""
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / 'disttrain'
@@ -113,3 +114,10 @@ def test_the_architecture_page_draws_every_package():
   for entries in LAYERS[1:]:
     for entry in entries:
       assert entry.split('.', 1)[1].replace('.', '/') in page, entry
+  # Every module is named in its package's block ('  hf/' up to the next package).
+  blocks = {m[1]: m[0] for m in re.finditer(r'(?m)^  (\w+)/.*\n(?:(?:    .*)?\n)*', page)}
+  for package in packages:
+    modules = sorted(p.name for p in (PACKAGE / package).glob('*.py') if p.name != '__init__.py')
+    unnamed = [m for m in modules
+               if not re.search(rf'(?<![\w/]){re.escape(m)}', blocks.get(package, ''))]
+    assert not unnamed, f'docs/contributing/architecture.md: {package}/ does not name {unnamed}'
