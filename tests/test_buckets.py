@@ -20,7 +20,7 @@ import pytest
 import disttrain
 from disttrain.errors import ConfigError
 from disttrain.operating import events as events_lib, goodput, metrics
-from disttrain.storage import checkpoint, urls
+from disttrain.storage import checkpoint_reads, urls
 from tests import buckets, helpers
 from tests.conftest import ROOT, subprocess_env
 
@@ -131,7 +131,7 @@ def test_torn_save_in_a_bucket_is_never_restored_and_a_second_run_is_refused(ser
   assert urls.committed_steps(url + '/checkpoints') == [10]
   assert '20' in _names(url + '/checkpoints')  # the torn save: files, no commit marker
   # export, generate and restore_from read committed steps only (they took the torn 20).
-  assert checkpoint.run_config(url)[1] == 10
+  assert checkpoint_reads.run_config(url)[1] == 10
   third = _launch(url, '--config.num_train_steps=10', '--config.checkpoint_every_steps=10')
   out, _ = third.communicate(timeout=180)
   assert third.returncode == 0, out[-3000:]

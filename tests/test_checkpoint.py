@@ -20,7 +20,7 @@ import pytest
 import disttrain
 from disttrain.data.records import ID
 from disttrain.errors import CheckpointError
-from disttrain.storage import checkpoint
+from disttrain.storage import checkpoint, checkpoint_reads
 from tests.conftest import ROOT, subprocess_env
 from tests import helpers
 from tests.helpers import devices, make_config, metrics_records, tensorboard_scalars, to_numpy
@@ -251,7 +251,7 @@ def test_a_warm_start_reads_the_params_for_any_optimizer_and_names_a_damaged_ste
   cfg = make_config(mesh__data=4, mesh__tensor=2, num_train_steps=12, optimizer='sgd',
                     grad_clip_norm=1.0, **common)
   abstract, lay = _layout(cfg, 8)
-  params, _, step = checkpoint.restore_params(str(source / 'checkpoints'), abstract)
+  params, _, step = checkpoint_reads.restore_params(str(source / 'checkpoints'), abstract)
   assert step == 10
   for got, want in zip(jax.tree.leaves(to_numpy(params)), jax.tree.leaves(saved_params)):
     np.testing.assert_array_equal(got, want)
@@ -262,7 +262,7 @@ def test_a_warm_start_reads_the_params_for_any_optimizer_and_names_a_damaged_ste
     with open(path, 'r+b') as f:
       f.truncate(max(os.path.getsize(path) // 3, 1))
   with pytest.raises(CheckpointError, match=r"restore_from=.*: step 10 cannot be read \(") as e:
-    checkpoint.restore_params(str(workdir / 'checkpoints'), abstract)
+    checkpoint_reads.restore_params(str(workdir / 'checkpoints'), abstract)
   assert '\n' not in str(e.value)
 
 
@@ -371,7 +371,7 @@ def test_a_save_out_of_space_names_its_step_and_a_damaged_step_names_an_older_on
   (tmp_path / 'run' / 'checkpoints' / '4' / 'meta' / 'metadata').write_text('{')
   with pytest.raises(CheckpointError, match=r'checkpoints/4 cannot be read \(JSONDecodeError: .*\); '
                                             r'pass --step=2 \(an older one\)'):
-    checkpoint.run_config(str(tmp_path / 'run'))
+    checkpoint_reads.run_config(str(tmp_path / 'run'))
 
 
 def test_best_checkpoint_is_kept_beside_the_latest_across_a_relaunch_and_a_preemption(tmp_path):

@@ -20,7 +20,7 @@ from disttrain.errors import ConfigError
 from disttrain.hf import families, tensorfiles, weights as hf
 from disttrain.models import lora, preference
 from disttrain.parallel import state as state_lib
-from disttrain.storage import checkpoint, urls
+from disttrain.storage import checkpoint_reads, urls
 
 
 def load_base(cfg: Config, model: lora.LoraModel, abstract_frozen) -> Any | None:
@@ -65,7 +65,7 @@ def load_run(cfg: Config, model: lora.LoraModel, spec: dict, mesh, workdir: str,
   if frozen is None:
     frozen = jax.jit(lambda: state_lib.init_variables(model, spec, cfg.seed)[state_lib.FROZEN],
                      out_shardings=frozen_sh)()
-  adapters = checkpoint.restore_subtree(
+  adapters = checkpoint_reads.restore_subtree(
       workdir, step, {'params': abstract(shapes['params'], lay.shardings.params)})['params']
   return merged(model, adapters, frozen), adapters
 

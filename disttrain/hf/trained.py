@@ -20,7 +20,7 @@ from disttrain.errors import CheckpointError, ConfigError
 from disttrain.hf import adapters, config as hf_config, weights as hf
 from disttrain.models import lora
 from disttrain.parallel import mesh as mesh_lib, optim, state as state_lib
-from disttrain.storage import checkpoint
+from disttrain.storage import checkpoint_reads
 
 
 @dataclasses.dataclass
@@ -124,7 +124,7 @@ def load(*, workdir: str = '', hf_dir: str = '', step: int | None = None, device
                   for n in ('tokenizer.json', 'tokenizer.model'))
     source, tok_path = hf_dir, tokenizer if tokenizer is not None else (hf_dir if has_own else '')
   else:
-    tree, step = checkpoint.run_config(workdir, step)
+    tree, step = checkpoint_reads.run_config(workdir, step)
     cfg, source = _config(tree, mesh), f'{workdir} step {step}'
     tok_path = cfg.data.tokenizer if tokenizer is None else tokenizer
   dtype = compute_dtype or cfg.precision.compute_dtype
@@ -147,7 +147,7 @@ def load(*, workdir: str = '', hf_dir: str = '', step: int | None = None, device
   elif ema:
     params = _ema(workdir, step, cfg, model, spec, mesh_)
   else:
-    params = checkpoint.restore_subtree(workdir, step, {'params': abstract})['params']
+    params = checkpoint_reads.restore_subtree(workdir, step, {'params': abstract})['params']
   return Trained(cfg, model, params, mesh_, tokenizer_lib.load(tok_path), source, context,
                  found_adapters, hf_dir or '')
 
@@ -160,5 +160,5 @@ def _ema(workdir: str, step: int, cfg: Config, model, spec, mesh):
   tx, _ = optim.build(cfg)
   lay = state_lib.layout(model, tx, spec, cfg, mesh, check=False)
   abstract = state_lib.abstract(lay, model, tx, spec, cfg.seed)
-  restored = checkpoint.restore_subtree(workdir, step, {'opt_state': abstract.opt_state})
+  restored = checkpoint_reads.restore_subtree(workdir, step, {'opt_state': abstract.opt_state})
   return optim.ema_params(restored['opt_state'])

@@ -20,7 +20,7 @@ from disttrain.operating import stragglers, timing, tracking, watchdog
 from disttrain.parallel import distributed, failures, mesh as mesh_lib
 from disttrain.parallel import sharding as sharding_lib
 from disttrain.parallel import state as state_lib
-from disttrain.storage import checkpoint, urls
+from disttrain.storage import checkpoint, checkpoint_reads, urls
 from disttrain.training import actions, memory, setup as run_lib, train_records
 from disttrain.training.setup import Setup, setup
 
@@ -264,7 +264,7 @@ def _restore_or_init(ckpt, run: Setup, batches, hooks, writer, before_weights=la
                  'optimizer, step and data order start fresh')
     return state.replace(params=params)
   if cfg.restore_from:
-    params, mutable, at = checkpoint.restore_params(cfg.restore_from, abstract)
+    params, mutable, at = checkpoint_reads.restore_params(cfg.restore_from, abstract)
     writer.print(f'warm start: params from {cfg.restore_from} (step {at}); optimizer, step and '
                  'data order start fresh')
     return state.replace(params=params, mutable=mutable)
