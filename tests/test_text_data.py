@@ -150,6 +150,16 @@ def test_documents_from_txt_jsonl_and_parquet(tmp_path):
   assert [docs[i] for i in range(len(docs))] == ['first file\nstill the first', 'one', 'two']
   parquet = text.Documents([str(tmp_path / 'c.parquet')], text_field='body')
   assert [parquet[i] for i in (2, 0, 1)] == ['p2', 'p0', 'p1']
+  # A null text (exported datasets hold them) is one line naming the row and how to drop it.
+  pq.write_table(pa.table({'text': ['p0', None]}), tmp_path / 'n.parquet')
+  with pytest.raises(DataError, match=r"n.parquet row 1: column 'text' is null .*drop_null"):
+    text.Documents([str(tmp_path / 'n.parquet')])[1]  # pylint: disable=expression-not-assigned
+  (tmp_path / 'n.jsonl').write_text('{"text": "t"}\n{"text": null}\n{"text": 3}\n')
+  nulls = text.Documents([str(tmp_path / 'n.jsonl')])
+  with pytest.raises(DataError, match=r"n.jsonl line 2: field 'text' is null .*select\(.text != "):
+    nulls[1]  # pylint: disable=pointless-statement
+  with pytest.raises(DataError, match=r"n.jsonl line 3: field 'text' is int, not text; pick"):
+    nulls[2]  # pylint: disable=pointless-statement
   # Not Parquet, a folder named like a text file: one line each (a pyarrow or OS traceback).
   (tmp_path / 'd.parquet').write_bytes(b'not parquet at all')
   with pytest.raises(DataError, match=r'd.parquet is not a readable Parquet file \(.*magic'):

@@ -115,10 +115,8 @@ class _Parquet:
                         'fix or remove the file') from None
       self._group = (group, table.column(0).to_pylist())
     value = self._group[1][i - (int(self.ends[group - 1]) if group else 0)]
-    if not isinstance(value, str):
-      raise DataError(f'{self.path} row {i}: column {self.column!r} is '
-                      f'{type(value).__name__}, not text; pick a string column (data.text_field)')
-    return value
+    return _text(value, f'{self.path} row {i}: column {self.column!r}',
+                 'drop those rows (pyarrow: table.drop_null())')
 
 
 class _TextFile:
@@ -176,10 +174,18 @@ class Documents:
     if not isinstance(reader, _Lines):
       return reader.text(j)
     value = reader.record(j, (self.text_field,))[self.text_field]
-    if not isinstance(value, str):
-      raise DataError(f'{reader.path} line {int(reader.line_numbers[j])}: field '
-                      f'{self.text_field!r} is {type(value).__name__}, not text')
-    return value
+    return _text(value, f'{reader.path} line {int(reader.line_numbers[j])}: field '
+                 f'{self.text_field!r}', f"drop those lines (jq -c 'select(.{self.text_field} != null)')")
+
+
+def _text(value, where: str, drop: str) -> str:
+  """A document's text, or one line naming where it is null or not text, and the fix."""
+  if value is None:  # exported datasets hold nulls for missing texts
+    raise DataError(f'{where} is null (a missing text); {drop}, or fill them')
+  if not isinstance(value, str):
+    raise DataError(f'{where} is {type(value).__name__}, not text; pick a text field or column '
+                    '(data.text_field)')
+  return value
 
 
 class Conversations:
