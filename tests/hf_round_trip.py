@@ -44,6 +44,7 @@ def assert_exports_reimports_and_decodes(lm, path: str, tmp_path, tokens, ours, 
     again = reference(out)(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(again[..., :ours.shape[-1]], ours, rtol=1e-5, atol=1e-5)
   second = load(out)
+  assert second.cfg.model == lm.cfg.model  # the export's config.json reads back as the model
   for a, b in zip(jax.tree.leaves(helpers.to_numpy(lm.params)),
                   jax.tree.leaves(helpers.to_numpy(second.params)), strict=True):
     np.testing.assert_array_equal(a, b)

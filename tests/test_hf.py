@@ -193,10 +193,14 @@ def test_hf_config_trains_the_model_its_directory_describes(tmp_path):
 
 @pytest.mark.parametrize('tied', [True, False])
 def test_imported_gpt2_logits_equal_transformers_from_sharded_files(tmp_path, tied):
-  path = _gpt2(tmp_path, {'tie_word_embeddings': tied},
+  # An epsilon of its own (untied): GPT-2's small initial activations make it show in the logits.
+  eps = {} if tied else {'layer_norm_epsilon': 1e-2}
+  path = _gpt2(tmp_path, {'tie_word_embeddings': tied, **eps},
                max_shard_size='100KB')  # model-0000i-of-0000N + an index
   assert os.path.isfile(os.path.join(path, tensorfiles.INDEX))
-  model, params = _load(path, _model_config('gpt', tied=tied))
+  assert hf_config.model_fields(hf_config.read(path)[0], 'gpt')['norm_eps'] == (
+      1e-5 if tied else 1e-2)
+  model, params = _load(path, _model_config('gpt', tied=tied, norm_eps=1e-5 if tied else 1e-2))
   np.testing.assert_allclose(_our_logits(model, params, TOKENS),
                              _reference_logits(path, TOKENS), rtol=1e-4, atol=1e-4)
   if not tied:  # its own lm_head, exported back under its name
@@ -207,13 +211,14 @@ def test_imported_gpt2_logits_equal_transformers_from_sharded_files(tmp_path, ti
 def test_keys_a_config_json_leaves_out_are_transformers_defaults():
   """A config.json without its norm epsilon, rotary base, window or caps describes the model
   transformers' config class fills in (Mixtral's 1e-5 and 1e6, Mistral's window of 4096, Gemma
-  2's caps of 50 and 30, Mixtral's 8 experts, 2 a token, ...): the model fields read from it
+  2's caps of 50 and 30, Mixtral's 8 experts, 2 a token, Gemma's tied embeddings, ...): the model fields read from it
   equal those of the full dict."""
   small = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2)
   left_out = ('rms_norm_eps', 'rope_theta', 'rope_parameters', 'rope_scaling', 'sliding_window',
               'attn_logit_softcapping', 'final_logit_softcapping', 'rope_local_base_freq',
-              'num_local_experts', 'num_experts', 'num_experts_per_tok', 'norm_topk_prob')
+              'num_local_experts', 'num_experts', 'num_experts_per_tok', 'norm_topk_prob',
+              'tie_word_embeddings')
   for arch, family in hf_config.ARCHITECTURES.items():
     if family == 'gpt':
       continue
@@ -262,6 +267,36 @@ def test_llama3_rope_scaling_equals_transformers():
   rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
   ours = layers.rope_frequencies(64, 500_000.0, layers.RopeScaling('llama3', 32.0, 1.0, 4.0, 8192))
   np.testing.assert_allclose(ours, rotary.inv_freq.numpy(), rtol=1e-6)
+
+
+LLAMA3 = {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+          'original_max_position_embeddings': 16}
+
+
+def test_llama3_scaled_rope_is_read_from_either_config_json_form(tmp_path):
+  """transformers 5 saves rope_parameters; Llama 3.x's published config.json (and our export)
+  has rope_theta and rope_scaling at the top: both read as the same scaling, equal logits."""
+  path = _llama(tmp_path, 2, False, rope_scaling=LLAMA3)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+  with torch.no_grad():
+    for name, p in reference.named_parameters():
+      if 'q_proj' in name or 'k_proj' in name:  # scores of a few units: the rotation shows
+        p.mul_(8.0)
+    want = reference(torch.tensor(TOKENS)).logits.numpy()
+  reference.save_pretrained(path)
+  config_file = os.path.join(path, 'config.json')
+  saved = json.loads(open(config_file, encoding='utf-8').read())
+  published = {k: v for k, v in saved.items() if k != 'rope_parameters'}
+  published.update(rope_theta=10000.0, rope_scaling=LLAMA3)
+  scaling = {'kind': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+             'original_max_len': 16}
+  for form in (saved, published):
+    with open(config_file, 'w', encoding='utf-8') as f:
+      json.dump(form, f)
+    lm = hf_round_trip.load(path)
+    assert vars(lm.cfg.model.rope_scaling) == scaling, form.keys()
+    np.testing.assert_allclose(_our_logits(lm.model, lm.params, TOKENS), want, rtol=1e-4,
+                               atol=1e-4)
 
 
 def _train_and_export(tmp_path, name: str, tied: bool, dtype: str = 'float32') -> tuple:
