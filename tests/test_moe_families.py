@@ -75,6 +75,12 @@ def test_moe_family_imports_exports_and_decodes_as_transformers(tmp_path, family
   capped = lm.model.module.clone(cfg=dataclasses.replace(lm.model.cfg, expert_capacity=1.0))
   assert np.abs(_logits(types.SimpleNamespace(model=types.SimpleNamespace(module=capped),
                                               params=lm.params), tokens) - want).max() > 1e-2
+  # The routers are decisive (x20), so the top-2 gates nearly sum to 1: renormalising them or
+  # not must still show (qwen3_moe's norm_topk_prob=False, Mixtral's always True).
+  other = lm.model.module.clone(cfg=dataclasses.replace(
+      lm.model.cfg, moe_norm_topk=not lm.model.cfg.moe_norm_topk))
+  assert np.abs(_logits(types.SimpleNamespace(model=types.SimpleNamespace(module=other),
+                                              params=lm.params), tokens) - want).max() > 1e-3
   run = types.SimpleNamespace(model=types.SimpleNamespace(module=capped, cfg=lm.model.cfg),
                               params=lm.params)
   np.testing.assert_allclose(compare._ours(run, tokens[0].tolist())[:, :VOCAB], want[0],
