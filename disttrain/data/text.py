@@ -13,6 +13,7 @@ one ('<|role|>\\n' + content + '\\n'): the assistant's content and its end are t
 other piece is prompt.
 """
 
+import json
 import os
 from typing import Any
 
@@ -116,7 +117,7 @@ class _Parquet:
       self._group = (group, table.column(0).to_pylist())
     value = self._group[1][i - (int(self.ends[group - 1]) if group else 0)]
     return _text(value, f'{self.path} row {i}: column {self.column!r}',
-                 'drop those rows (pyarrow: table.drop_null())')
+                 f'drop those rows (pyarrow: table.filter(table[{self.column!r}].is_valid()))')
 
 
 class _TextFile:
@@ -174,8 +175,9 @@ class Documents:
     if not isinstance(reader, _Lines):
       return reader.text(j)
     value = reader.record(j, (self.text_field,))[self.text_field]
+    key = json.dumps(self.text_field)  # jq's .["a-b"]: any key, not only identifiers
     return _text(value, f'{reader.path} line {int(reader.line_numbers[j])}: field '
-                 f'{self.text_field!r}', f"drop those lines (jq -c 'select(.{self.text_field} != null)')")
+                 f'{self.text_field!r}', f"drop those lines (jq -c 'select(.[{key}] != null)')")
 
 
 def _text(value, where: str, drop: str) -> str:
