@@ -211,8 +211,8 @@ def test_imported_gpt2_logits_equal_transformers_from_sharded_files(tmp_path, ti
 def test_keys_a_config_json_leaves_out_are_transformers_defaults():
   """A config.json without its norm epsilon, rotary base, window or caps describes the model
   transformers' config class fills in (Mixtral's 1e-5 and 1e6, Mistral's window of 4096, Gemma
-  2's caps of 50 and 30, Mixtral's 8 experts, 2 a token, Gemma's tied embeddings, ...): the model fields read from it
-  equal those of the full dict."""
+  2's caps of 50 and 30, Mixtral's 8 experts, 2 a token, Gemma's tied embeddings, ...): the
+  model fields read from it equal those of the full dict."""
   small = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2)
   left_out = ('rms_norm_eps', 'rope_theta', 'rope_parameters', 'rope_scaling', 'sliding_window',

@@ -4,6 +4,8 @@
   scoring     batched log-likelihoods and greedy continuations on the training mesh
   metrics     lm-evaluation-harness's acc, acc_norm and exact_match; GSM8K answer extraction
   downstream  a run's tasks tokenized once and scored at each eval (training/actions.py)
+  harness     lm-evaluation-harness's model backend on the scorer; `disttrain lm-eval`
+  harness_tasks  lm-eval's tasks by name before a model loads (groups, tags, generation lengths)
 """
 
 from disttrain import moved

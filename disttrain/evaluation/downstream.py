@@ -48,11 +48,11 @@ class Downstream:
     self.harness_limit = cfg.data.eval_harness_limit or None
     if self.harness_tasks:  # lm-evaluation-harness's tasks, answered by the same scorer
       self.manager = harness_tasks.task_manager(self.harness_tasks,
-                                          cfg.data.eval_harness_include or None)
+                                                cfg.data.eval_harness_include or None)
       room = ('generate fewer tokens (the task\'s max_gen_toks, else data.eval_max_new_tokens) '
               'or raise data.seq_len')
       for task, new in harness_tasks.generation_lengths(self.manager, self.harness_tasks,
-                                                  self.max_new).items():
+                                                        self.max_new).items():
         if new >= self.max_len:  # found before the first step, not at the first eval
           raise ConfigError(f'data.eval_harness task {task!r} generates {new} tokens, which '
                             f'leaves no room for a prompt in the {self.max_len} tokens a row '

@@ -159,14 +159,14 @@ def _check_rotary(directory: str, family: str, config: dict, cfg: ModelConfig) -
   if (kind == 'llama3') != (cfg.rope_scaling.kind == 'llama3') or (
       kind in ('', 'default') and cfg.rope_scaling.kind):
     raise mismatch(directory, 'rope_scaling.rope_type', kind if kind != 'default' else '',
-                    'model.rope_scaling.kind', cfg.rope_scaling.kind)
+                   'model.rope_scaling.kind', cfg.rope_scaling.kind)
   if kind == 'llama3':
     for hf_key, ours in (('factor', 'factor'), ('low_freq_factor', 'low_freq_factor'),
                          ('high_freq_factor', 'high_freq_factor'),
                          ('original_max_position_embeddings', 'original_max_len')):
       if not np.isclose(scaling[hf_key], getattr(cfg.rope_scaling, ours), rtol=1e-6):
         raise mismatch(directory, f'rope_scaling.{hf_key}', scaling[hf_key],
-                        f'model.rope_scaling.{ours}', getattr(cfg.rope_scaling, ours))
+                       f'model.rope_scaling.{ours}', getattr(cfg.rope_scaling, ours))
 
 
 # Model fields that shape training, not the model: a run's value wins over config.json's (the

@@ -1,6 +1,6 @@
 """Gemma 2 and 3's own config.json parts: which layers attend to a window (`layer_types`), the
-windowed layers' rotary base, the query scale and the logit caps. Read into model fields, checked
-against a run's, and written on export (hf/exported_config.py) in one place.
+windowed layers' rotary base, the query scale and the logit caps: read into model fields and
+checked against a run's; the export writes its layer_types (hf/exported_config.py).
 """
 
 import numpy as np

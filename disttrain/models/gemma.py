@@ -16,7 +16,7 @@ decoder with Gemma's parts, all on disttrain/models/decoder.py's one scan.
 A layer's window and rotary frequencies are scanned values, so the local/global pattern still
 compiles as one block, whatever the depth. Attention soft-capping runs on the xla attention only
 (attention.py); the stage split (mesh.stage) does not take a layer pattern yet. Weight names are
-below (HF_NAMES), config.json in disttrain/hf/config.py, sizes in
+below (HF_NAMES), config.json in disttrain/hf/gemma_config.py, sizes in
 launch/configs/gemma.py.
 """
 

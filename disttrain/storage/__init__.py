@@ -3,6 +3,7 @@
   urls        the one place that knows storage URLs: epath, orbax's s3 kvstore, commit markers,
               the emulators' settings, process 0's mirror of small files
   checkpoint  the orbax manager: async saves, keep-N / best, resharding restore, corrupt fallback
+  checkpoint_reads  a run's checkpoints read outside its loop: saved config, warm start, subtrees
   local_tier  the fast tier: each process's shards and a peer's copy on its own disk
   shards      moving a sharded state's pieces between processes (the peer copy's reshard)
   progress    how far a run has come, read without jax (the restart supervisor)

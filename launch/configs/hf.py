@@ -3,13 +3,14 @@
   python launch/train.py --config=launch/configs/hf.py --workdir=runs/ft \\
       --config.restore_from=PATH/TO/Qwen3-0.6B --config.data.train_files=chat.jsonl ...
 
-model.name='hf' takes the family (llama, qwen2, qwen3, mistral, gpt: disttrain/hf/config.py) and
-every model field from restore_from's config.json, as `from_pretrained` does; a model field set
-on the command line must agree with it (one line naming both values otherwise). The directory's
-tokenizer is the data's when data.tokenizer is unset. The rest is a fine-tuning recipe:
-prompt/completion or chat JSON lines (data.name='sft', loss on completions), AdamW at 1e-5 with
-a short warm-up and cosine decay, no dropout, bfloat16 compute, the Llama logical rules (width
-over fsdp; heads, MLP and vocabulary over tensor). run.json records the model it resolved to.
+model.name='hf' takes the family (disttrain/hf/families.py: Llama, Qwen, Mistral, Mixtral,
+Gemma, GPT-2) and every model field from restore_from's config.json, as `from_pretrained` does;
+a model field set on the command line must agree with it (one line naming both values
+otherwise). The directory's tokenizer is the data's when data.tokenizer is unset. The rest is a
+fine-tuning recipe: prompt/completion or chat JSON lines (data.name='sft', loss on completions),
+AdamW at 1e-5 with a short warm-up and cosine decay, no dropout, bfloat16 compute, the Llama
+logical rules (width over fsdp; heads, MLP and vocabulary over tensor). run.json records the
+model it resolved to.
 """
 
 from disttrain import config as config_lib
