@@ -116,8 +116,10 @@ class _Parquet:
                         'fix or remove the file') from None
       self._group = (group, table.column(0).to_pylist())
     value = self._group[1][i - (int(self.ends[group - 1]) if group else 0)]
-    return _text(value, f'{self.path} row {i}: column {self.column!r}',
-                 f'drop those rows (pyarrow: table.filter(table[{self.column!r}].is_valid()))')
+    if isinstance(value, str):
+      return value
+    raise _not_text(value, f'{self.path} row {i}: column {self.column!r}',
+                    f'drop those rows (pyarrow: table.filter(table[{self.column!r}].is_valid()))')
 
 
 class _TextFile:
@@ -175,19 +177,20 @@ class Documents:
     if not isinstance(reader, _Lines):
       return reader.text(j)
     value = reader.record(j, (self.text_field,))[self.text_field]
+    if isinstance(value, str):
+      return value
     key = json.dumps(self.text_field)  # jq's .["a-b"]: any key, not only identifiers
-    return _text(value, f'{reader.path} line {int(reader.line_numbers[j])}: field '
-                 f'{self.text_field!r}', f"drop those lines (jq -c 'select(.[{key}] != null)')")
+    raise _not_text(value, f'{reader.path} line {int(reader.line_numbers[j])}: field '
+                    f'{self.text_field!r}', f"drop those lines (jq -c 'select(.[{key}] != null)')")
 
 
-def _text(value, where: str, drop: str) -> str:
-  """A document's text, or one line naming where it is null or not text, and the fix."""
+def _not_text(value, where: str, drop: str) -> DataError:
+  """One line naming where a document's text is null or not text, and the fix (built only on
+  failure: every document of a corpus passes through its reader)."""
   if value is None:  # exported datasets hold nulls for missing texts
-    raise DataError(f'{where} is null (a missing text); {drop}, or fill them')
-  if not isinstance(value, str):
-    raise DataError(f'{where} is {type(value).__name__}, not text; pick a text field or column '
-                    '(data.text_field)')
-  return value
+    return DataError(f'{where} is null (a missing text); {drop}, or fill them')
+  return DataError(f'{where} is {type(value).__name__}, not text; pick a text field or column '
+                   '(data.text_field)')
 
 
 class Conversations:
