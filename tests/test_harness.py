@@ -10,10 +10,12 @@ word perplexity, and the generated texts must agree.
 """
 
 import json
+import pathlib
 import subprocess
 import sys
 
 import lm_eval
+import lm_eval.tasks
 import numpy as np
 import pytest
 import tokenizers
@@ -70,6 +72,25 @@ def _lines(path, rows) -> None:
   path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
 
 
+_MANAGERS = {}  # lm-eval indexes its 14,683 tasks in each TaskManager (13-16 s here)
+
+
+def _listing(include_path) -> tuple:
+  files = sorted(pathlib.Path(include_path).glob('*.yaml')) if include_path else []
+  return str(include_path), tuple((p.name, p.read_bytes()) for p in files)
+
+
+def _reuse_task_managers(monkeypatch) -> None:
+  """TaskManagers built once per state of the task directory, for tests that only read it."""
+  build = lm_eval.tasks.TaskManager
+  def cached(include_path=None):
+    key = _listing(include_path)
+    if key not in _MANAGERS:
+      _MANAGERS[key] = build(include_path=include_path)
+    return _MANAGERS[key]
+  monkeypatch.setattr(lm_eval.tasks, 'TaskManager', cached)
+
+
 @pytest.fixture(scope='module')
 def setup(tmp_path_factory):
   """The HF directory, the task directory, and both backends' results."""
@@ -107,6 +128,7 @@ def setup(tmp_path_factory):
     (task_dir / f'{name}.yaml').write_text(yaml.replace('DIR', str(task_dir)))
   names = ['local_mc', 'local_rolling', 'local_gen']
   manager = harness_tasks.task_manager(names, str(task_dir))
+  _MANAGERS[_listing(task_dir)] = manager
   reference = lm_eval.simple_evaluate(
       model='hf', model_args=f'pretrained={hf_dir},dtype=float32,max_length={MAX_LENGTH}',
       tasks=names, task_manager=manager, batch_size=4, log_samples=True, bootstrap_iters=0,
@@ -154,7 +176,8 @@ def test_same_scores_as_the_hf_backend(setup):
 
 
 @pytest.mark.slow  # a fresh process imports lm_eval and indexes its tasks (~25 s)
-def test_unknown_task_is_one_line_before_the_model_loads(setup, tmp_path):
+def test_unknown_task_is_one_line_before_the_model_loads(setup, tmp_path, monkeypatch):
+  _reuse_task_managers(monkeypatch)
   with pytest.raises(ConfigError, match=r"lm-eval knows no task 'local_mcq' \(its own tasks and "
                      r'those in .*\); list them with `lm_eval ls tasks`'):
     harness_tasks.task_manager(['local_mcq'], str(setup['task_dir']))
@@ -219,9 +242,10 @@ def test_in_the_loop_records_equal_the_hf_backend(setup, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # the module's setup runs both backends (18 s): 27 s of the quick tier
-def test_a_harness_task_generating_a_whole_row_is_refused_at_setup(setup, tmp_path):
+def test_a_harness_task_generating_a_whole_row_is_refused_at_setup(setup, tmp_path, monkeypatch):
   """local_gen generates 10 tokens; rows of 10 leave no prompt. The run stops before its first
   step, naming data.seq_len (it stopped at the first eval, saying 'raise --max_length')."""
+  _reuse_task_managers(monkeypatch)
   cd = helpers.config_file(ROOT / 'launch' / 'configs' / 'hf.py')
   helpers.override(cd, {
       'restore_from': str(setup['hf_dir']), 'data.name': 'text', 'data.text.bytes': 2_000,
