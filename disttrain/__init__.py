@@ -23,7 +23,7 @@ _EXPORTS = {
     'DisttrainError': 'errors', 'Interrupted': 'errors', 'NonFiniteError': 'errors',
     'Preempted': 'errors', 'ShardingError': 'errors',
     'Exit': 'exitcodes',
-    'Result': 'training.loop', 'Setup': 'training.setup', 'evaluate': 'training.loop',
+    'Result': 'training.step_loop', 'Setup': 'training.setup', 'evaluate': 'training.loop',
     'setup': 'training.setup', 'train': 'training.loop',
     'Data': 'data.records',
     'TrainState': 'parallel.state',

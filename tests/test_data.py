@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from disttrain import data
-from disttrain.data import batches as batches_lib
+from disttrain.data import global_arrays
 from disttrain.config import MeshConfig
 from disttrain.data.records import ID, MASK, Records
 from disttrain.errors import DataError
@@ -132,7 +132,7 @@ def test_local_rows_follow_the_addressable_devices():
 
 def test_per_device_assembly_matches_process_local():
   sharding = mesh_lib.batch_sharding(_mesh(8, (2, 2, 2)))
-  assemble = batches_lib.Assembler(sharding, B)
+  assemble = global_arrays.Assembler(sharding, B)
   local = {'image': np.arange(B * 3, dtype=np.float32).reshape(B, 3),
            'id': np.arange(B, dtype=np.int32)}
   whole, pieces = assemble(local), assemble(local, piecewise=True)

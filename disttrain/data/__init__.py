@@ -11,7 +11,8 @@
   in_memory   the built-in sets held as numpy arrays: digits, mnist, synthetic, text
   sources     data.name -> the train and eval sources a config names
   transforms  example grain transformations for images
-  batches     the grain stream of per-process rows -> global jax.Arrays on a batch sharding
+  global_arrays  a process's rows of a global batch -> global jax.Arrays (the Assembler)
+  batches     the grain stream of per-process rows, assembled on a batch sharding; eval batches
   workers     what data.workers=N needs: room on the machine, a main script workers can import
   convert     `disttrain convert`: datasets to ArrayRecord shards, token files, JSON lines
 The names below are the layer's public API, imported on first use (they were disttrain.data's).
@@ -20,9 +21,9 @@ The names below are the layer's public API, imported on first use (they were dis
 from disttrain import moved
 
 _EXPORTS = {
-    'Batch': 'batches', 'TrainIterator': 'batches',
+    'Batch': 'global_arrays', 'TrainIterator': 'batches',
     'check_workers': 'workers', 'element_spec': 'batches', 'eval_batches': 'batches',
-    'local_rows': 'batches', 'stacked_sharding': 'batches',
+    'local_rows': 'global_arrays', 'stacked_sharding': 'global_arrays',
     'Data': 'records', 'ID': 'records', 'MASK': 'records', 'RESERVED': 'records',
     'Mixture': 'mixture',
     'Records': 'records',

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from disttrain.data.batches import Assembler
+from disttrain.data.global_arrays import Assembler
 from disttrain.errors import DataError
 from disttrain.models import decoding, lora, moe, preference
 from disttrain.parallel.mesh import Parallelism

@@ -24,6 +24,7 @@ import ml_collections
 from ml_collections import config_flags
 
 from disttrain import commandline, errors
+from disttrain.launch import config_args
 from disttrain.exitcodes import Exit
 
 
@@ -78,10 +79,6 @@ flags.mark_flags_as_required(['config'])
 # train_data / eval_data).
 HOOKS = {'get_data': None, 'get_model': 'model', 'get_task': 'task', 'get_callbacks': 'callbacks',
          'get_rewards': 'rewards', 'get_eval_extract': 'eval_extract'}
-_EXAMPLE_CONFIG = 'launch/configs/mnist_mlp.py'
-# A config override as config_flags finds it: --config.a.b=1, -config.a.b 1, --noconfig.flag.
-_OVERRIDE = re.compile(r'^-{1,2}(?:no)?config\.([^=]+)')
-_FLAG_VALUE_ERROR = re.compile(r'^flag --(\S+?)=(.*?): (.*)$')
 
 
 def _check_specs(cfg) -> None:
@@ -118,8 +115,8 @@ def main(argv):
     except disttrain.DisttrainError as e:
       _fail(f'{type(e).__name__}: {e}')
     hooks = [name for name in HOOKS if callable(_config_module().get(name))]
-    print(f'ok: --config={_config_path(sys.argv)} builds a valid config (model {cfg.model.name}, '
-          f'data {cfg.data.name}, {cfg.num_train_steps} steps'
+    print(f'ok: --config={config_args.path(sys.argv)} builds a valid config '
+          f'(model {cfg.model.name}, data {cfg.data.name}, {cfg.num_train_steps} steps'
           f'{", hooks " + ", ".join(hooks) if hooks else ""}); nothing was run')
     return
   from disttrain.parallel import xla_flags  # pylint: disable=g-import-not-at-top
@@ -174,7 +171,7 @@ def _find_batch_size(cfg) -> None:
 
 def _hook_objects(cfg) -> dict:
   """train() keywords from the config file's get_data / get_model / get_task / get_callbacks."""
-  path, module = _config_path(sys.argv).split(':', 1)[0], _config_module()
+  path, module = config_args.path(sys.argv).split(':', 1)[0], _config_module()
   kwargs = {}
   for name, keyword in HOOKS.items():
     if not callable(module.get(name)):
@@ -193,7 +190,7 @@ def _hook_objects(cfg) -> dict:
 
 def _config_module() -> dict:
   """The config file's globals (its get_data / get_model / ... hooks)."""
-  return runpy.run_path(_config_path(sys.argv).split(':', 1)[0])
+  return runpy.run_path(config_args.path(sys.argv).split(':', 1)[0])
 
 
 def _check_process_flags() -> None:
@@ -226,24 +223,25 @@ def _parse_flags(argv: list[str]) -> list[str]:
   try:
     rest = flags.FLAGS(argv)
   except flags.Error as e:
-    _fail(_flag_error(e))
+    _fail(config_args.flag_error(e))
   except (AttributeError, KeyError, IndexError):
     # config_flags looks each override up in the (locked) config; a miss is an unknown field.
     # Anything else (e.g. a bug inside the config file) keeps its traceback.
-    message = _unknown_field(argv)
+    message = config_args.unknown_field(argv)
     if message is None:
       raise
     _fail(message)
   except OSError as e:  # the config file failed to load and an override touched it
-    _fail(_config_load_error(argv, e))
+    _fail(config_args.load_error(argv, e))
   config = _CONFIG.value
   try:
     getattr(config, 'to_dict', None)  # config_flags defers a load failure to the first access
   except OSError as e:
-    _fail(_config_load_error(argv, e))
+    _fail(config_args.load_error(argv, e))
   if not isinstance(config, ml_collections.ConfigDict):
-    _fail(f'--config={_config_path(argv)!r}: get_config() returned {type(config).__name__}, not a '
-          'ConfigDict; make it return one (start from disttrain.config.defaults())')
+    _fail(f'--config={config_args.path(argv)!r}: get_config() returned '
+          f'{type(config).__name__}, not a ConfigDict; make it return one (start from '
+          'disttrain.config.defaults())')
   if len(rest) > 1:
     _fail(f'unexpected arguments {rest[1:]}; pass settings as flags, e.g. '
           '--config.<field>=<value> (quote values with spaces)')
@@ -288,76 +286,6 @@ def _check_batch_flags() -> None:
   if _BATCH_MULTIPLE.value < 0:
     _fail(f'--batch_multiple={_BATCH_MULTIPLE.value} must be >= 0; pass e.g. 8, or 0 for powers '
           'of two')
-
-
-def _flag_error(error: flags.Error) -> str:
-  """commandline.flag_error, with what only the train flags need: --config's order and groups."""
-  message = str(error)
-  if type(error).__name__ == 'FlagOrderError':  # ml_collections' (not exported)
-    return f'{message}; put --config=FILE first, then its --config.<field>=<value> overrides'
-  match = _FLAG_VALUE_ERROR.match(message)
-  if match is not None:
-    name, value, reason = match.groups()
-    if name == 'config' and 'must have a value other than None' in reason:
-      return f'--config is required; pass --config={_EXAMPLE_CONFIG}'
-    if name.startswith('config.') and isinstance(_schema_value(name[len('config.'):]),
-                                                 ml_collections.ConfigDict):
-      return (f'--{name}={value!r}: {name[len("config."):]} is a group of fields, not a value; '
-              f'set its fields instead, e.g. --{name}.<field>=<value>')
-  return commandline.flag_error(error)
-
-
-def _schema_value(path: str):
-  """The default of config field `path` ('mesh.data'), or None when there is no such field."""
-  from disttrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  node = config_lib.defaults()
-  for part in path.split('.'):
-    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-      return None
-    node = node[part]
-  return node
-
-
-def _unknown_field(argv: list[str]) -> str | None:
-  """The first --config.<path> override naming a field the config schema lacks, as one line."""
-  from disttrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  schema = config_lib.defaults()
-  for arg in argv:
-    match = _OVERRIDE.match(arg)
-    if match is None:
-      continue
-    node, prefix = schema, ''
-    for part in match.group(1).split('.'):
-      part = part.split('[', 1)[0]
-      group = prefix[:-1] or 'config'
-      if not isinstance(node, ml_collections.ConfigDict):
-        return (f'{arg}: config field {group} is a value, it has no field {part!r}; '
-                f'set --config.{group}=<value> instead')
-      if part not in node:
-        return (f'unknown config field {prefix}{part} in {arg}; {group} has fields '
-                f'{", ".join(node.keys())}: use one of them')
-      node, prefix = node[part], f'{prefix}{part}.'
-  return None
-
-
-def _config_path(argv: list[str]) -> str:
-  """The --config value as absl sees it: the last one given, a --flagfile's too."""
-  try:
-    return config_flags.get_config_filename(flags.FLAGS['config'])
-  except flags.Error:  # unparsed (a parse error): the command line is what there is
-    pass
-  path = ''
-  for i, arg in enumerate(argv):
-    match = re.match(r'^-{1,2}config(=|$)', arg)
-    if match:
-      path = arg.split('=', 1)[1] if match.group(1) else (argv[i + 1] if i + 1 < len(argv) else '')
-  return path
-
-
-def _config_load_error(argv: list[str], error: OSError) -> str:
-  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-  return (f'--config={_config_path(argv)!r} cannot be loaded ({lines[-1] if lines else error}); '
-          f'pass --config=PATH to a config file, e.g. --config={_EXAMPLE_CONFIG}')
 
 
 def _fail(message: str) -> NoReturn:

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from disttrain.config import Config
-from disttrain.data.batches import stacked_sharding
+from disttrain.data.global_arrays import stacked_sharding
 from disttrain.data.records import MASK
 from disttrain.errors import ConfigError
 from disttrain.parallel import pmap, sharding as sharding_lib, step as step_lib

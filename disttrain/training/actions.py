@@ -5,7 +5,7 @@
   Saver         checks the parameters finite and starts an async checkpoint
   Stopper       SIGTERM, Ctrl-C and callback stop requests, agreed across processes
   Profiler      a jax.profiler trace of a window of steps
-The loop (training/loop.py) calls them in order each step, after the train records
+The loop (training/step_loop.py) calls them in order each step, after the train records
 (training/train_records.py); callbacks hang off records, Evaluator and Saver.
 """
 

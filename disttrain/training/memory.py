@@ -15,7 +15,8 @@ from jax.sharding import Mesh
 
 from disttrain.config import Config
 from disttrain.data import records as records_lib
-from disttrain.data.batches import element_spec, stacked_sharding
+from disttrain.data.batches import element_spec
+from disttrain.data.global_arrays import stacked_sharding
 from disttrain.errors import DisttrainError
 from disttrain.parallel import step as step_lib
 from disttrain.parallel.compiled import CompileInfo

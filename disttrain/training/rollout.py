@@ -1,6 +1,6 @@
 """GRPO's rollout: the loop action that turns a batch of prompts into a batch to train on.
 
-Each step (training/loop.py) reads global_batch_size / group_size prompts (data/prompts.py) and
+Each step (training/step_loop.py) reads global_batch_size / group_size prompts (data/prompts.py) and
 hands them here with the current state:
   1. sample: each prompt repeated group_size times, rows split over the batch axes of the
      training mesh, decoded by models/decoding.py's compiled KV-cache loop from the current
@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from disttrain.config import Config
-from disttrain.data import batches as batches_lib, prompts as prompts_lib
+from disttrain.data import global_arrays, prompts as prompts_lib
 from disttrain.data import tokenizer as tokenizer_lib
 from disttrain.errors import ConfigError, DataError
 from disttrain.models import decoding, grpo, lora, moe, preference
@@ -131,8 +131,8 @@ class Rollout:
     self.prompts_per_step = cfg.global_batch_size // g.group_size
     self.prompt_len, self.new = cfg.data.seq_len, g.max_new_tokens
     self.prompt_sharding = NamedSharding(mesh, P())  # a few ids, on every device
-    self.assemble = batches_lib.Assembler(batch_sharding, cfg.global_batch_size)
-    self.stacked = batches_lib.stacked_sharding(batch_sharding, g.iterations)
+    self.assemble = global_arrays.Assembler(batch_sharding, cfg.global_batch_size)
+    self.stacked = global_arrays.stacked_sharding(batch_sharding, g.iterations)
     self.prompt_set = prompts_lib.load(cfg.data.train_files, 'data.train_files',  # read once:
                                        cfg.data.tokenizer, cfg.data.seq_len,  # as the source
                                        cfg.data.sft.chat_template, jax.process_index() == 0)
