@@ -196,6 +196,7 @@ def _records(workdir) -> dict:
   return {r['step']: r for r in helpers.metrics_records(workdir)}
 
 
+@pytest.mark.slow  # three GRPO runs (8.3 s of the quick tier)
 def test_a_resume_with_other_iterations_is_refused_keeping_the_checkpoint(tmp_path):
   """GRPO's data position counts sampled batches: a checkpoint at step 3 resumed with
   grpo.iterations=2 never met num_train_steps and ended at 7 'done', with no final save."""

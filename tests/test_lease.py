@@ -76,6 +76,7 @@ RACE = ('import os, sys, time; from disttrain.errors import ConfigError; '
         'except ConfigError: print("refused", flush=True)')
 
 
+@pytest.mark.slow  # five pairs of launcher processes (7.6 s of the quick tier)
 def test_two_launches_at_the_same_moment_get_one_lease(tmp_path):
   """Both read "no lease" and both wrote one (17 of 30 pairs in a review): the workdir's lock
   makes reading and taking one step."""

@@ -174,6 +174,7 @@ disttrain.train(disttrain.from_config_dict(cd), 'WORKDIR')
 '''
 
 
+@pytest.mark.slow  # two script processes, one training (9.5 s of the quick tier)
 def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
   """Each worker imports the script; one that trains at its top level trained again in the
   worker, which failed, and the parent hung writing the worker's start-up data (SIGTERM too)."""
