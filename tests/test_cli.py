@@ -108,11 +108,14 @@ def test_old_module_paths_are_the_same_modules_with_a_warning_at_the_callers_lin
     from disttrain.training.setup import preflight  # pylint: disable=g-import-not-at-top
     from disttrain.data import sources  # pylint: disable=g-import-not-at-top
     text_files = sources.text_files
+    from disttrain.data import batches  # pylint: disable=g-import-not-at-top
+    old_local_rows = batches.local_rows
   assert old_records is records and train is loop.train
   from disttrain.parallel import mesh  # pylint: disable=g-import-not-at-top
   from disttrain.data import in_memory  # pylint: disable=g-import-not-at-top
   from disttrain.training import memory  # pylint: disable=g-import-not-at-top
-  assert batch_sharding is mesh.batch_sharding
+  from disttrain.data import global_arrays  # pylint: disable=g-import-not-at-top
+  assert batch_sharding is mesh.batch_sharding and old_local_rows is global_arrays.local_rows
   assert preflight is memory.preflight and text_files is in_memory.text_files
   moved = [w for w in caught if issubclass(w.category, DeprecationWarning)]
   assert [str(w.message).split(';')[0] for w in moved] == [
@@ -120,7 +123,8 @@ def test_old_module_paths_are_the_same_modules_with_a_warning_at_the_callers_lin
       'disttrain.loop moved to disttrain.training.loop',
       'disttrain.data.batch_sharding moved to disttrain.parallel.mesh.batch_sharding',
       'disttrain.training.setup.preflight moved to disttrain.training.memory.preflight',
-      'disttrain.data.sources.text_files moved to disttrain.data.in_memory.text_files']
+      'disttrain.data.sources.text_files moved to disttrain.data.in_memory.text_files',
+      'disttrain.data.batches.local_rows moved to disttrain.data.global_arrays.local_rows']
   assert {w.filename for w in moved} == {__file__}, [(w.filename, w.lineno) for w in moved]
 
 

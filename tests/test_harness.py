@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import lm_eval
-import lm_eval.tasks
 import numpy as np
 import pytest
 import tokenizers
@@ -76,19 +75,23 @@ _MANAGERS = {}  # lm-eval indexes its 14,683 tasks in each TaskManager (13-16 s 
 
 
 def _listing(include_path) -> tuple:
-  files = sorted(pathlib.Path(include_path).glob('*.yaml')) if include_path else []
-  return str(include_path), tuple((p.name, p.read_bytes()) for p in files)
+  """The key of a TaskManager: every file under include_path (lm-eval reads **/*.yaml and what
+  they include), by relative name and bytes."""
+  root = pathlib.Path(include_path) if include_path else None
+  files = sorted(p for p in root.rglob('*') if p.is_file()) if root else []
+  return str(include_path), tuple((str(p.relative_to(root)), p.read_bytes()) for p in files)
 
 
 def _reuse_task_managers(monkeypatch) -> None:
-  """TaskManagers built once per state of the task directory, for tests that only read it."""
-  build = lm_eval.tasks.TaskManager
-  def cached(include_path=None):
+  """A TaskManager per state of the task directory: a test that writes a task gets a new one."""
+  from lm_eval import tasks  # pylint: disable=g-import-not-at-top  (datasets & co.: on use)
+  build = tasks.TaskManager
+  def cached(*, include_path=None):  # harness_tasks passes include_path only
     key = _listing(include_path)
     if key not in _MANAGERS:
       _MANAGERS[key] = build(include_path=include_path)
     return _MANAGERS[key]
-  monkeypatch.setattr(lm_eval.tasks, 'TaskManager', cached)
+  monkeypatch.setattr(tasks, 'TaskManager', cached)
 
 
 @pytest.fixture(scope='module')

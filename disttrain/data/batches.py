@@ -22,11 +22,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from disttrain import moved
 from disttrain.data.global_arrays import Assembler, Batch
 from disttrain.data.records import ID, MASK, Records
 from disttrain.errors import DataError, first_line
 
 _STATE_VERSION = 2
+# Names that moved to another module resolve there, with a DeprecationWarning.
+__getattr__ = moved.names(__name__, {})
 
 
 class _ReadTrainBatches:
@@ -264,7 +267,6 @@ class _ReadEvalBatch:
     batch[MASK] = real.astype(np.float32)
     batch[ID] = np.where(real, index, -1).astype(np.int32)
     return batch
-
 
 
 def eval_batches(records: Records, batch_size: int, sharding: NamedSharding) -> Iterator[Batch]:

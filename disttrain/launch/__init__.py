@@ -6,5 +6,6 @@
               override or file as one line
   supervise   restarts a failed job from its last committed checkpoint, by exit status
   cluster     P local processes x D fake CPU devices as one jax.distributed job
-The `disttrain` command (disttrain/cli.py) names these and the other tools as subcommands.
+The `disttrain` command (disttrain/cli.py) names train, supervise, cluster and the other tools
+as subcommands.
 """

@@ -73,15 +73,16 @@ def path(argv: list[str]) -> str:
     return config_flags.get_config_filename(flags.FLAGS['config'])
   except flags.Error:  # unparsed (a parse error): the command line is what there is
     pass
-  path = ''
+  found = ''
   for i, arg in enumerate(argv):
     match = re.match(r'^-{1,2}config(=|$)', arg)
     if match:
-      path = arg.split('=', 1)[1] if match.group(1) else (argv[i + 1] if i + 1 < len(argv) else '')
-  return path
+      found = arg.split('=', 1)[1] if match.group(1) else (argv[i + 1] if i + 1 < len(argv) else '')
+  return found
 
 
 def load_error(argv: list[str], error: OSError) -> str:
+  """One line for a config file that fails to load."""
   lines = [line.strip() for line in str(error).splitlines() if line.strip()]
   return (f'--config={path(argv)!r} cannot be loaded ({lines[-1] if lines else error}); '
           f'pass --config=PATH to a config file, e.g. --config={EXAMPLE_CONFIG}')

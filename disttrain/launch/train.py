@@ -24,8 +24,8 @@ import ml_collections
 from ml_collections import config_flags
 
 from disttrain import commandline, errors
-from disttrain.launch import config_args
 from disttrain.exitcodes import Exit
+from disttrain.launch import config_args
 
 
 def _env_int(name: str) -> int | None:

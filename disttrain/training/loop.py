@@ -1,6 +1,7 @@
 """train(): a run in its workdir (the lease, its events, failures posted to the other processes),
 built (setup, the first state: a checkpoint, a warm start or init; the pre-flight) for the loop
-over steps in training/step_loop.py."""
+over steps in training/step_loop.py.
+"""
 
 import contextlib
 from collections.abc import Sequence
@@ -21,12 +22,12 @@ from disttrain.parallel import distributed, failures, mesh as mesh_lib
 from disttrain.parallel import sharding as sharding_lib
 from disttrain.parallel import state as state_lib
 from disttrain.storage import checkpoint, checkpoint_reads, urls
-from disttrain.training import actions, memory, setup as run_lib, step_loop
+from disttrain.training import memory, setup as run_lib, step_loop
+from disttrain.training.actions import evaluate
 from disttrain.training.setup import Setup, setup
+from disttrain.training.step_loop import Result
 
 __all__ = ['Result', 'Setup', 'evaluate', 'setup', 'train']
-evaluate = actions.evaluate
-Result = step_loop.Result
 
 
 def train(cfg: Config, workdir: str, model: Any = None, task: Any = None,

@@ -1,6 +1,6 @@
-"""The loop over steps: what happens each step, in order (a train step, its record one step late,
-evals, the stop agreement, checkpoints, Hugging Face saves, the profiler), and the Result a run
-leaves. training/loop.py builds the run this loop trains.
+"""The loop over steps: what happens each step, in order (the profiler's window, the batch, GRPO's
+sampling, the train step, the previous step's record, evals, the stop agreement, the checkpoint,
+the Hugging Face save), and the Result a run leaves. training/loop.py builds the run it trains.
 """
 
 import dataclasses
@@ -30,8 +30,9 @@ class Result:
 
 
 def must_bound_in_flight(mesh: Mesh) -> bool:
-  # XLA:CPU's in-process all-reduce deadlocks when many multi-device steps are queued on few
-  # cores (measured: aborts after a 40 s rendezvous timeout). Accelerators do not need this.
+  """Whether at most two steps may be in flight: XLA:CPU's in-process all-reduce deadlocks when
+  many multi-device steps are queued on few cores (measured: aborts after a 40 s rendezvous
+  timeout). Accelerators do not need this."""
   return mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1
 
 
