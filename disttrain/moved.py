@@ -42,6 +42,7 @@ NAMES = {('data', 'batch_sharding'): 'parallel.mesh',
          **{('sources', n): 'data.in_memory'
             for n in ('digits', 'text_files', 'text_bytes', 'unigram_entropy')},
          **{('batches', n): 'data.global_arrays' for n in ('local_rows', 'stacked_sharding')},
+         ('step', 'micro_batches'): 'parallel.accumulation',
          **{('setup', n): 'training.memory'
             for n in ('MemoryLimitError', 'preflight', 'memory_limit', 'mib', 'train_batch_spec',
                       'loop_variants', 'saved_activation_bytes')}}

@@ -110,12 +110,16 @@ def test_old_module_paths_are_the_same_modules_with_a_warning_at_the_callers_lin
     text_files = sources.text_files
     from disttrain.data import batches  # pylint: disable=g-import-not-at-top
     old_local_rows = batches.local_rows
+    from disttrain.parallel import step  # pylint: disable=g-import-not-at-top
+    old_micro_batches = step.micro_batches
   assert old_records is records and train is loop.train
   from disttrain.parallel import mesh  # pylint: disable=g-import-not-at-top
   from disttrain.data import in_memory  # pylint: disable=g-import-not-at-top
   from disttrain.training import memory  # pylint: disable=g-import-not-at-top
   from disttrain.data import global_arrays  # pylint: disable=g-import-not-at-top
+  from disttrain.parallel import accumulation  # pylint: disable=g-import-not-at-top
   assert batch_sharding is mesh.batch_sharding and old_local_rows is global_arrays.local_rows
+  assert old_micro_batches is accumulation.micro_batches
   assert preflight is memory.preflight and text_files is in_memory.text_files
   moved = [w for w in caught if issubclass(w.category, DeprecationWarning)]
   assert [str(w.message).split(';')[0] for w in moved] == [
@@ -124,7 +128,8 @@ def test_old_module_paths_are_the_same_modules_with_a_warning_at_the_callers_lin
       'disttrain.data.batch_sharding moved to disttrain.parallel.mesh.batch_sharding',
       'disttrain.training.setup.preflight moved to disttrain.training.memory.preflight',
       'disttrain.data.sources.text_files moved to disttrain.data.in_memory.text_files',
-      'disttrain.data.batches.local_rows moved to disttrain.data.global_arrays.local_rows']
+      'disttrain.data.batches.local_rows moved to disttrain.data.global_arrays.local_rows',
+      'disttrain.parallel.step.micro_batches moved to disttrain.parallel.accumulation.micro_batches']
   assert {w.filename for w in moved} == {__file__}, [(w.filename, w.lineno) for w in moved]
 
 

@@ -7,7 +7,8 @@
   failures     one process's failure posted to the others, which stop with it at once
   state        TrainState(opt_state, params, mutable, rng, step), created directly sharded
   optim        clipping, optimizer (decay mask, mu dtype), schedule, EMA from the config
-  step         the pure pieces of a step: Variant, Policy, loss and grads, micro-batches, update
+  step         the pure pieces of a step: Variant, Policy, loss and grads, update, eval sums
+  accumulation gradient accumulation: M micro-batches in a lax.scan, fsdp gathered once
   compiled     Steps: one train entry, a cache of AOT-compiled variants with their memory
   xla_flags    the XLA flags the launcher adds on NVIDIA GPUs, under the user's XLA_FLAGS
   spmd, pmap   one class per step style: jit (GSPMD), shard_map, and the legacy pmap

@@ -24,7 +24,7 @@ from disttrain.config import Config
 from disttrain.data.global_arrays import stacked_sharding
 from disttrain.data.records import MASK
 from disttrain.errors import ConfigError
-from disttrain.parallel import pmap, sharding as sharding_lib, step as step_lib
+from disttrain.parallel import accumulation, pmap, sharding as sharding_lib, step as step_lib
 from disttrain.parallel.compiled import Steps
 from disttrain.parallel.mesh import Parallelism
 from disttrain.parallel.state import Layout, TrainState
@@ -37,7 +37,7 @@ def context(model, task, tx, cfg: Config, mesh: Mesh, lay: Layout) -> StepContex
   # Pipeline stages run the micro-batches themselves (disttrain/models/pipeline.py).
   micro_batches = cfg.grad_accum_steps if parallel.stages == 1 else 1
   if micro_batches > 1 and cfg.step_mode == 'jit' and parallel.fsdp > 1:
-    gather = step_lib.Gather(whole=parallel.without_fsdp(lay.param_specs),
+    gather = accumulation.Gather(whole=parallel.without_fsdp(lay.param_specs),
                              split=lay.shardings.params)
   return StepContext(model=model, task=task, tx=tx,
                      policy=step_lib.Policy(jnp.dtype(cfg.precision.compute_dtype)),
