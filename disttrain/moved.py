@@ -43,6 +43,7 @@ NAMES = {('data', 'batch_sharding'): 'parallel.mesh',
             for n in ('digits', 'text_files', 'text_bytes', 'unigram_entropy')},
          **{('batches', n): 'data.global_arrays' for n in ('local_rows', 'stacked_sharding')},
          ('step', 'micro_batches'): 'parallel.accumulation',
+         **{('decoder', n): 'models.language_model' for n in ('LanguageModel', 'PACKED_FIELDS')},
          **{('setup', n): 'training.memory'
             for n in ('MemoryLimitError', 'preflight', 'memory_limit', 'mib', 'train_batch_spec',
                       'loop_variants', 'saved_activation_bytes')}}

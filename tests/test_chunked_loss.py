@@ -14,7 +14,8 @@ import pytest
 
 from disttrain.data.records import ID, MASK
 from disttrain.models import chunked_loss
-from disttrain.models.decoder import Decoder, LanguageModel
+from disttrain.models.decoder import Decoder
+from disttrain.models.language_model import LanguageModel
 from disttrain.models.task import NextToken
 from disttrain.training import setup as run_lib
 from tests import test_llama

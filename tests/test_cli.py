@@ -112,6 +112,8 @@ def test_old_module_paths_are_the_same_modules_with_a_warning_at_the_callers_lin
     old_local_rows = batches.local_rows
     from disttrain.parallel import step  # pylint: disable=g-import-not-at-top
     old_micro_batches = step.micro_batches
+    from disttrain.models import decoder  # pylint: disable=g-import-not-at-top
+    old_language_model = decoder.LanguageModel
   assert old_records is records and train is loop.train
   from disttrain.parallel import mesh  # pylint: disable=g-import-not-at-top
   from disttrain.data import in_memory  # pylint: disable=g-import-not-at-top
@@ -120,6 +122,8 @@ def test_old_module_paths_are_the_same_modules_with_a_warning_at_the_callers_lin
   from disttrain.parallel import accumulation  # pylint: disable=g-import-not-at-top
   assert batch_sharding is mesh.batch_sharding and old_local_rows is global_arrays.local_rows
   assert old_micro_batches is accumulation.micro_batches
+  from disttrain.models import language_model  # pylint: disable=g-import-not-at-top
+  assert old_language_model is language_model.LanguageModel
   assert preflight is memory.preflight and text_files is in_memory.text_files
   moved = [w for w in caught if issubclass(w.category, DeprecationWarning)]
   assert [str(w.message).split(';')[0] for w in moved] == [
@@ -129,7 +133,9 @@ def test_old_module_paths_are_the_same_modules_with_a_warning_at_the_callers_lin
       'disttrain.training.setup.preflight moved to disttrain.training.memory.preflight',
       'disttrain.data.sources.text_files moved to disttrain.data.in_memory.text_files',
       'disttrain.data.batches.local_rows moved to disttrain.data.global_arrays.local_rows',
-      'disttrain.parallel.step.micro_batches moved to disttrain.parallel.accumulation.micro_batches']
+      'disttrain.parallel.step.micro_batches moved to disttrain.parallel.accumulation.micro_batches',
+      'disttrain.models.decoder.LanguageModel moved to '
+      'disttrain.models.language_model.LanguageModel']
   assert {w.filename for w in moved} == {__file__}, [(w.filename, w.lineno) for w in moved]
 
 

@@ -75,7 +75,7 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int = 6
   """Continues each prompt (token ids) with up to max_new_tokens tokens.
 
   Args:
-    model: a disttrain.models.decoder.LanguageModel (or its Decoder module).
+    model: a disttrain.models.language_model.LanguageModel (or its Decoder module).
     params: its parameters, anywhere (e.g. sharded on the run's mesh).
     prompts: token ids per prompt (at least one token each).
     eos_id: stop a row at this token, or at the first of these (None: never).

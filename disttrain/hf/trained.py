@@ -27,7 +27,7 @@ from disttrain.storage import checkpoint_reads
 class Trained:
   """What sampling and export need."""
   cfg: Config  # the run's config (for a Hugging Face directory: its model fields)
-  model: Any  # disttrain.models.decoder.LanguageModel
+  model: Any  # disttrain.models.language_model.LanguageModel
   params: Any  # on `mesh`
   mesh: Any
   tokenizer: tokenizer_lib.Tokenizer

@@ -5,7 +5,7 @@ NNX; flax.nnx is imported on first use), FunctionalModel (plain init/apply funct
 params pytree) and KerasModel (Keras 3, an optional extra: `from disttrain.models.keras import
 KerasModel`, imported on demand so that disttrain runs without keras installed). Language
 models (gpt, llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, gemma2, gemma3) are
-decoder.LanguageModel over one decoder; their task is NextToken.
+language_model.LanguageModel over one decoder; their task is NextToken.
 """
 
 import dataclasses
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
 from disttrain.models import gemma, gpt, llama, mistral, mixtral, qwen
-from disttrain.models.decoder import LanguageModel
 from disttrain.models.functional import FunctionalModel
+from disttrain.models.language_model import LanguageModel
 from disttrain.models.linen import LinenModel
 from disttrain.models.mlp import BobbinMLP, JAX_MLP_LOGICAL, MnistMLP, jax_mlp_apply, jax_mlp_init
 from disttrain.models.task import Classification, NextToken

@@ -25,7 +25,8 @@ import dataclasses
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
 from disttrain.models import layers, llama
-from disttrain.models.decoder import Decoder, DecoderConfig, LanguageModel
+from disttrain.models.decoder import Decoder, DecoderConfig
+from disttrain.models.language_model import LanguageModel
 from disttrain.models.hf_names import Tensor
 
 PATTERN = {'gemma2': 2, 'gemma3': 6}  # the published configs' every-Nth-layer-global

@@ -7,7 +7,8 @@ positions table has `model.max_seq_len` rows (0 = data.seq_len), GPT-2's n_posit
 
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
-from disttrain.models.decoder import Decoder, DecoderConfig, LanguageModel, resolve_remat
+from disttrain.models.decoder import Decoder, DecoderConfig, resolve_remat
+from disttrain.models.language_model import LanguageModel
 from disttrain.models.hf_names import Tensor
 
 

@@ -11,7 +11,8 @@ whole otherwise (disttrain/parallel/sharding.py).
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
 from disttrain.models import gpt, layers
-from disttrain.models.decoder import Decoder, DecoderConfig, LanguageModel, resolve_remat
+from disttrain.models.decoder import Decoder, DecoderConfig, resolve_remat
+from disttrain.models.language_model import LanguageModel
 from disttrain.models.hf_names import llama_layout
 
 

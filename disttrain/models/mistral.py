@@ -8,7 +8,8 @@ launch/configs/mistral.py's mistral_7b.
 
 from disttrain.config import ModelConfig
 from disttrain.models import llama
-from disttrain.models.decoder import Decoder, LanguageModel
+from disttrain.models.decoder import Decoder
+from disttrain.models.language_model import LanguageModel
 from disttrain.models.hf_names import llama_layout
 
 

@@ -13,7 +13,8 @@ experts' Hugging Face names below (HF_NAMES), config.json in disttrain/hf/config
 from disttrain.config import ModelConfig
 from disttrain.errors import ConfigError
 from disttrain.models import llama
-from disttrain.models.decoder import Decoder, LanguageModel
+from disttrain.models.decoder import Decoder
+from disttrain.models.language_model import LanguageModel
 from disttrain.models.hf_names import llama_layout
 
 

@@ -21,7 +21,8 @@ import dataclasses
 
 from disttrain.config import ModelConfig
 from disttrain.models import llama, mixtral
-from disttrain.models.decoder import Decoder, LanguageModel
+from disttrain.models.decoder import Decoder
+from disttrain.models.language_model import LanguageModel
 from disttrain.models.hf_names import llama_layout
 
 # family -> the DecoderConfig fields that make Llama's decoder that family's.
