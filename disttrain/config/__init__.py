@@ -4,7 +4,8 @@ The dataclasses are the single schema, one module per part of a run; the generat
 (disttrain/config_reference.py) reads their field comments:
 
   run            Config: the top-level fields (optimizer, schedule, cadence, guards), checks
-                 across groups; early_stop.*, profile.*, tracking.*
+                 across groups
+  operating      early_stop.*, profile.*, tracking.*
   layout         mesh.*, dcn_mesh.*, the sharding and step styles, tensor-parallel rules
   data           data.* and its per-source groups
   model          model.*, model.rope_scaling.*, precision.*
@@ -25,8 +26,8 @@ from disttrain.config.layout import (LAYER_AXES, MESH_AXES, SHARDINGS, STEP_MODE
                                      MeshConfig)
 from disttrain.config.model import ATTENTION, REMAT, ModelConfig, PrecisionConfig, RopeScalingConfig
 from disttrain.config.post_training import LORA_TARGETS, DpoConfig, GrpoConfig, LoraConfig
-from disttrain.config.run import (LR_SCHEDULES, OPTIMIZERS, Config, EarlyStopConfig, ProfileConfig,
-                                  TrackingConfig)
+from disttrain.config.operating import EarlyStopConfig, ProfileConfig, TrackingConfig
+from disttrain.config.run import LR_SCHEDULES, OPTIMIZERS, Config
 from disttrain.errors import ConfigError
 
 __all__ = ['ATTENTION', 'Config', 'ConfigError', 'DEPRECATED', 'DataConfig', 'DcnMeshConfig',
