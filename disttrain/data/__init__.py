@@ -2,6 +2,7 @@
 
   records     any source of feature dicts -> Records: element spec, checks, transforms with
               (seed, epoch, index) randomness, batched reads
+  fields      the checks each field passes: numeric, fits JAX's 32-bit dtype, one length
   formats     on-disk formats: ArrayRecord shards of encoded dicts, flat token files
   text        raw text as random-access documents (.txt, .jsonl, .parquet), SFT examples
   tokenizer   tokenizer.json / SentencePiece / bytes; `disttrain tokenizer` trains a BPE

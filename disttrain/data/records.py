@@ -19,9 +19,10 @@ from typing import Any
 
 import grain
 import jax
-import ml_dtypes
 import numpy as np
 
+from disttrain.data import fields
+from disttrain.data.fields import is_array, is_in_memory
 from disttrain.errors import DataError, first_line
 
 MASK = '_mask'  # float32 [B]: 1 for real examples, 0 for eval padding
@@ -38,15 +39,6 @@ class Data:
   """
   source: Any
   transforms: Sequence[Any] = ()
-
-
-def is_array(value: Any) -> bool:
-  return isinstance(value, (np.ndarray, jax.Array))
-
-
-def is_in_memory(source: Any) -> bool:
-  """A dict of arrays (one in-memory source), as opposed to a dict of named sources."""
-  return isinstance(source, dict) and bool(source) and all(is_array(v) for v in source.values())
 
 
 def is_source(value: Any) -> bool:
@@ -98,7 +90,8 @@ class Records:
     self._random = any(isinstance(t, grain.transforms.RandomMap) for t in self.transforms)
     # read() needs each example's epoch for transforms only (random draws, error messages).
     self.uses_epochs = bool(self.transforms)
-    self._arrays = _in_memory(self.source, name) if isinstance(self.source, dict) else None
+    self._arrays = (fields.in_memory_arrays(self.source, name)
+                    if isinstance(self.source, dict) else None)
     if self._arrays is None and not (hasattr(self.source, '__len__')
                                      and hasattr(self.source, '__getitem__')):
       raise DataError(f'the {name} data ({type(self.source).__name__}) has no __len__ and '
@@ -115,9 +108,10 @@ class Records:
     if clash:
       raise DataError(f'the {name} data has a field {clash[0]!r}, a name disttrain reserves for '
                       f'its own fields {RESERVED}; rename it in the source or a transform')
-    first = {k: _array(v, k, f'example 0 of the {name} data') for k, v in first.items()}
+    where = f'example 0 of the {name} data'
+    first = {k: fields.numeric(v, k, where) for k, v in first.items()}
     self._raw_dtypes = {k: v.dtype for k, v in first.items()}
-    self.spec = {k: jax.ShapeDtypeStruct(v.shape, _narrow(v, k, f'example 0 of the {name} data'))
+    self.spec = {k: jax.ShapeDtypeStruct(v.shape, fields.jax_dtype(v, k, where))
                  for k, v in first.items()}
     # The in-memory fast path gathers without transforms or per-example checks.
     self._fast = self._arrays is not None and not self.transforms
@@ -155,7 +149,7 @@ class Records:
       raise
     except Exception as e:  # pylint: disable=broad-except  (a damaged file, a failing reader)
       raise DataError(f'the {self.name} data ({type(self.source).__name__}) raised '
-                      f'{type(e).__name__} reading examples {_shown(indices)}: '
+                      f'{type(e).__name__} reading examples {fields.shown(indices)}: '
                       f'{first_line(e, 200)}; '
                       'fix the source or its files') from e
 
@@ -196,69 +190,9 @@ class Records:
     for k, spec in self.spec.items():
       stacked = np.stack([np.asarray(ex[k]) for ex in examples])
       if stacked.dtype != spec.dtype:
-        _narrow(stacked, k, f'examples {_shown(indices)} of the {self.name} data')
+        fields.jax_dtype(stacked, k, f'examples {fields.shown(indices)} of the {self.name} data')
       out[k] = stacked.astype(spec.dtype, copy=False)
     return out
-
-
-def _shown(indices) -> str:
-  return ', '.join(str(int(i)) for i in indices[:4]) + (', ...' if len(indices) > 4 else '')
-
-
-def _array(value, key: str, where: str) -> np.ndarray:
-  """A field as a numeric numpy array, or one line naming what it is instead."""
-  try:
-    value = np.asarray(value)
-  except ValueError as e:  # ragged nested lists
-    raise DataError(f'{where}: field {key!r} is not one array ({first_line(e, 120)}); pad or '
-                    'crop it to one shape in the source or a transform') from None
-  if value.dtype.kind not in 'biuf' and value.dtype != ml_dtypes.bfloat16:  # bf16's kind is V
-    kind = type(value.flat[0]).__name__ if value.size else value.dtype
-    raise DataError(f'{where}: field {key!r} is {value.dtype} ({kind} values), not numbers; '
-                    'turn it into a numeric array in the source or a transform (e.g. tokenize '
-                    'text)')
-  return value
-
-
-def _narrow(value: np.ndarray, key: str, where: str) -> np.dtype:
-  """The JAX dtype of a field (64-bit becomes 32-bit), checked to hold its values: int64 ids of
-  2^40 would wrap to 0 and 1e300 become inf."""
-  target = np.dtype(jax.dtypes.canonicalize_dtype(value.dtype))
-  if target == value.dtype or not value.size:
-    return target
-  if value.dtype.kind in 'iu':
-    info, low, high = np.iinfo(target), value.min(), value.max()
-    bad = low if low < info.min else high if high > info.max else None
-  else:
-    finite = value[np.isfinite(value)]
-    high = np.abs(finite).max() if finite.size else 0
-    bad = high if high > np.finfo(target).max else None
-  if bad is not None:
-    raise DataError(f'{where}: field {key!r} holds {bad}, which {target} (what JAX computes '
-                    f'in without x64) cannot hold; scale or remap it in the source or a transform')
-  return target
-
-
-def _in_memory(arrays: dict, name: str) -> dict[str, np.ndarray]:
-  """A dict of arrays as numpy arrays of JAX dtypes, all with one leading dimension."""
-  if not is_in_memory(arrays):
-    raise DataError(f'the {name} data is a dict whose values are not all arrays; pass a dict of '
-                    'arrays (one in-memory source) or a random-access source')
-  out = {}
-  for key, value in arrays.items():
-    value = np.asarray(value)
-    if value.ndim == 0:
-      raise DataError(f'in-memory {name} data: field {key!r} is a scalar; every field needs a '
-                      'leading example dimension')
-    value = _array(value, key, f'in-memory {name} data')
-    out[key] = value.astype(_narrow(value, key, f'in-memory {name} data'), copy=False)
-  sizes = {k: len(v) for k, v in out.items()}
-  if len(set(sizes.values())) > 1:
-    first = next(iter(sizes))
-    odd = next(k for k, n in sizes.items() if n != sizes[first])
-    raise DataError(f'in-memory {name} data: field {odd!r} has {sizes[odd]} rows but {first!r} '
-                    f'has {sizes[first]}; give every field the same leading dimension')
-  return out
 
 
 class Slice:
@@ -285,7 +219,7 @@ class Slice:
 def num_examples(source: Any) -> int | None:
   """len() of a source (rows of a dict of arrays); None for an iterable without one."""
   if isinstance(source, dict):
-    return len(next(iter(_in_memory(source, 'the').values())))
+    return len(next(iter(fields.in_memory_arrays(source, 'the').values())))
   return len(source) if hasattr(source, '__len__') else None
 
 
@@ -294,7 +228,7 @@ def examples(source: Any) -> Iterator[dict]:
   if isinstance(source, Data):
     raise DataError('examples() reads a source, not Data with transforms; pass Data.source')
   if isinstance(source, dict):
-    arrays = _in_memory(source, 'the')
+    arrays = fields.in_memory_arrays(source, 'the')
     for i in range(len(next(iter(arrays.values())))):
       yield {k: a[i] for k, a in arrays.items()}
   elif hasattr(source, '__len__') and hasattr(source, '__getitem__'):
