@@ -100,6 +100,40 @@ def test_router_losses_equal_numpy():
   np.testing.assert_allclose(z, np.mean(lse ** 2), rtol=1e-6)
 
 
+
+def test_a_packed_rows_padding_takes_no_expert_slot_and_enters_no_router_loss():
+  """Padding (segment id 0) after a packed row's documents: what it holds moves neither the
+  documents' logits, nor the router losses, nor the dropped count, with a capacity that drops
+  (before: its first choices queued ahead of the documents' second choices and its tokens entered
+  both losses' means); dropless, the router losses are those of the documents alone, unpadded."""
+  b, n, t = 2, 20, 32  # two rows: a document of 12 and one of 8 tokens, then 12 of padding
+  rng = np.random.default_rng(3)
+  segments = np.zeros((b, t), np.int32)
+  segments[:, :12], segments[:, 12:n] = 1, 2
+  positions = np.where(segments > 0, np.r_[np.arange(12), np.arange(8), np.zeros(t - n)], 0)
+
+  def rows(tokens, length=t):
+    return {'tokens': jnp.asarray(tokens[:, :length]), 'segment_ids': jnp.asarray(
+        segments[:, :length]), 'positions': jnp.asarray(positions[:, :length], jnp.int32)}
+
+  for balance, factor in (('switch', 0.5), ('transformers', 0.5), ('switch', 0.0)):
+    cfg = _config(**{'mesh.data': 1, 'model.router_balance': balance,
+                     'model.expert_capacity': factor})
+    run = disttrain.setup(cfg, devices=devices(1))
+    params = {'params': jax.device_get(run.state.params)}
+    tokens = rng.integers(0, 256, (b, t))
+    other = np.where(segments > 0, tokens, rng.integers(0, 256, (b, t)))  # other padding
+    (out, _, loss), (out2, _, loss2) = [run.model.apply(params, rows(x), train=False, rng=None)
+                                        for x in (tokens, other)]
+    np.testing.assert_allclose(out['logits'][:, :n], out2['logits'][:, :n], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, loss2, rtol=1e-6)
+    np.testing.assert_array_equal(out['moe_dropped'], out2['moe_dropped'])
+    if factor:
+      assert float(out['moe_dropped'].min()) > 0, out['moe_dropped']  # the capacity binds
+    else:
+      _, _, alone = run.model.apply(params, rows(tokens, n), train=False, rng=None)
+      np.testing.assert_allclose(loss, alone, rtol=1e-5)
+
 LAYOUTS = {'expert=8': {'mesh.data': 1, 'mesh.expert': 8},
            'data 2 x expert 4': {'mesh.data': 2, 'mesh.expert': 4},
            'data 2 x expert 2 x tensor 2': {'mesh.data': 2, 'mesh.expert': 2, 'mesh.tensor': 2},

@@ -204,7 +204,7 @@ def test_the_balancing_loss_is_imported_where_transformers_adds_it(tmp_path):
 def test_the_balancing_loss_of_an_import_is_transformers_aux_loss(tmp_path):
   """model.router_balance='transformers' (an import's): the model loss equals transformers'
   router_aux_loss_coef x aux_loss (load_balancing_loss_func: pooled over 3 layers, every choice
-  counted) to float32 rounding, Mixtral and Qwen3-MoE."""
+  counted) to float32 rounding, Mixtral and Qwen3-MoE, also with padding left out."""
   for family in ('mixtral', 'qwen3_moe'):
     torch.manual_seed(7)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -221,4 +221,14 @@ def test_the_balancing_loss_of_an_import_is_transformers_aux_loss(tmp_path):
       aux = model(torch.tensor(tokens), output_router_logits=True).aux_loss.item()
     _, _, ours = lm.model.apply({'params': lm.params}, {'tokens': jnp.asarray(tokens)},
                                 train=False, rng=None)
+    np.testing.assert_allclose(float(ours), 0.02 * aux, rtol=1e-5)
+    # Right padding: transformers leaves attention_mask's zeros out of the loss; packed rows'
+    # padding (segment id 0) is left out here.
+    mask = (np.arange(16) < np.array([[11], [7]])).astype(np.int64)
+    with torch.no_grad():
+      aux = model(torch.tensor(tokens), attention_mask=torch.tensor(mask),
+                  output_router_logits=True).aux_loss.item()
+    _, _, ours = lm.model.apply({'params': lm.params}, {
+        'tokens': jnp.asarray(tokens), 'segment_ids': jnp.asarray(mask, jnp.int32),
+        'positions': jnp.asarray(np.arange(16)[None] * mask, jnp.int32)}, train=False, rng=None)
     np.testing.assert_allclose(float(ours), 0.02 * aux, rtol=1e-5)

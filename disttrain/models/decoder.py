@@ -120,7 +120,8 @@ class Block(nn.Module):
     if cfg.num_experts:
       h = moe.MoeMlp(cfg.num_experts, cfg.experts_per_token, cfg.expert_capacity, cfg.mlp,
                      cfg.mlp_dim, cfg.dtype, cfg.router_aux_weight, cfg.router_z_weight,
-                     cfg.moe_norm_topk, cfg.router_balance, name='moe')(h)
+                     cfg.moe_norm_topk, cfg.router_balance,
+                     name='moe')(h, None if segments_BxT is None else segments_BxT > 0)
     else:
       h = layers.Mlp(cfg.mlp, cfg.mlp_dim, cfg.use_bias, cfg.dtype, lora=cfg.lora,
                      dot_general=dot_general, name='mlp')(h)
@@ -148,8 +149,9 @@ _NAMED_POLICIES = {
 
 
 def resolve_remat(remat: str) -> str:
-  """model.remat with 'auto' made concrete: on XLA:CPU a scan keeping every activation writes each
-  layer's intermediates to memory, slower than recomputing the elementwise ones (docs/performance.md)."""
+  """model.remat with 'auto' made concrete: on XLA:CPU a scan keeping every activation writes
+  each layer's intermediates to memory, slower than recomputing the elementwise ones
+  (docs/performance.md)."""
   if remat != 'auto':
     return remat
   return 'dots_saveable' if jax.default_backend() == 'cpu' else 'none'

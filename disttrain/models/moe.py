@@ -26,7 +26,8 @@ mean(logsumexp(logits)^2) (ST-MoE), times model.router_z_weight; each over the w
 the call: the same on any jit layout, but products of batch means, so a call on part of the
 batch (a micro-batch of grad_accum_steps, a device's rows under shard_map or pmap) averages them
 per part, a slightly different objective (docs/scaling.md); they also count padding rows of a
-partly filled eval batch.
+partly filled eval batch. A packed row's padding tokens (segment id 0) route nowhere: they take
+no expert slot and enter neither loss (transformers leaves attention_mask's padding out likewise).
 """
 
 import dataclasses
@@ -57,14 +58,17 @@ def dropless(module):
   return module
 
 
-def route(experts_BxTxK: jax.Array, gates_BxTxK: jax.Array, num_experts: int, slots: int):
+def route(experts_BxTxK: jax.Array, gates_BxTxK: jax.Array, num_experts: int, slots: int,
+          real_BxT: jax.Array | None = None):
   """(dispatch [B, T, E, C] 0/1, combine [B, T, E, C] gates, kept choices per row [B]).
 
   A row's choices queue for their expert in (choice rank, position) order; the first `slots`
-  of each queue are kept.
+  of each queue are kept. Padding (real_BxT 0) queues nowhere: it takes no real token's slot.
   """
   b, t, k = experts_BxTxK.shape
   chosen_BxTxKxE = jax.nn.one_hot(experts_BxTxK, num_experts, dtype=jnp.int32)
+  if real_BxT is not None:
+    chosen_BxTxKxE = chosen_BxTxKxE * real_BxT[:, :, None, None].astype(jnp.int32)
   queue = chosen_BxTxKxE.transpose(0, 2, 1, 3).reshape(b, k * t, num_experts)
   position = (jnp.cumsum(queue, axis=1) - 1).reshape(b, k, t, num_experts).transpose(0, 2, 1, 3)
   kept_BxTxKxE = chosen_BxTxKxE * (position < slots)
@@ -74,16 +78,25 @@ def route(experts_BxTxK: jax.Array, gates_BxTxK: jax.Array, num_experts: int, sl
   return dispatch, combine, kept_BxTxKxE.sum((1, 2, 3))
 
 
-def switch_balance(probs_BxTxE: jax.Array, experts_BxTxK: jax.Array) -> jax.Array:
-  """The Switch load-balancing loss E sum_e f_e p_e over this layer's tokens."""
+def token_mean(values_BxTx_: jax.Array, real_BxT: jax.Array | None) -> jax.Array:
+  """The mean over the tokens [B, T] (the real ones: real_BxT 1, padding 0) of per-token values."""
+  if real_BxT is None:
+    return values_BxTx_.mean((0, 1))
+  real = real_BxT.reshape(real_BxT.shape + (1,) * (values_BxTx_.ndim - 2)).astype(jnp.float32)
+  return (values_BxTx_ * real).sum((0, 1)) / jnp.maximum(real.sum((0, 1)), 1.0)
+
+
+def switch_balance(probs_BxTxE: jax.Array, experts_BxTxK: jax.Array,
+                   real_BxT: jax.Array | None = None) -> jax.Array:
+  """The Switch load-balancing loss E sum_e f_e p_e over this layer's (real) tokens."""
   e, k = probs_BxTxE.shape[-1], experts_BxTxK.shape[-1]
-  fraction = jax.nn.one_hot(experts_BxTxK, e).sum(2).mean((0, 1)) / k
-  return e * jnp.sum(fraction * probs_BxTxE.mean((0, 1)))
+  fraction = token_mean(jax.nn.one_hot(experts_BxTxK, e).sum(2), real_BxT) / k
+  return e * jnp.sum(fraction * token_mean(probs_BxTxE, real_BxT))
 
 
-def z_loss(logits_BxTxE: jax.Array) -> jax.Array:
-  """The router z-loss: mean logsumexp^2 over the tokens."""
-  return jnp.mean(jax.nn.logsumexp(logits_BxTxE, axis=-1) ** 2)
+def z_loss(logits_BxTxE: jax.Array, real_BxT: jax.Array | None = None) -> jax.Array:
+  """The router z-loss: mean logsumexp^2 over the (real) tokens."""
+  return token_mean(jax.nn.logsumexp(logits_BxTxE, axis=-1) ** 2, real_BxT)
 
 
 def pooled_balance(choices_LxKxE: jax.Array, probs_LxE: jax.Array) -> jax.Array:
@@ -109,7 +122,10 @@ class MoeMlp(nn.Module):
     return self.param(name, weights(('experts',) + axes, INIT), (self.num_experts,) + shape)
 
   @nn.compact
-  def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+  def __call__(self, x_BxTxD: jax.Array, real_BxT: jax.Array | None = None) -> jax.Array:
+    """`real_BxT`: 1 for tokens, 0 for a packed row's padding (segment id 0), which takes no
+    expert slot and enters neither router loss nor the dropped count (transformers' balancing
+    loss leaves out attention_mask's padding likewise); None: every token is real."""
     _, t, d = x_BxTxD.shape
     e, k, f = self.num_experts, self.top_k, self.hidden
     logits_BxTxE = nn.Dense(e, use_bias=False, dtype=jnp.float32, name='router',
@@ -123,15 +139,16 @@ class MoeMlp(nn.Module):
     if self.norm_topk:
       gates_BxTxK = gates_BxTxK / gates_BxTxK.sum(-1, keepdims=True)
     if self.balance == 'transformers':  # LanguageModel pools them over the layers
-      self.sow(MOE, 'choices', jax.nn.one_hot(experts_BxTxK, e).mean((0, 1)))
-      self.sow(MOE, 'probs', probs_BxTxE.mean((0, 1)))
+      self.sow(MOE, 'choices', token_mean(jax.nn.one_hot(experts_BxTxK, e), real_BxT))
+      self.sow(MOE, 'probs', token_mean(probs_BxTxE, real_BxT))
     else:
-      self.sow('losses', 'router_balance', self.aux_weight * switch_balance(probs_BxTxE,
-                                                                             experts_BxTxK))
-    self.sow('losses', 'router_z', self.z_weight * z_loss(logits_BxTxE))
+      self.sow('losses', 'router_balance',
+               self.aux_weight * switch_balance(probs_BxTxE, experts_BxTxK, real_BxT))
+    self.sow('losses', 'router_z', self.z_weight * z_loss(logits_BxTxE, real_BxT))
     slots = capacity(t, e, k, self.capacity_factor)
-    dispatch, combine, kept_B = route(experts_BxTxK, gates_BxTxK, e, slots)
-    self.sow(MOE, 'dropped', (t * k - kept_B) / k)  # tokens' worth of dropped choices per row
+    dispatch, combine, kept_B = route(experts_BxTxK, gates_BxTxK, e, slots, real_BxT)
+    tokens_B = t if real_BxT is None else real_BxT.astype(jnp.float32).sum(1)
+    self.sow(MOE, 'dropped', (tokens_B * k - kept_B) / k)  # tokens' worth of dropped choices
     # Dispatched where the tokens are (rows split over every batch axis), then resharded to
     # experts over the expert axis: one all-to-all each way (XLA otherwise gathers all tokens).
     x_ExBxCxD = constrain(jnp.einsum('btec,btd->ebcd', dispatch.astype(self.dtype), x_BxTxD),
