@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from disttrain.config import ModelConfig, RopeScalingConfig
 from disttrain.hf import compare
 from disttrain.hf import config as hf_config
-from tests import hf_round_trip, test_llama
+from tests import hf_round_trip, test_context, test_llama
 from tests.helpers import assert_trees_close
 
 VOCAB = 101
@@ -97,9 +97,12 @@ def test_moe_family_on_fsdp_expert_tensor_equals_one_device(family):
             'model.expert_capacity': 0.0}
   fields.update({'model.head_dim': 24, 'model.moe_norm_topk': False} if family == 'qwen3_moe'
                 else {'model.sliding_window': 8})
-  ref_loss, ref_grads = test_llama._one_step(test_llama._config(**test_llama.ONE, **fields), 1)
+  # Packed rows with padding at their ends, which routes nowhere (moe.py), on both sides.
+  rows = test_context._packed(64, 32, 256)
+  ref_loss, ref_grads = test_llama._one_step(test_llama._config(**test_llama.ONE, **fields), 1,
+                                             train_data=rows)
   layout = {'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.expert': 2, 'mesh.tensor': 2}
-  loss, grads = test_llama._one_step(test_llama._config(**layout, **fields), 8)
+  loss, grads = test_llama._one_step(test_llama._config(**layout, **fields), 8, train_data=rows)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert_trees_close(grads, ref_grads, 1e-5, 1e-6, f'{family} gradient and update')
 
