@@ -98,7 +98,14 @@ def test_router_losses_equal_numpy():
   np.testing.assert_allclose(balance, e * np.sum(fraction * probs.mean((0, 1))), rtol=1e-6)
   lse = np.log(np.exp(logits).sum(-1))
   np.testing.assert_allclose(z, np.mean(lse ** 2), rtol=1e-6)
-
+  # With padding (real 0): the same over the real tokens alone.
+  real = np.arange(t) < np.array([[11], [5]])
+  balance = moe.switch_balance(jnp.asarray(probs, jnp.float32), jnp.asarray(experts),
+                               jnp.asarray(real))
+  fraction = np.array([(experts[real] == i).sum() for i in range(e)]) / (real.sum() * k)
+  np.testing.assert_allclose(balance, e * np.sum(fraction * probs[real].mean(0)), rtol=1e-6)
+  np.testing.assert_allclose(moe.z_loss(jnp.asarray(logits, jnp.float32), jnp.asarray(real)),
+                             np.mean(lse[real] ** 2), rtol=1e-6)
 
 
 def test_a_packed_rows_padding_takes_no_expert_slot_and_enters_no_router_loss():

@@ -25,9 +25,11 @@ the k choices counted, so about k at balance, not 1 a layer), and the router z-l
 mean(logsumexp(logits)^2) (ST-MoE), times model.router_z_weight; each over the whole batch of
 the call: the same on any jit layout, but products of batch means, so a call on part of the
 batch (a micro-batch of grad_accum_steps, a device's rows under shard_map or pmap) averages them
-per part, a slightly different objective (docs/scaling.md); they also count padding rows of a
-partly filled eval batch. A packed row's padding tokens (segment id 0) route nowhere: they take
-no expert slot and enter neither loss (transformers leaves attention_mask's padding out likewise).
+per part, a slightly different objective (docs/scaling.md). A packed row's padding tokens (segment
+id 0, also every token of a packed eval batch's padding rows) route nowhere: they take no expert
+slot and enter neither loss (transformers leaves attention_mask's padding out likewise); the
+capacity stays a share of the whole row length T (a static shape). Rows without segment ids
+count every token, the padding rows of a partly filled eval batch too.
 """
 
 import dataclasses

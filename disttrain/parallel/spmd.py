@@ -38,7 +38,7 @@ def context(model, task, tx, cfg: Config, mesh: Mesh, lay: Layout) -> StepContex
   micro_batches = cfg.grad_accum_steps if parallel.stages == 1 else 1
   if micro_batches > 1 and cfg.step_mode == 'jit' and parallel.fsdp > 1:
     gather = accumulation.Gather(whole=parallel.without_fsdp(lay.param_specs),
-                             split=lay.shardings.params)
+                                 split=lay.shardings.params)
   return StepContext(model=model, task=task, tx=tx,
                      policy=step_lib.Policy(jnp.dtype(cfg.precision.compute_dtype)),
                      micro_batches=micro_batches, gather=gather)
