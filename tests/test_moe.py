@@ -141,6 +141,7 @@ def test_a_packed_rows_padding_takes_no_expert_slot_and_enters_no_router_loss():
       _, _, alone = apply(params, rows(tokens, n))
       np.testing.assert_allclose(loss, alone, rtol=1e-5)
 
+
 LAYOUTS = {'expert=8': {'mesh.data': 1, 'mesh.expert': 8},
            'data 2 x expert 4': {'mesh.data': 2, 'mesh.expert': 4},
            'data 2 x expert 2 x tensor 2': {'mesh.data': 2, 'mesh.expert': 2, 'mesh.tensor': 2},
