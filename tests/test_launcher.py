@@ -213,6 +213,16 @@ BAD_INPUTS = [
      ["--workdir='' is empty"], r'pass --workdir=DIR'),
     ('workdir_uppercase_scheme', ['--workdir=S3://bucket/run'],
      ["'S3://bucket/run'", 'lowercase'], r's3://'),
+    ('learning_rate_nan', ['--check', '--config.learning_rate=nan'],  # 'ok', then a NaN loss
+     ['learning_rate=nan is not a finite number'], r'pass a value >= 0'),
+    ('seed_over_64_bits', ['--config.seed=9223372036854775808'],  # an OverflowError traceback
+     ['seed=9223372036854775808 does not fit in 64 bits'], r'below 2\*\*63'),
+    ('gpt_positions_shorter_than_rows',  # trained to a NaN loss, "lower learning_rate"
+     ['--check', '--config=launch/configs/gpt.py', '--config.data.seq_len=16',
+      '--config.model.max_seq_len=8'],
+     ['model.max_seq_len=8', 'shorter than the rows of 16 tokens'], r'raise it to >= 16'),
+    ('shipped_config_unknown_size', ['--config=launch/configs/llama.py:huge'],  # KeyError trace
+     ["no size 'huge' in launch/configs/llama.py"], r'pick one of tiny, smollm2_135m'),
 ]
 
 

@@ -115,6 +115,8 @@ class Config:
 
   def __post_init__(self):
     positive('seed', self.seed, allow_zero=True)
+    if self.seed >= 2**63:  # jax.random.key takes a signed 64-bit integer
+      raise ConfigError(f'seed={self.seed} does not fit in 64 bits; pass a seed below 2**63')
     positive('global_batch_size', self.global_batch_size)
     positive('eval_batch_size', self.eval_batch_size, allow_zero=True)
     positive('num_train_steps', self.num_train_steps)
@@ -227,6 +229,10 @@ class Config:
                         f'dropout; set --config.{field}=0 (TRL disables dropout too)')
     for _, line in conditional.unused(self)[:1]:
       raise ConfigError(line)
+    if self.model.name == 'gpt' and 0 < self.model.max_seq_len < self.row_tokens:
+      raise ConfigError(f'model.max_seq_len={self.model.max_seq_len} (rows of the learned '
+                        f'positions table) is shorter than the rows of {self.row_tokens} tokens; '
+                        f'raise it to >= {self.row_tokens}, or 0 for the row length')
     if self.data.name != 'prompts':
       return
     g = self.grpo

@@ -233,6 +233,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(message)
   except OSError as e:  # the config file failed to load and an override touched it
     _fail(config_args.load_error(argv, e))
+  except errors.ConfigError as e:  # get_config refused its argument (a shipped config's size)
+    _fail(f'ConfigError: {e}')
   config = _CONFIG.value
   try:
     getattr(config, 'to_dict', None)  # config_flags defers a load failure to the first access

@@ -16,6 +16,8 @@ is launch/configs/llama.py's.
 import os
 import runpy
 
+from disttrain.config import checks
+
 _GEMMA = dict(norm_eps=1e-6, tied_embeddings=True)
 # name -> model fields, then (context, global batch, learning rate)
 SIZES = {
@@ -36,6 +38,6 @@ SIZES = {
 
 
 def get_config(size: str = 'tiny'):
-  model, shape = SIZES[size]
+  model, shape = checks.named_size('launch/configs/gemma.py', SIZES, size)
   llama = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llama.py'))
   return llama['derived']({**_GEMMA, **model}, shape)

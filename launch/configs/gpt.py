@@ -13,6 +13,7 @@ disttrain convert --source=text --format=tokens --out=DIR).
 """
 
 from disttrain import config as config_lib
+from disttrain.config import checks
 
 # name -> (layers, width, heads, vocabulary, context, global batch)
 SIZES = {
@@ -23,7 +24,7 @@ SIZES = {
 
 
 def get_config(size: str = 'small'):
-  layers, width, heads, vocab, context, batch = SIZES[size]
+  layers, width, heads, vocab, context, batch = checks.named_size('launch/configs/gpt.py', SIZES, size)
   cfg = config_lib.defaults()
   cfg.model.name = 'gpt'
   cfg.model.num_layers, cfg.model.hidden, cfg.model.num_heads = layers, width, heads

@@ -14,6 +14,7 @@ against its config.json). Logical rules: the width ('embed') over fsdp; query he
 """
 
 from disttrain import config as config_lib
+from disttrain.config import checks
 
 # name -> model fields, then (context, global batch, learning rate)
 SIZES = {
@@ -32,7 +33,7 @@ _LLAMA3_SCALING = dict(kind='llama3', factor=32.0, low_freq_factor=1.0, high_fre
 
 
 def get_config(size: str = 'tiny'):
-  model, (context, batch, lr) = SIZES[size]
+  model, (context, batch, lr) = checks.named_size('launch/configs/llama.py', SIZES, size)
   cfg = config_lib.defaults()
   cfg.model.name = 'llama'
   for field, value in model.items():

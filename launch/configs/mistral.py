@@ -14,6 +14,8 @@ mistralai/Mixtral-8x7B-v0.1, so `restore_from` a downloaded copy loads. Everythi
 import os
 import runpy
 
+from disttrain.config import checks
+
 # name -> model fields, then (context, global batch, learning rate)
 SIZES = {
     'tiny': (dict(num_layers=4, hidden=128, num_heads=4, num_kv_heads=2, mlp_dim=384,
@@ -32,6 +34,6 @@ SIZES = {
 
 
 def get_config(size: str = 'tiny'):
-  model, shape = SIZES[size]
+  model, shape = checks.named_size('launch/configs/mistral.py', SIZES, size)
   llama = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llama.py'))
   return llama['derived']({'name': 'mistral', **model}, shape)

@@ -16,6 +16,8 @@ checked against its config.json). Everything else, logical rules included, is la
 import os
 import runpy
 
+from disttrain.config import checks
+
 # name -> model fields, then (context, global batch, learning rate)
 SIZES = {
     'tiny': (dict(name='qwen3', num_layers=4, hidden=128, num_heads=4, num_kv_heads=2,
@@ -38,6 +40,6 @@ SIZES = {
 
 
 def get_config(size: str = 'tiny'):
-  model, shape = SIZES[size]
+  model, shape = checks.named_size('launch/configs/qwen.py', SIZES, size)
   llama = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llama.py'))
   return llama['derived']({'norm_eps': 1e-6, **model}, shape)
