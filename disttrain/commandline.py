@@ -5,6 +5,7 @@ and --help (or -h) exits 0 (absl alone prints a FATAL block and exits 1 for both
     commandline.run(one_line_errors(main))
 """
 
+import os
 import re
 import sys
 from typing import Callable, NoReturn
@@ -44,8 +45,35 @@ def flag_error(error: flags.Error) -> str:
   example = ''
   if flag is not None and flag.default is not None:
     example = f', e.g. --{name}={flag.default}'
+  if kind in ('int', 'float') and _is_number(value):  # a number, but out of the flag's bounds
+    return f'--{name}={value}: {reason}; pass one that is{example}'
   return (f'--{name}={value!r} is not {article} {kind} value ({reason}); pass {article} {kind}'
           f'{example}')
+
+
+def output_file(flag: str, path: str) -> None:
+  """Refuses, before any work, a local output file that could not be written."""
+  if not path or path == '-' or '://' in path:
+    return
+  folder = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    fail(f'--{flag}={path!r} is a directory; pass a file path in it')
+  if not os.path.isdir(folder):
+    fail(f'--{flag}={path!r}: {folder} is not a directory; create it or pass another path')
+
+
+def output_dir(flag: str, path: str) -> None:
+  """Refuses, before any work, a local output folder that is a file."""
+  if path and '://' not in path and os.path.exists(path) and not os.path.isdir(path):
+    fail(f'--{flag}={path!r} is a file; pass a folder (created if missing)')
+
+
+def _is_number(value: str) -> bool:
+  try:
+    float(value)
+  except ValueError:
+    return False
+  return True
 
 
 def parse(argv: list[str], hint: str = '') -> list[str]:

@@ -38,20 +38,20 @@ def test_the_installed_script_lists_the_subcommands_and_refuses_an_unknown_one()
       '(disttrain --help)']
 
 
-_HELP = textwrap.dedent("""
-    # `disttrain <sub> --help` and `--bogus_flag=1` for every subcommand, each in a forked child
-    # (one import of jax).
+_FORKED = textwrap.dedent("""
+    # `disttrain ARGS...` for each list of ARGS in argv[1] (JSON), each in a forked child (one
+    # import of jax); prints {' '.join(ARGS): [exit code, output]}.
     import json, os, sys
     import jax, flax, orbax.checkpoint  # what most subcommands load
     from disttrain import cli
     out = {}
-    for name, flag in [(n, f) for n in cli.COMMANDS for f in ('--help', '-h', '--bogus_flag=1')]:
+    for args in json.loads(sys.argv[1]):
       read, write = os.pipe()
       pid = os.fork()
       if pid == 0:
         os.close(read); os.dup2(write, 1); os.dup2(write, 2)
         try:
-          cli.main(['disttrain', name, flag])
+          cli.main(['disttrain', *args])
           code = 0
         except SystemExit as e:
           code = e.code if isinstance(e.code, int) else 0
@@ -59,7 +59,7 @@ _HELP = textwrap.dedent("""
       os.close(write)
       with os.fdopen(read) as pipe:
         text = pipe.read()
-      out[f'{name} {flag}'] = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text]
+      out[' '.join(args)] = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text]
     print(json.dumps(out))
 """)
 # A flag only this subcommand's program has: its --help names it and no other program's.
@@ -71,10 +71,15 @@ OWN_FLAG = {'train': '--coordinator_address', 'check': '--check', 'batch-size': 
             'goodput': '--json: Also write the report'}  # generate has a --json of its own
 
 
-def test_every_subcommand_answers_help_with_its_own_flags_and_a_bad_flag_in_one_line():
-  proc = _run(sys.executable, '-c', _HELP)
+def _forked(commands: list[list[str]]) -> dict[str, list]:
+  proc = _run(sys.executable, '-c', _FORKED, json.dumps(commands))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  runs = json.loads(proc.stdout.strip().splitlines()[-1])
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_subcommand_answers_help_with_its_own_flags_and_a_bad_flag_in_one_line():
+  runs = _forked([[name, flag] for name in cli.COMMANDS
+                  for flag in ('--help', '-h', '--bogus_flag=1')])
   assert set(cli.COMMANDS) == set(OWN_FLAG)
   assert set(runs) == {f'{name} {flag}' for name in cli.COMMANDS
                        for flag in ('--help', '-h', '--bogus_flag=1')}
@@ -94,6 +99,41 @@ def test_every_subcommand_answers_help_with_its_own_flags_and_a_bad_flag_in_one_
     assert len([line for line in text.splitlines() if line.strip()]) == 1, (name, text)
   # The usage lines keep their `\` continuations (a plain docstring joined them into one line).
   assert '-- \\\n      disttrain cluster --num_processes=2' in runs['supervise --help'][1]
+
+
+# A subcommand's own flag with a bad value or an output it cannot write: one line, exit 2,
+# before any work (the workdir, model and input named here do not even exist).
+BAD_FLAGS = [
+    (['generate', '--workdir={d}/none', '--prompt=hi', '--fake_devices=-2'],
+     '--fake_devices=-2: -2 is not a positive integer; pass one that is'),  # ran on 1 device
+    (['tokenizer', '--input={d}/none.txt', '--out={d}/t.json', '--vocab_size=10'],
+     '--vocab_size=10: 10 is not integer >= 257'),  # wrote 257 tokens
+    (['compare', '--hf_dir={d}/none', '--max_kl=-1'],  # exit 1, a FAIL line
+     '--max_kl=-1: -1.0 is not a non-negative number'),
+    (['export', '--workdir={d}/none', '--out={d}/hf', '--max_shard_gb=0'],  # a file per tensor
+     '--max_shard_gb=0 must be > 0'),
+    (['generate', '--workdir={d}/none', '--prompt=hi', '--json={d}'],  # after sampling
+     "--json='{d}' is a directory; pass a file path in it"),
+    (['compare', '--hf_dir={d}/none', '--json={d}'], "--json='{d}' is a directory"),
+    (['tokenizer', '--input={d}/none.txt', '--out={d}'], "--out='{d}' is a directory"),
+    (['convert', '--source=digits', '--out={d}/a_file'],  # FileExistsError tracebacks
+     "--out='{d}/a_file' is a file; pass a folder"),
+    (['export', '--workdir={d}/none', '--out={d}/a_file'], "--out='{d}/a_file' is a file"),
+]
+
+
+def test_bad_values_of_a_subcommands_flags_are_one_line_before_any_work(tmp_path):
+  (tmp_path / 'a_file').write_text('not a folder')
+  commands = [[a.replace('{d}', str(tmp_path)) for a in args] for args, _ in BAD_FLAGS]
+  runs, wrong = _forked(commands), []
+  for args, (_, want) in zip(commands, BAD_FLAGS):
+    code, text = runs[' '.join(args)]
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not (code == 2 and len(lines) == 1 and
+            lines[0].startswith('error: ' + want.replace('{d}', str(tmp_path)))):
+      wrong.append((args[:2], code, text[-300:]))
+  assert not wrong, wrong
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['a_file']  # nothing written
 
 
 def test_old_module_paths_are_the_same_modules_with_a_warning_at_the_callers_line():

@@ -206,6 +206,7 @@ def convert() -> str:
   """Writes the files; returns the flags that train on them."""
   from disttrain.data import formats, in_memory  # pylint: disable=g-import-not-at-top
   out = _OUT.value
+  commandline.output_dir('out', out)
   unused = _unused_flag()
   if unused:
     raise DataError(unused)

@@ -249,8 +249,10 @@ def train_bpe(texts, vocab_size: int, out: str) -> Tokenizer:
 
 def main(argv: list[str]) -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
+  from disttrain import commandline  # pylint: disable=g-import-not-at-top
   from disttrain.data import text  # pylint: disable=g-import-not-at-top
   del argv
+  commandline.output_file('out', flags.FLAGS.out)
   start = time.perf_counter()
   docs = text.Documents(text.resolve(flags.FLAGS.input, '--input'), flags.FLAGS.text_field)
   tok = train_bpe((docs[i] for i in range(len(docs))), flags.FLAGS.vocab_size, flags.FLAGS.out)
@@ -263,7 +265,8 @@ if __name__ == '__main__':
   from disttrain import commandline  # pylint: disable=g-import-not-at-top
   flags.DEFINE_string('input', None, 'Text files: .txt, .jsonl or .parquet globs, comma-separated.')
   flags.DEFINE_string('text_field', 'text', 'JSONL field / Parquet column with the text.')
-  flags.DEFINE_integer('vocab_size', 4096, 'Tokens in the vocabulary (special token included).')
+  flags.DEFINE_integer('vocab_size', 4096, 'Tokens in the vocabulary (special token included): '
+                       'at least the 256 bytes and <|endoftext|>.', lower_bound=257)
   flags.DEFINE_string('out', None, 'Where to write tokenizer.json.')
   flags.mark_flags_as_required(['input', 'out'])
   commandline.run(one_line_errors(main))

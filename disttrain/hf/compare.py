@@ -17,6 +17,8 @@ import tempfile
 
 import numpy as np
 
+from disttrain import commandline
+
 _PROMPTS = ('The capital of France is', 'def fibonacci(n):\n    ',
             'In 1905, Albert Einstein published')
 
@@ -94,6 +96,7 @@ def main(argv) -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
   del argv
   f = flags.FLAGS
+  commandline.output_file('json', f.json)
   out = compare(hf_dir=f.hf_dir, workdir=f.workdir, step=f.step, prompts=f.prompt)
   failed = out['kl_max'] > f.max_kl or (f.max_logit_diff and
                                         out['max_logit_diff'] > f.max_logit_diff)
@@ -110,7 +113,6 @@ def main(argv) -> None:
 
 if __name__ == '__main__':
   from absl import flags, logging  # pylint: disable=g-import-not-at-top
-  from disttrain import commandline  # pylint: disable=g-import-not-at-top
   from disttrain.errors import one_line_errors  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.ERROR)  # orbax's info and read-only notes
   flags.DEFINE_string('hf_dir', '', 'A Hugging Face model directory.')
@@ -118,8 +120,9 @@ if __name__ == '__main__':
   flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
   flags.DEFINE_multi_string('prompt', None, 'Prompt text; repeat for more (default: three '
                             'built-in prompts).')
-  flags.DEFINE_float('max_kl', 0.015, 'Fail (exit 1) when a token\'s KL divergence passes this.')
+  flags.DEFINE_float('max_kl', 0.015, 'Fail (exit 1) when a token\'s KL divergence passes this.',
+                     lower_bound=0)
   flags.DEFINE_float('max_logit_diff', 0.0, 'Fail when the largest logit difference passes '
-                     'this; 0 = not checked.')
+                     'this; 0 = not checked.', lower_bound=0)
   flags.DEFINE_string('json', '', 'Also write the figures as JSON to this file.')
   commandline.run(one_line_errors(main))

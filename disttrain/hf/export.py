@@ -60,6 +60,10 @@ def main(argv) -> None:
   if len(argv) > 1:
     commandline.fail(f'unexpected arguments {argv[1:]}; pass settings as flags, e.g. '
                      '--workdir=RUN_DIR')
+  commandline.output_dir('out', _OUT.value)
+  if not _MAX_SHARD_GB.value > 0:
+    commandline.fail(f'--max_shard_gb={_MAX_SHARD_GB.value:g} must be > 0: the largest '
+                     'safetensors file, in GiB; pass e.g. --max_shard_gb=2')
   if _ADAPTER.value and _MAX_SHARD_GB.present:  # PEFT reads one adapter_model.safetensors
     commandline.fail('--max_shard_gb splits a model\'s safetensors; --adapter writes one '
                      'adapter_model.safetensors, as PEFT reads it: drop --max_shard_gb')

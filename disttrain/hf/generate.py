@@ -18,7 +18,6 @@ models/decoding.py (the scorer and GRPO rollouts run it too).
 import dataclasses
 import functools
 import json
-import os
 import sys
 import time
 import types
@@ -28,6 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from disttrain import commandline
 from disttrain.data import chat
 from disttrain.errors import ConfigError, one_line_errors
 from disttrain.models import decoding, moe
@@ -170,10 +170,7 @@ def main(argv) -> None:
   if ignored and f.temperature == 0:  # greedy decoding takes the most likely token anyway
     raise ConfigError(f'--{ignored[0]} chooses among the tokens to sample, but --temperature=0 is '
                       'greedy; set --temperature > 0 to sample, or drop it')
-  folder = os.path.dirname(os.path.abspath(f.json)) if f.json and f.json != '-' else ''
-  if folder and not os.path.isdir(folder):  # before the model loads and samples
-    raise ConfigError(f'--json={f.json!r}: {folder} is not a directory; create it or pass '
-                      'another path (- for stdout)')
+  commandline.output_file('json', f.json)  # before the model loads and samples
   lm = trained.load(workdir=f.workdir, hf_dir=f.hf_dir, step=f.step, mesh=f.mesh,
                     tokenizer=f.tokenizer, ema=f.ema)
   prompts = [lm.tokenizer.encode(text) for text in f.prompt]
@@ -226,7 +223,6 @@ def _as_json(lm, f, prompts: list[list[int]], result: Generation, stops) -> dict
 
 if __name__ == '__main__':
   from absl import flags, logging  # pylint: disable=g-import-not-at-top
-  from disttrain import commandline  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.ERROR)  # orbax's info and read-only notes
   flags.DEFINE_string('workdir', '', 'A run directory with a checkpoint.')
   flags.DEFINE_string('hf_dir', '', 'Or a Hugging Face model directory.')
@@ -241,7 +237,7 @@ if __name__ == '__main__':
   flags.DEFINE_bool('ema', False, 'Sample from the moving average of the parameters.')
   flags.DEFINE_string('mesh', '', "A mesh instead of the run's (axes not named are 1), e.g. "
                       'data=-1 or fsdp=8.')
-  flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.')
+  flags.DEFINE_integer('fake_devices', None, 'Run on N CPU devices.', lower_bound=1)
   flags.DEFINE_bool('chat', False, "Each prompt is a user turn, rendered by the tokenizer's own "
                     'chat template with its generation prompt.')
   flags.DEFINE_string('json', '', 'Also write the samples as JSON (token ids, text, '
