@@ -20,6 +20,7 @@ import pytest
 import disttrain
 from disttrain.data.records import ID
 from disttrain.errors import CheckpointError
+from disttrain.operating import events, metrics
 from disttrain.storage import checkpoint, checkpoint_reads
 from tests.conftest import ROOT, subprocess_env
 from tests import helpers
@@ -264,6 +265,25 @@ def test_a_warm_start_reads_the_params_for_any_optimizer_and_names_a_damaged_ste
   with pytest.raises(CheckpointError, match=r"restore_from=.*: step 10 cannot be read \(") as e:
     checkpoint_reads.restore_params(str(workdir / 'checkpoints'), abstract)
   assert '\n' not in str(e.value)
+  (tmp_path / 'a_file').write_text('')  # said 'does not exist'
+  with pytest.raises(CheckpointError, match=r"restore_from='.*a_file' is a file; pass a check"):
+    checkpoint_reads.restore_params(str(tmp_path / 'a_file'), abstract)
+
+
+def test_record_lines_a_resume_cannot_read_are_moved_aside_byte_for_byte(tmp_path):
+  """metrics.jsonl lines of bad UTF-8 or with a step that is no number were a UnicodeDecodeError or
+  TypeError traceback at a relaunch; they go to metrics.superseded.jsonl as they are, like a line
+  cut short by a kill. events.jsonl's are skipped."""
+  path = tmp_path / 'metrics.jsonl'
+  good = [(json.dumps({'step': s, 'split': 'train', 'loss': 1.0}) + '\n').encode()
+          for s in (1, 2, 3)]
+  bad = [b'\xff\xfe\n', b'{"step": null, "split": "train"}\n', b'[1]\n']
+  path.write_bytes(good[0] + bad[0] + good[1] + bad[1] + bad[2] + good[2])
+  assert metrics.supersede(str(path), 2) == ([3], {(2, 'train')})
+  assert path.read_bytes() == good[0] + good[1]
+  assert (tmp_path / 'metrics.superseded.jsonl').read_bytes() == b''.join(bad) + good[2]
+  (tmp_path / 'events.jsonl').write_bytes(b'{"event": "start"}\n\xff\n{"event": "end"}\n')
+  assert [e['event'] for e in events.read(str(tmp_path))] == ['start', 'end']
 
 
 def test_nan_stops_with_step_and_keeps_last_finite_checkpoint(tmp_path):

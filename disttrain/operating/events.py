@@ -22,7 +22,11 @@ FILE = 'events.jsonl'
 def read(workdir: str) -> list[dict]:
   """Every complete event of the run, oldest first (a line cut short by a kill is skipped)."""
   out = []
-  for line in (urls.read_text(urls.join(workdir, FILE)) or '').splitlines():
+  try:
+    data = urls.path(urls.join(workdir, FILE)).read_bytes()
+  except FileNotFoundError:
+    data = b''
+  for line in data.decode('utf-8', errors='replace').splitlines():  # bad bytes spoil their line
     try:
       record = json.loads(line)
     except json.JSONDecodeError:

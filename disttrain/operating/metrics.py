@@ -154,13 +154,15 @@ def supersede(path: str, first_step: int) -> tuple[list[int], set[tuple[int, str
   if not os.path.isfile(path):
     return [], set()
   keep, moved, steps, present = [], [], [], set()
-  with open(path, encoding='utf-8') as f:
+  with open(path, 'rb') as f:  # bytes: a line of bad UTF-8 is moved aside as it is
     for line in f:
       try:
         record = json.loads(line)
         step = record['step']
-      except (json.JSONDecodeError, KeyError, TypeError):
-        moved.append(line if line.endswith('\n') else line + '\n')
+        if not isinstance(step, int):
+          raise TypeError(step)
+      except (ValueError, KeyError, TypeError):  # ValueError: bad JSON or bad UTF-8
+        moved.append(line if line.endswith(b'\n') else line + b'\n')
         continue
       if step <= first_step:
         keep.append(line)
@@ -170,9 +172,9 @@ def supersede(path: str, first_step: int) -> tuple[list[int], set[tuple[int, str
         moved.append(line)
         steps.append(step)
   if moved:
-    with open(path[:-len('.jsonl')] + '.superseded.jsonl', 'a', encoding='utf-8') as f:
+    with open(path[:-len('.jsonl')] + '.superseded.jsonl', 'ab') as f:
       f.writelines(moved)
-    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    with open(path + '.tmp', 'wb') as f:
       f.writelines(keep)
     os.replace(path + '.tmp', path)
   return steps, present

@@ -24,7 +24,8 @@ def restore_params(path: str, abstract_state: Any) -> tuple[Any, Any, int]:
   if path.rstrip('/').rsplit('/', 1)[-1].isdigit():
     directory, step = path.rsplit('/', 1)[0], int(path.rsplit('/', 1)[-1])
   if not urls.path(directory).is_dir():
-    raise CheckpointError(f'restore_from={path!r} does not exist; pass a checkpoints directory '
+    what = 'is a file' if urls.path(directory).exists() else 'does not exist'
+    raise CheckpointError(f'restore_from={path!r} {what}; pass a checkpoints directory '
                           'or one of its step directories')
   manager = read_only(directory)
   step = manager.latest_step() if step is None else step
