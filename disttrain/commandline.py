@@ -68,6 +68,13 @@ def output_dir(flag: str, path: str) -> None:
     fail(f'--{flag}={path!r} is a file; pass a folder (created if missing)')
 
 
+def in_flags(message: str, spellings: dict[str, str]) -> str:
+  """A message of the config layer spoken in a command's own flags (its fix names them)."""
+  for field, flag in spellings.items():
+    message = message.replace(field, flag)
+  return message
+
+
 def _is_number(value: str) -> bool:
   try:
     float(value)

@@ -51,6 +51,9 @@ _EVAL_TOKENS = flags.DEFINE_integer('eval_tokens', 2**15 + 1, 'tokens: ids writt
 _TOKEN_DTYPE = flags.DEFINE_enum('token_dtype', 'uint16', ['uint16', 'uint32'],
                                  'tokens: id type.')
 flags.mark_flags_as_required(['source', 'out'])
+# The built-in sets and the documents reader name the config's fields in their fixes.
+_AS_FLAGS = {'--config.data.dir=': '--data_dir=', '--config.data.eval_examples=': '--eval_examples=',
+             'data.text_field, data.sft.*': '--text_field'}
 
 
 def _builtin(name: str) -> dict:
@@ -264,7 +267,7 @@ def main(argv):
   try:
     print(f'train with: {convert()}')
   except DisttrainError as e:
-    commandline.fail(f'{type(e).__name__}: {e}')
+    commandline.fail(f'{type(e).__name__}: ' + commandline.in_flags(str(e), _AS_FLAGS))
 
 
 
