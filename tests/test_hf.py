@@ -27,6 +27,7 @@ from disttrain import models
 from disttrain.config import ModelConfig, RopeScalingConfig
 from disttrain.errors import CheckpointError, ConfigError
 from disttrain.hf import config as hf_config, exported_config, tensorfiles, trained, weights as hf
+from disttrain.launch import config_args
 from disttrain.models import layers
 from tests import helpers, hf_round_trip
 from tests.conftest import ROOT, subprocess_env
@@ -176,6 +177,15 @@ def test_hf_config_trains_the_model_its_directory_describes(tmp_path):
   with pytest.raises(ConfigError, match='config.json gives model.num_layers=2 but the config '
                                         'sets model.num_layers=3; drop --config.model.num_layers'):
     hf_config.from_directory(config(**{'model.num_layers': 3}))
+  # Set to ModelConfig's default (1e-5) it was taken as unset: the launcher names what its
+  # command line set, and those must agree too.
+  named = config_args.model_fields(['--config.model.norm_eps=1e-5', '--config.data.seq_len=16',
+                                    '--config.model.rope_scaling.kind=', '--config=hf.py'])
+  assert named == {'norm_eps', 'rope_scaling'}
+  with pytest.raises(ConfigError, match='config.json gives model.norm_eps=1e-06 but the config '
+                                        'sets model.norm_eps=1e-05'):
+    hf_config.refuse_contradictions(config(**{'model.norm_eps': 1e-5}), named)
+  hf_config.refuse_contradictions(config(**{'model.head_dim': 24}), {'head_dim', 'rope_scaling'})
   # A scaling config.json does not have (it trained another model, 4.6 off transformers).
   with pytest.raises(ConfigError, match=r"config.json gives model.rope_scaling=\{'kind': ''"):
     hf_config.from_directory(config(**{'model.rope_scaling.kind': 'linear'}))

@@ -243,13 +243,30 @@ def from_directory(cfg: Config) -> Config:
     if name == 'rope_scaling':
       value = RopeScalingConfig(**value)
     if mine != getattr(default, name) and mine != value and name != 'name':
-      shown = vars(value) if name == 'rope_scaling' else value
-      raise ConfigError(f'{directory}: config.json gives model.{name}={shown!r} but the config '
-                        f'sets model.{name}={mine!r}; drop --config.model.{name} (or set it to '
-                        'that value)')
+      raise _contradiction(directory, name, value, mine)
     given[name] = value
   data = cfg.data
   if not data.tokenizer and any(os.path.isfile(os.path.join(directory, n))
                                 for n in _TOKENIZER_FILES):
     data = dataclasses.replace(data, tokenizer=directory)
   return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **given), data=data)
+
+
+def refuse_contradictions(cfg: Config, named: set[str]) -> None:
+  """from_directory cannot tell a field set to ModelConfig's default from one left there (it
+  takes config.json's): the fields a command line `named` must agree with config.json too. No
+  directory yet (`disttrain check` of a recipe): the run's from_directory will say so."""
+  if not named or not os.path.isfile(os.path.join(cfg.restore_from or '', 'config.json')):
+    return
+  resolved = from_directory(cfg).model
+  for name in sorted(named - set(TRAINING_CHOICES) - {'dropout', 'name'}):
+    mine, value = getattr(cfg.model, name, None), getattr(resolved, name, None)
+    if mine != value:
+      raise _contradiction(cfg.restore_from, name, value, mine)
+
+
+def _contradiction(directory: str, name: str, value, mine) -> ConfigError:
+  shown = vars(value) if name == 'rope_scaling' else value
+  return ConfigError(f'{directory}: config.json gives model.{name}={shown!r} but the config '
+                     f'sets model.{name}={mine!r}; drop --config.model.{name} (or set it to '
+                     'that value)')

@@ -67,6 +67,20 @@ def unknown_field(argv: list[str]) -> str | None:
   return None
 
 
+def model_fields(argv: list[str]) -> set[str]:
+  """The model fields --config.model.<field>[.<sub>]=... overrides name (top level)."""
+  return {m.group(1).split('.')[1].split('[')[0] for m in map(_OVERRIDE.match, argv)
+          if m and m.group(1).startswith('model.') and '.' in m.group(1)}
+
+
+def agree_with_directory(cfg, argv: list[str]) -> None:
+  """model.name='hf': the model fields argv sets, also to their defaults, must agree with
+  restore_from's config.json."""
+  if cfg.model.name == 'hf':
+    from disttrain.hf import config as hf_config  # pylint: disable=g-import-not-at-top
+    hf_config.refuse_contradictions(cfg, model_fields(argv))
+
+
 def path(argv: list[str]) -> str:
   """The --config value as absl sees it: the last one given, a --flagfile's too."""
   try:

@@ -107,6 +107,7 @@ def main(argv):
   try:
     # A bad config fails here, before jax loads and before joining a job.
     cfg = disttrain.from_config_dict(_CONFIG.value)
+    config_args.agree_with_directory(cfg, sys.argv)
   except disttrain.DisttrainError as e:
     _fail(f'{type(e).__name__}: {e}')
   if _CHECK.value:
