@@ -115,6 +115,8 @@ BAD_FLAGS = [
     (['generate', '--workdir={d}/none', '--prompt=hi', '--json={d}'],  # after sampling
      "--json='{d}' is a directory; pass a file path in it"),
     (['compare', '--hf_dir={d}/none', '--json={d}'], "--json='{d}' is a directory"),
+    (['compare', '--workdir={d}/none', '--hf_dir={d}/nope'],  # loaded the run, asked the Hub
+     "--hf_dir='{d}/nope' is not a Hugging Face model directory"),
     (['tokenizer', '--input={d}/none.txt', '--out={d}'], "--out='{d}' is a directory"),
     (['convert', '--source=digits', '--out={d}/a_file'],  # FileExistsError tracebacks
      "--out='{d}/a_file' is a file; pass a folder"),

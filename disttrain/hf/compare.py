@@ -12,6 +12,7 @@ difference passes --max_logit_diff; bad input exits 2.
 """
 
 import json
+import os
 import sys
 import tempfile
 
@@ -61,6 +62,10 @@ def compare(*, hf_dir: str = '', workdir: str = '', step: int | None = None,
   from disttrain.parallel import mesh  # pylint: disable=g-import-not-at-top
   if not (hf_dir or workdir):
     raise ConfigError('pass --hf_dir=HF_DIR, --workdir=RUN_DIR, or both')
+  if hf_dir and workdir and not os.path.isfile(os.path.join(hf_dir, 'config.json')):
+    # transformers would take it for a Hub id and go to the network, after our side loaded
+    raise ConfigError(f'--hf_dir={hf_dir!r} is not a Hugging Face model directory (no '
+                      'config.json); pass the folder an export or a save wrote')
   one = {'devices': jax.devices()[:1], 'mesh': {axis: 1 for axis in mesh.AXES},
          'compute_dtype': 'float32'}
   lm = (trained.load(workdir=workdir, step=step, **one) if workdir
