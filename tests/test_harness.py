@@ -13,6 +13,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import types
 
 import lm_eval
 import numpy as np
@@ -150,6 +151,15 @@ def test_generation_kwargs_read_as_lm_eval_normalizes_them():
     ref = normalize_gen_kwargs(kwargs, 11)
     assert harness_tasks.generation(kwargs, 11) == (ref['max_gen_toks'], ref['until'],
                                               ref['do_sample']), kwargs
+
+
+def test_a_model_without_its_tokenizers_end_of_text_is_refused_with_the_fix():
+  """launch/configs/llama.py's 256 byte ids stop short of the byte tokenizer's end of text (256):
+  the docs' lm-eval example on such a run could never work; 257 ids can."""
+  with pytest.raises(ConfigError, match=r"the tokenizer '\(bytes\)' has no end-of-text token "
+                                        r'.* or train with model.vocab_size > 256 \(its id\)'):
+    harness.backend(types.SimpleNamespace(max_len=64), tokenizer_lib.load(''), 256)
+  assert harness.backend(types.SimpleNamespace(max_len=64), tokenizer_lib.load(''), 257).eos == 256
 
 
 def _responses(results, task: str) -> list:

@@ -46,7 +46,9 @@ def backend(scorer: scoring.Scorer, tokenizer, vocab_size: int, max_gen_toks: in
       if eos is None:
         raise ConfigError(f'the tokenizer {tokenizer.path or "(bytes)"!r} has no end-of-text '
                           f"token within the model's {vocab_size} ids, which lm-eval uses as the "
-                          'empty context and a stop string; use a tokenizer that has one')
+                          'empty context and a stop string; use a tokenizer that has one' + (
+                              f', or train with model.vocab_size > {tokenizer.eos_id} (its id)'
+                              if tokenizer.eos_id is not None else ''))
       self.eos, self.scorer = eos, scorer
       self.max_length, self.max_gen_toks = scorer.max_len, max_gen_toks
       self.params, self.mutable = None, {}
