@@ -2,6 +2,7 @@
 a run on data x fsdp x tensor equal to 1 device, a SIGKILLed run resuming bit for bit, and the
 example config learning its sums."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -331,10 +332,29 @@ def test_grpo_on_data_fsdp_tensor_equals_one_device_and_resumes_bitwise_after_si
 def test_the_example_learns_its_sums(tmp_path):
   """launch/configs/grpo_sums.py from scratch on 1 device, as docs/post-training.md reports:
   the reward starts near 0 (random bytes are rarely digits) and passes 0.5 within 100 steps
-  (measured 2026-11-27: 0.00 at step 10, 0.46 at 40, 0.58 at 60, 0.66 at 100)."""
+  (measured 2026-11-27: 0.00 at step 10, 0.46 at 40, 0.58 at 60, 0.66 at 100). A record of 10
+  steps gives their sampled batches' mean reward (it was weighted by the steps' completion
+  tokens) and the largest completion length (a weighted mean, no length, before)."""
   cfg, rewards = _example(num_train_steps=100, checkpoint_every_steps=0)
+  per_step = []  # each step's mean total reward, as the reward functions returned it
+
+  def spied(fn, first):
+    @functools.wraps(fn)
+    def spy(**kwargs):
+      values = fn(**kwargs)
+      if first:
+        per_step.append(0.0)
+      per_step[-1] += float(np.mean(values))
+      return values
+    return spy
+  rewards = [spied(fn, i == 0) for i, fn in enumerate(rewards)]
   result = disttrain.train(cfg, str(tmp_path), devices=devices(1), rewards=rewards)
   train = [r for r in result.records if r['split'] == 'train']
+  assert len(per_step) == 100 and [r['step'] for r in train] == list(range(10, 101, 10))
+  for r in train:
+    np.testing.assert_allclose(r['reward'], np.mean(per_step[r['step'] - 10:r['step']]),
+                               rtol=1e-12, err_msg=str(r['step']))
+    assert float(r['completion_length_max']).is_integer(), r
   assert train[0]['reward'] < 0.05, train[0]
   assert np.mean([r['reward'] for r in train[-3:]]) > 0.5, [r['reward'] for r in train]
   assert train[-1]['completion_length'] == 2.0  # two digits, never an early EOS

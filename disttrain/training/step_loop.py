@@ -107,6 +107,7 @@ def train_steps(run: Setup, first_step: int, device_state, batches, acts: Action
         jax.block_until_ready(previous)  # at most two multi-device steps in flight (see above)
     previous = step_metrics
     step_metrics = {**step_metrics, **sampled}
+    acts.records.per_batch.update(sampled)
     emitted = len(acts.out.records)
     acts.records.maybe_write(step_no, step_metrics)  # the previous step's record, fetched now
     acts.profiler.maybe_stop(step_no, device_state)

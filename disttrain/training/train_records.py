@@ -46,6 +46,7 @@ class TrainRecords:
     self.due = None  # the window of a record not yet written
     self._mark = None  # (step, active seconds, data seconds) at the previous record
     self.stragglers = None  # operating.stragglers.Monitor of a multi-process job
+    self.per_batch: set[str] = set()  # GRPO's sampler figures, one per sampled batch
 
   def variant(self, step_no: int) -> Variant:
     """Every metric on steps that end a record, the loss alone in between (full batches)."""
@@ -122,7 +123,8 @@ class TrainRecords:
     data_seconds = self.phases.seconds['data'] - waited
     self._mark = (at, self.phases.active(), self.phases.seconds['data'])
     examples_per_sec = (at - first) * self.cfg.global_batch_size / seconds
-    record = _train_record(at, [m for _, _, m in window], float(self.lr_schedule(at - 1)))
+    record = _train_record(at, [m for _, _, m in window], float(self.lr_schedule(at - 1)),
+                           self.per_batch)
     record.update(examples_per_sec=examples_per_sec,
                   data_wait_fraction=round(min(data_seconds / seconds, 1.0), 4),
                   **self.throughput.fields(examples_per_sec))
@@ -134,11 +136,14 @@ class TrainRecords:
                           f'{examples_per_sec:,.0f} examples/s, ETA {metrics.format_eta(eta)}')
 
 
-def _train_record(step: int, window: list[dict], lr: float) -> dict:
+def _train_record(step: int, window: list[dict], lr: float,
+                  per_batch: frozenset[str] | set[str] = frozenset()) -> dict:
   """A train record over the steps since the last one.
 
   Metrics every step reports ('loss', and with the default step the task's metrics) are averaged
   over those global batches, weighted by count; the others (grad_norm) are the last step's.
+  `per_batch` figures (a sampled batch's reward, lengths, times) are their steps' plain mean, a
+  `_max` their largest: each step samples as many completions, whatever their tokens.
   """
   counts = np.array([float(m['count']) for m in window])
   record = {'step': step, 'split': 'train'}
@@ -146,7 +151,10 @@ def _train_record(step: int, window: list[dict], lr: float) -> dict:
   for key, value in window[-1].items():
     if key == 'count':
       continue
-    if key in every_step:
+    if key in per_batch:
+      values = [float(m[key]) for m in window if key in m]
+      record[key] = max(values) if key.endswith('_max') else float(np.mean(values))
+    elif key in every_step:
       record[key] = float(np.sum([float(m[key]) for m in window] * counts) / counts.sum())
     else:
       record[key] = float(value)
