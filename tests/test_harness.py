@@ -192,8 +192,11 @@ def test_same_scores_as_the_hf_backend(setup):
 def test_unknown_task_is_one_line_before_the_model_loads(setup, tmp_path, monkeypatch):
   _reuse_task_managers(monkeypatch)
   with pytest.raises(ConfigError, match=r"lm-eval knows no task 'local_mcq' \(its own tasks and "
-                     r'those in .*\); list them with `lm_eval ls tasks`'):
+                     r'those in .*\); list them with `lm_eval ls tasks`, or pass --include_path='):
     harness_tasks.task_manager(['local_mcq'], str(setup['task_dir']))
+  # In the loop (evaluation/downstream.py) the fix is the config field, not lm-eval's flag.
+  with pytest.raises(ConfigError, match=r'or pass --config.data.eval_harness_include=DIR'):
+    harness_tasks.task_manager(['local_mcq'], None, '--config.data.eval_harness_include')
   with pytest.raises(ConfigError, match=r"the include path '.*/nodir' is not a directory"):
     harness_tasks.task_manager(['arc_easy'], str(tmp_path / 'nodir'))  # lm-eval skipped it silently
   env = subprocess_env()

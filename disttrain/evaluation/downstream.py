@@ -48,7 +48,8 @@ class Downstream:
     self.harness_limit = cfg.data.eval_harness_limit or None
     if self.harness_tasks:  # lm-evaluation-harness's tasks, answered by the same scorer
       self.manager = harness_tasks.task_manager(self.harness_tasks,
-                                                cfg.data.eval_harness_include or None)
+                                                cfg.data.eval_harness_include or None,
+                                                '--config.data.eval_harness_include')
       room = ('generate fewer tokens (the task\'s max_gen_toks, else data.eval_max_new_tokens) '
               'or raise data.seq_len')
       for task, new in harness_tasks.generation_lengths(self.manager, self.harness_tasks,

@@ -25,9 +25,10 @@ def names(text: str) -> list[str]:
   return [t.strip() for t in text.split(',') if t.strip()]
 
 
-def task_manager(tasks: list[str], include_path: str | None = None):
+def task_manager(tasks: list[str], include_path: str | None = None,
+                 include_flag: str = '--include_path'):
   """lm_eval's TaskManager (with the YAML tasks under include_path); a task it does not know is
-  one ConfigError naming it."""
+  one ConfigError naming it and `include_flag`, the caller's spelling of include_path."""
   package()
   given, include_path = include_path, include_path and os.path.expanduser(include_path)
   if include_path and not os.path.isdir(include_path):  # lm-eval skips it
@@ -39,7 +40,7 @@ def task_manager(tasks: list[str], include_path: str | None = None):
   if unknown or not tasks:
     raise ConfigError((f'lm-eval knows no task {unknown[0]!r}' if unknown else 'no task given')
                       + (f' (its own tasks and those in {include_path})' if include_path else '')
-                      + '; list them with `lm_eval ls tasks`, or pass --include_path=DIR of '
+                      + f'; list them with `lm_eval ls tasks`, or pass {include_flag}=DIR of '
                       'your YAML tasks')
   return manager
 
