@@ -8,6 +8,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -179,3 +180,23 @@ def test_bad_sampling_and_export_inputs_are_one_line_and_exit_2(run_dir, tmp_pat
   errors = [line for line in proc.stderr.splitlines() if line.strip()]
   assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
   assert errors[0].startswith('error: ') and message in errors[0], errors[0]
+
+
+def test_the_sample_at_the_end_of_a_run_fits_its_prompt_into_the_context(run_dir, capsys):
+  """An example config's SampleAtEnd (launch/configs/llama_docs.py) on a run of 64-token rows:
+  a prompt of 60 bytes gets the 4 greedy tokens that fit (48 asked; a finished run failed with
+  a CallbackError at its end), one that fills the context gets none, said."""
+  from disttrain.hf.generate import SampleAtEnd  # pylint: disable=g-import-not-at-top
+  lm = trained.load(workdir=str(run_dir), devices=devices(8))
+  result = types.SimpleNamespace(state=types.SimpleNamespace(params=lm.params, mutable={}))
+  prompt = 'import os\n' * 6
+  SampleAtEnd(lm.cfg, [prompt]).on_end(result)
+  ids = lm.tokenizer.encode(prompt)
+  want = disttrain.generate(lm.model, lm.params, [ids], max_new_tokens=4, mesh=lm.mesh,
+                            context=64).tokens[0]
+  assert len(ids) == 60 and len(want) == 4
+  assert capsys.readouterr().out == \
+      f'sample: {prompt + lm.tokenizer.continuation(ids, want)!r}\n'
+  SampleAtEnd(lm.cfg, ['x' * 64]).on_end(result)
+  assert capsys.readouterr().out == \
+      "sample: none, a prompt of 64 tokens fills the model's context of 64\n"

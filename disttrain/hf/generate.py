@@ -140,8 +140,15 @@ class SampleAtEnd:
       from disttrain.models import lora  # pylint: disable=g-import-not-at-top
       from disttrain.parallel.state import FROZEN  # pylint: disable=g-import-not-at-top
       params = lora.merge(result.state.mutable[FROZEN], params, self.lora_scale)
+    # A run of short rows: fewer new tokens, never a finished run's error at its end.
+    room = self.context - max(map(len, prompts))
+    if room < 1:
+      if jax.process_index() == 0:
+        print(f'sample: none, a prompt of {self.context - room} tokens fills the model\'s '
+              f'context of {self.context}', flush=True)
+      return
     out = generate(self.model, params, prompts,
-                   max_new_tokens=self.max_new_tokens,
+                   max_new_tokens=min(self.max_new_tokens, room),
                    eos_id=self.tokenizer.stop_ids(self.model.cfg.vocab_size), context=self.context)
     if jax.process_index() == 0:
       for prompt, ids, new in zip(self.prompts, prompts, out.tokens):
