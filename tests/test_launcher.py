@@ -213,6 +213,8 @@ BAD_INPUTS = [
      ["--workdir='' is empty"], r'pass --workdir=DIR'),
     ('workdir_uppercase_scheme', ['--workdir=S3://bucket/run'],
      ["'S3://bucket/run'", 'lowercase'], r's3://'),
+    ('checkpoints_is_a_file', ['--workdir={dir}/run_with_a_file'],  # NotADirectoryError trace
+     ['run_with_a_file/checkpoints is a file'], r'move it aside'),
     ('learning_rate_nan', ['--check', '--config.learning_rate=nan'],  # 'ok', then a NaN loss
      ['learning_rate=nan is not a finite number'], r'pass a value >= 0'),
     ('seed_over_64_bits', ['--config.seed=9223372036854775808'],  # an OverflowError traceback
@@ -239,6 +241,8 @@ def bad_data(tmp_path):
   (half / 't10k-images-idx3-ubyte').write_bytes(b'this is not an IDX file')
   (tmp_path / 'empty').mkdir()
   (tmp_path / 'a_file').write_text('not a folder')
+  (tmp_path / 'run_with_a_file').mkdir()
+  (tmp_path / 'run_with_a_file' / 'checkpoints').write_text('not a folder')
   (tmp_path / 'pairs.jsonl').write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
                                         '{"prompt": "a", "chosen": "b"}\n')
   return tmp_path

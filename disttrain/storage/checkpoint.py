@@ -93,14 +93,16 @@ class Checkpointer:
   def __init__(self, workdir: str, cfg: Config):
     _whole_small_arrays()
     self.directory = urls.join(urls.resolve(workdir), 'checkpoints')
+    if urls.path(self.directory).is_file():  # orbax: a NotADirectoryError traceback
+      raise CheckpointError(f'{self.directory} is a file, not the run\'s checkpoints directory; '
+                            'move it aside or pass another --workdir')
     keep = [policies.LatestN(n=cfg.max_to_keep)]
     # Steps saved with other metrics (a relaunch that names a new eval source) rank last: a
     # KeyError inside orbax failed every save, each relaunch keeping one more step.
     worst = -math.inf if cfg.best_mode == 'max' else math.inf
     metric = (lambda m: m.get(cfg.best_metric, worst)) if cfg.best_metric else None
     if metric:
-      keep.append(policies.BestN(get_metric_fn=metric,
-                                 reverse=cfg.best_mode == 'min', n=1,
+      keep.append(policies.BestN(get_metric_fn=metric, reverse=cfg.best_mode == 'min', n=1,
                                  keep_checkpoints_without_metrics=False))
     options = ocp.CheckpointManagerOptions(
         preservation_policy=policies.AnyPreservationPolicy(keep),
