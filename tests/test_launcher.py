@@ -213,6 +213,8 @@ BAD_INPUTS = [
      ["--workdir='' is empty"], r'pass --workdir=DIR'),
     ('workdir_uppercase_scheme', ['--workdir=S3://bucket/run'],
      ["'S3://bucket/run'", 'lowercase'], r's3://'),
+    ('config_without_get_config', ['--config=launch/train.py'],  # an AttributeError traceback
+     ["--config='launch/train.py' defines no get_config()"], r'e\.g\. --config='),
     ('checkpoints_is_a_file', ['--workdir={dir}/run_with_a_file'],  # NotADirectoryError trace
      ['run_with_a_file/checkpoints is a file'], r'move it aside'),
     ('learning_rate_nan', ['--check', '--config.learning_rate=nan'],  # 'ok', then a NaN loss

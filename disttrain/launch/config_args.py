@@ -67,6 +67,14 @@ def unknown_field(argv: list[str]) -> str | None:
   return None
 
 
+def no_get_config(argv: list[str], error: Exception) -> str | None:
+  """One line for a --config file that defines no get_config (config_flags' AttributeError)."""
+  if isinstance(error, AttributeError) and "attribute 'get_config'" in str(error):
+    return (f'--config={path(argv)!r} defines no get_config(); pass a config file whose '
+            f'get_config() returns a ConfigDict, e.g. --config={EXAMPLE_CONFIG}')
+  return None
+
+
 def model_fields(argv: list[str]) -> set[str]:
   """The model fields --config.model.<field>[.<sub>]=... overrides name (top level)."""
   return {m.group(1).split('.')[1].split('[')[0] for m in map(_OVERRIDE.match, argv)

@@ -225,10 +225,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
     rest = flags.FLAGS(argv)
   except flags.Error as e:
     _fail(config_args.flag_error(e))
-  except (AttributeError, KeyError, IndexError):
+  except (AttributeError, KeyError, IndexError) as e:
     # config_flags looks each override up in the (locked) config; a miss is an unknown field.
     # Anything else (e.g. a bug inside the config file) keeps its traceback.
-    message = config_args.unknown_field(argv)
+    message = config_args.unknown_field(argv) or config_args.no_get_config(argv, e)
     if message is None:
       raise
     _fail(message)
