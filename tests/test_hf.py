@@ -429,6 +429,9 @@ def test_bad_hugging_face_directories_are_one_line_errors(tmp_path):
     with pytest.raises((CheckpointError, ConfigError), match=re.escape(message)) as e:
       _load(str(out), config)
     assert '\n' not in str(e.value)
+  # No architectures: the family from model_type, as AutoModelForCausalLM takes it (refused before).
+  _damaged(path, tmp_path / 'no_architectures', 'no_architectures')
+  assert hf_config.read(str(tmp_path / 'no_architectures'))[1] == 'llama'
   # transformers loads a tied model whose file holds lm_head.weight too (the head is the
   # embedding): it was refused as a tensor the config has no parameter for.
   _damaged(path, tmp_path / 'tied_head', 'tied_head')
@@ -456,6 +459,13 @@ def _damaged(path: str, out, case: str) -> None:
     (out / 'config.json').write_text(json.dumps(config))
   elif case == 'architecture':
     (out / 'config.json').write_text(json.dumps({'architectures': ['BertModel']}))
+  elif case in ('model_type', 'no_architectures'):  # from_pretrained goes by model_type
+    config = json.loads((out / 'config.json').read_text())
+    if case == 'model_type':
+      config['model_type'] = 'bert'
+    else:
+      del config['architectures']
+    (out / 'config.json').write_text(json.dumps(config))
   elif case in ('missing_tensor', 'tensor_shape', 'memory', 'tied_head'):
     if case == 'missing_tensor':
       tensors.pop(name)
@@ -468,6 +478,8 @@ def _damaged(path: str, out, case: str) -> None:
 
 LAUNCHER_CASES = [
     ('architecture', [], "architectures ['BertModel'] are none of"),
+    # A BERT's config.json with LlamaForCausalLM loaded as a Llama (transformers: a BertModel).
+    ('model_type', [], "model_type 'bert' is not a LlamaForCausalLM's ('llama'); fix config"),
     ('no_config', [], 'config.json cannot be read'),
     ('no_weights', [], 'has no *.safetensors weights'),
     ('truncated', [], 'the file is truncated or corrupt, re-download or re-export it'),

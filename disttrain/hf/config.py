@@ -13,8 +13,8 @@ import numpy as np
 from disttrain.config import Config, ModelConfig, RopeScalingConfig
 from disttrain.errors import CheckpointError, ConfigError
 from disttrain.hf import gemma_config
-from disttrain.hf.families import (ARCHITECTURES, FAMILIES, FIXED, GEMMA, MOE, mismatch, resolved,
-                                   window)
+from disttrain.hf.families import (ARCHITECTURES, FAMILIES, FIXED, GEMMA, MODEL_TYPES, MOE,
+                                   mismatch, resolved, window)
 from disttrain.models.decoder import DecoderConfig
 
 
@@ -27,11 +27,18 @@ def read(directory: str) -> tuple[dict, str]:
   except (OSError, ValueError) as e:
     raise CheckpointError(f'{path} cannot be read ({e}); pass a Hugging Face model directory '
                           '(config.json + *.safetensors)') from e
-  archs = config.get('architectures') or []
+  archs, kind = config.get('architectures') or [], config.get('model_type')
   family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+  if not archs and kind in MODEL_TYPES.values():  # AutoModelForCausalLM goes by model_type
+    family = next(f for f, t in MODEL_TYPES.items() if t == kind)
   if family is None:
-    raise CheckpointError(f'{path}: architectures {archs} are none of {sorted(ARCHITECTURES)}, '
-                          'the Hugging Face models disttrain maps; use one of them')
+    raise CheckpointError(f'{path}: architectures {archs}' + (f' (model_type {kind!r})' if kind
+                                                              else '') +
+                          f' are none of {sorted(ARCHITECTURES)}, the Hugging Face models '
+                          'disttrain maps; use one of them')
+  if kind is not None and kind != MODEL_TYPES[family]:  # transformers would build another model
+    raise CheckpointError(f'{path}: model_type {kind!r} is not a {FAMILIES[family]}\'s '
+                          f'({MODEL_TYPES[family]!r}); fix config.json')
   try:
     _hf_values(config, family)
   except KeyError as e:  # a key transformers' config class has no default for here

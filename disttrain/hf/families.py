@@ -17,6 +17,8 @@ ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2',
 FAMILIES = {family: arch for arch, family in ARCHITECTURES.items()}
 GEMMA = ('gemma2', 'gemma3')
 GEMMA_TYPES = {'gemma2': 'gemma2', 'gemma3': 'gemma3_text'}  # model_type in config.json
+# config.json's model_type, which from_pretrained's auto classes choose by, per family.
+MODEL_TYPES = {**{f: f for f in FAMILIES}, **GEMMA_TYPES, 'gpt': 'gpt2'}
 MOE = ('mixtral', 'qwen3_moe')  # every feed-forward layer routed experts
 # What each rotary family's config.json must say (its transformers default when absent): the
 # parts the family builds in one way only.
