@@ -265,6 +265,11 @@ def test_a_warm_start_reads_the_params_for_any_optimizer_and_names_a_damaged_ste
   with pytest.raises(CheckpointError, match=r"restore_from=.*: step 10 cannot be read \(") as e:
     checkpoint_reads.restore_params(str(workdir / 'checkpoints'), abstract)
   assert '\n' not in str(e.value)
+  # Another model's checkpoint: the fix is another restore_from (it said 'another workdir').
+  wider, _ = _layout(make_config(mesh__data=8, **{**common, 'model__hidden': 256}), 8)
+  with pytest.raises(CheckpointError, match=r'params/BatchNorm_0/bias has shape \(128,\) but the '
+                                            r'config expects \(256,\); use another restore_from$'):
+    checkpoint_reads.restore_params(str(source / 'checkpoints'), wider)
   (tmp_path / 'a_file').write_text('')  # said 'does not exist'
   with pytest.raises(CheckpointError, match=r"restore_from='.*a_file' is a file; pass a check"):
     checkpoint_reads.restore_params(str(tmp_path / 'a_file'), abstract)
