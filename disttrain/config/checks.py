@@ -1,6 +1,7 @@
 """The field checks every group shares, each failing with one line naming the field and the fix."""
 
 import math
+import os
 from typing import Any
 
 from disttrain.errors import ConfigError
@@ -20,8 +21,10 @@ def positive(name: str, value: int | float, allow_zero: bool = False) -> None:
 
 
 def named_size(config_file: str, sizes: dict, size: str) -> Any:
-  """sizes[size] for a shipped config's --config=FILE:SIZE, else one line listing the sizes."""
+  """sizes[size] for a shipped config's --config=FILE:SIZE (its __file__), else one line listing
+  the sizes."""
   if size not in sizes:
-    raise ConfigError(f'--config={config_file}:{size}: no size {size!r} in {config_file}; '
+    shown = os.path.relpath(config_file)  # as --config names it from here
+    raise ConfigError(f'--config={shown}:{size}: no size {size!r} in {shown}; '
                       f'pick one of {", ".join(sizes)}')
   return sizes[size]

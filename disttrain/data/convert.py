@@ -51,9 +51,9 @@ _EVAL_TOKENS = flags.DEFINE_integer('eval_tokens', 2**15 + 1, 'tokens: ids writt
 _TOKEN_DTYPE = flags.DEFINE_enum('token_dtype', 'uint16', ['uint16', 'uint32'],
                                  'tokens: id type.')
 flags.mark_flags_as_required(['source', 'out'])
-# The built-in sets and the documents reader name the config's fields in their fixes.
-_AS_FLAGS = {'--config.data.dir=': '--data_dir=', '--config.data.eval_examples=': '--eval_examples=',
-             'data.text_field, data.sft.*': '--text_field'}
+# The built-in sets name the config's fields in their fixes (the documents reader: main).
+_AS_FLAGS = {'--config.data.dir=': '--data_dir=',
+             '--config.data.eval_examples=': '--eval_examples='}
 
 
 def _builtin(name: str) -> dict:
@@ -267,7 +267,9 @@ def main(argv):
   try:
     print(f'train with: {convert()}')
   except DisttrainError as e:
-    commandline.fail(f'{type(e).__name__}: ' + commandline.in_flags(str(e), _AS_FLAGS))
+    from disttrain.data import text  # pylint: disable=g-import-not-at-top
+    spellings = {**_AS_FLAGS, text.FIELD_SETTINGS: '--text_field'}
+    commandline.fail(f'{type(e).__name__}: ' + commandline.in_flags(str(e), spellings))
 
 
 

@@ -23,6 +23,7 @@ from disttrain.data.formats import json_line, resolve_files
 from disttrain.errors import DataError, first_line
 
 SUFFIXES = ('.txt', '.jsonl', '.json', '.parquet')
+FIELD_SETTINGS = 'data.text_field, data.sft.*'  # a command with its own flag names that instead
 
 
 def resolve(patterns: str, field: str) -> list[str]:
@@ -71,7 +72,7 @@ class _Lines:
     if not isinstance(record, dict) or not any(k in record for k in field_names):
       found = sorted(record) if isinstance(record, dict) else type(record).__name__
       raise DataError(f'{where} has no field {" or ".join(map(repr, field_names))} (it has '
-                      f'{found}); set the field name (data.text_field, data.sft.*) or fix the line')
+                      f'{found}); set the field name ({FIELD_SETTINGS}) or fix the line')
     return record
 
 

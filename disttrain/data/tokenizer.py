@@ -258,8 +258,7 @@ def main(argv: list[str]) -> None:
   try:
     tok = train_bpe((docs[i] for i in range(len(docs))), flags.FLAGS.vocab_size, flags.FLAGS.out)
   except DataError as e:  # a line without the field: the fix is this command's flag
-    raise DataError(commandline.in_flags(str(e), {'data.text_field, data.sft.*': '--text_field'})) from e
-
+    raise DataError(commandline.in_flags(str(e), {text.FIELD_SETTINGS: '--text_field'})) from e
   print(f'trained a {tok.vocab_size:,}-token byte-level BPE tokenizer on {len(docs):,} documents '
         f'in {time.perf_counter() - start:.1f}s: {flags.FLAGS.out} (eos id {tok.eos_id})')
 

@@ -275,7 +275,8 @@ def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: Any, w
               for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
   found = {sharding_lib.path_str(p): tuple(x.shape)
            for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
-  fix = 'another restore_from' if only else 'the config it was saved with or another workdir'
+  elsewhere = 'another restore_from' if only else 'another workdir'
+  fix = elsewhere if only else f'the config it was saved with or {elsewhere}'
   if only:
     found = {k: v for k, v in found.items() if k.split('/', 1)[0] in only}
   # Parameters first: a model mismatch is named by its parameter, not by the optimizer's copy.
@@ -285,7 +286,7 @@ def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: Any, w
                if path.startswith('opt_state') else 'another model')
       raise CheckpointError(f'checkpoint {where}/{step} has no {path} (config expects shape '
                             f'{shape}); it was saved for {other}: use a matching config or '
-                            + ('another restore_from' if only else 'another workdir'))
+                            f'{elsewhere}')
     if found[path] != shape:
       raise CheckpointError(f'checkpoint {where}/{step}: {path} has shape {found[path]} but the '
                             f'config expects {shape}; use {fix}')

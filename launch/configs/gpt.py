@@ -24,7 +24,7 @@ SIZES = {
 
 
 def get_config(size: str = 'small'):
-  layers, width, heads, vocab, context, batch = checks.named_size('launch/configs/gpt.py', SIZES, size)
+  layers, width, heads, vocab, context, batch = checks.named_size(__file__, SIZES, size)
   cfg = config_lib.defaults()
   cfg.model.name = 'gpt'
   cfg.model.num_layers, cfg.model.hidden, cfg.model.num_heads = layers, width, heads

@@ -33,7 +33,7 @@ _LLAMA3_SCALING = dict(kind='llama3', factor=32.0, low_freq_factor=1.0, high_fre
 
 
 def get_config(size: str = 'tiny'):
-  model, (context, batch, lr) = checks.named_size('launch/configs/llama.py', SIZES, size)
+  model, (context, batch, lr) = checks.named_size(__file__, SIZES, size)
   cfg = config_lib.defaults()
   cfg.model.name = 'llama'
   for field, value in model.items():

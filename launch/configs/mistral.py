@@ -34,6 +34,6 @@ SIZES = {
 
 
 def get_config(size: str = 'tiny'):
-  model, shape = checks.named_size('launch/configs/mistral.py', SIZES, size)
+  model, shape = checks.named_size(__file__, SIZES, size)
   llama = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llama.py'))
   return llama['derived']({'name': 'mistral', **model}, shape)
